@@ -1,0 +1,154 @@
+"""Configuration: one frozen, keyword-only dataclass, read from ``ENTRENAR_*``.
+
+Nothing else in the package reads the environment. ``Options.from_env()`` is
+called once per process group at creation; a user can also pass an ``Options``
+instance as ``pg_options`` to ``init_process_group`` / ``new_group``, which wins
+over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Environment variable names (one constant each, so grep finds every use).
+ENV_ALGORITHM = "ENTRENAR_ALGO"
+ENV_SEGMENT_BYTES = "ENTRENAR_SEGMENT_BYTES"
+ENV_STAR_MAX_BYTES = "ENTRENAR_STAR_MAX_BYTES"
+ENV_DETERMINISTIC = "ENTRENAR_DETERMINISTIC"
+ENV_CHECK = "ENTRENAR_CHECK"
+ENV_HOST = "ENTRENAR_HOST"
+ENV_IFNAME = "ENTRENAR_IFNAME"
+ENV_SOCKET_BUFFER_BYTES = "ENTRENAR_SOCKET_BUFFER_BYTES"
+ENV_SPIN_US = "ENTRENAR_SPIN_US"
+ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
+ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
+ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
+
+ALGORITHMS = ("auto", "ring", "star")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Every knob of an entrenar process group.
+
+    Attributes:
+        algorithm: allreduce algorithm: ``"ring"`` (bandwidth-optimal),
+            ``"star"`` (rank 0 gathers, reduces, broadcasts: fewest hops) or
+            ``"auto"`` (star up to ``star_max_bytes``, ring above).
+            Env ``ENTRENAR_ALGO``.
+        segment_bytes: pipelining unit of the ring/star/chain algorithms: a
+            chunk moves in segments of this many bytes so that receiving,
+            reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.
+        star_max_bytes: with ``algorithm="auto"``, messages up to this many
+            bytes use star, larger ones ring (measured crossover, see
+            docs/architecture.md). Env ``ENTRENAR_STAR_MAX_BYTES``.
+        deterministic: fix the summation order of every reduction to the
+            canonical pairwise tree over ranks, so results are bitwise
+            reproducible and identical across algorithms.
+            Env ``ENTRENAR_DETERMINISTIC``.
+        check: run the contract checker (C-RING-001 on every allreduce,
+            F-DP-003 on every allreduce input, C-DDP-001 after every optimizer
+            step). Env ``ENTRENAR_CHECK``.
+        check_tolerance: relative tolerance of the C-RING-001 float checksum
+            comparison. Env ``ENTRENAR_CHECK_TOLERANCE``.
+        host: address to listen on and publish to peers. Empty: the address of
+            ``ifname`` if set, else the local address that routes to
+            ``MASTER_ADDR``, else 127.0.0.1. Env ``ENTRENAR_HOST``.
+        ifname: network interface whose IPv4 address to listen on (used when
+            ``host`` is empty). Env ``ENTRENAR_IFNAME``.
+        socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for every peer socket;
+            0 keeps the kernel's autotuning. Env ``ENTRENAR_SOCKET_BUFFER_BYTES``.
+        spin_us: how long the comm thread and ``Work.wait`` poll before
+            blocking on a condition (a blocked thread costs ~100 us to wake on
+            these machines). Env ``ENTRENAR_SPIN_US``.
+        inline_max_bytes: a collective of at most this many bytes issued while
+            the group is idle runs in the caller's thread instead of the comm
+            thread (saves two thread wake-ups); 0 disables.
+            Env ``ENTRENAR_INLINE_MAX_BYTES``.
+        master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
+    """
+
+    algorithm: str = "auto"
+    segment_bytes: int = 1 << 20
+    star_max_bytes: int = 64 << 10
+    deterministic: bool = False
+    check: bool = False
+    check_tolerance: float = 1e-3
+    host: str = ""
+    ifname: str = ""
+    socket_buffer_bytes: int = 0
+    spin_us: int = 0
+    inline_max_bytes: int = 0
+    master_addr: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"{ENV_ALGORITHM}/algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"
+            )
+        if self.segment_bytes < 64:
+            raise ValueError(
+                f"{ENV_SEGMENT_BYTES}/segment_bytes must be >= 64, got {self.segment_bytes}"
+            )
+        for name in ("star_max_bytes", "socket_buffer_bytes", "spin_us", "inline_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (0.0 < self.check_tolerance < 1.0):
+            raise ValueError(f"check_tolerance must be in (0, 1), got {self.check_tolerance}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Options:
+        """Build Options from ``ENTRENAR_*`` variables (bad values: ValueError)."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, object] = {}
+        if ENV_ALGORITHM in env:
+            kw["algorithm"] = env[ENV_ALGORITHM].strip().lower()
+        for var, name in (
+            (ENV_SEGMENT_BYTES, "segment_bytes"),
+            (ENV_STAR_MAX_BYTES, "star_max_bytes"),
+            (ENV_SOCKET_BUFFER_BYTES, "socket_buffer_bytes"),
+            (ENV_SPIN_US, "spin_us"),
+            (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
+        ):
+            if var in env:
+                kw[name] = _parse_int(var, env[var])
+        for var, name in ((ENV_DETERMINISTIC, "deterministic"), (ENV_CHECK, "check")):
+            if var in env:
+                kw[name] = _parse_bool(var, env[var])
+        if ENV_CHECK_TOLERANCE in env:
+            try:
+                kw["check_tolerance"] = float(env[ENV_CHECK_TOLERANCE])
+            except ValueError:
+                raise ValueError(
+                    f"{ENV_CHECK_TOLERANCE} must be a float, got {env[ENV_CHECK_TOLERANCE]!r}"
+                ) from None
+        kw["host"] = env.get(ENV_HOST, "")
+        kw["ifname"] = env.get(ENV_IFNAME, "")
+        kw["master_addr"] = env.get(ENV_MASTER_ADDR, "")
+        kw.update(overrides)
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Options:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _parse_int(var: str, text: str) -> int:
+    try:
+        return int(text.strip().replace("_", ""), 0)
+    except ValueError:
+        raise ValueError(f"{var} must be an integer, got {text!r}") from None
+
+
+def _parse_bool(var: str, text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"{var} must be 0/1/true/false, got {text!r}")
