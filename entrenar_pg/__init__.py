@@ -1,0 +1,56 @@
+"""entrenar: a torch.distributed process-group backend over TCP, in Python.
+
+``import entrenar_pg`` (or just importing torch, through the ``torch.backends``
+entry point) registers the backend, after which
+``torch.distributed.init_process_group("entrenar")`` works unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from .backend import BACKEND_NAME, EntrenarProcessGroup, create_process_group
+from .config import Options
+from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError
+from .reduce_ops import tree_sum
+
+__all__ = [
+    "BACKEND_NAME",
+    "CollectiveMismatchError",
+    "ContractViolation",
+    "EntrenarError",
+    "EntrenarProcessGroup",
+    "Options",
+    "PeerConnectionError",
+    "get_stats",
+    "register",
+    "tree_sum",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def register() -> None:
+    """Register the ``entrenar`` backend with torch.distributed (idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+def _entry_point() -> None:
+    """Called by torch when it is imported (entry point group ``torch.backends``)."""
+    register()
+
+
+def get_stats(group: Any = None) -> dict[str, float]:
+    """Communication counters of an entrenar group ({} for a group of another backend)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg.stats() if isinstance(pg, EntrenarProcessGroup) else {}
+
+
+register()

@@ -1,0 +1,53 @@
+"""Broadcast: direct from the root for small messages, a pipelined chain for large ones."""
+
+from __future__ import annotations
+
+import operator
+from functools import partial
+
+import torch
+
+from ..transport import Plan
+from ..wire import Algo, OpCode
+from .common import Call, bytes_of, segments
+
+
+def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
+    """Copy the root's flat CPU tensor ``buf`` into every rank's ``buf``.
+
+    Up to ``star_max_bytes`` (or with two ranks): the root sends to every rank
+    directly; 1 hop, the root sends (N-1) x nbytes. Larger: a chain in rank
+    order from the root, each rank forwarding segment k as soon as it has it;
+    every rank sends and receives nbytes once, and the time is about
+    nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
+    """
+    n, r = call.world, call.rank
+    nbytes = buf.numel() * buf.element_size()
+    algo = Algo.DIRECT if n <= 2 or nbytes <= call.options.star_max_bytes else Algo.CHAIN
+    header = call.header(op, algo, buf.dtype, numel=buf.numel(), aux=root)
+    raw = bytes_of(buf)
+    plan = Plan(r)
+    if algo is Algo.DIRECT:
+        if r == root:
+            for p in range(n):
+                if p != root:
+                    plan.open(p, header, recv=False)
+                    plan.send(p, raw)
+        else:
+            plan.open(root, header, send=False)
+            plan.recv(root, raw)
+    else:
+        pos = (r - root) % n
+        prev, nxt = (r - 1) % n, (r + 1) % n
+        size = buf.element_size()
+        segs = segments(0, buf.numel(), call.segment_elems(buf.dtype))
+        have = [pos == 0] * len(segs)
+        if pos > 0:
+            plan.open(prev, header, send=False)
+            for k, (a, b) in enumerate(segs):
+                plan.recv(prev, raw[a * size : b * size], partial(have.__setitem__, k, True))
+        if pos < n - 1:
+            plan.open(nxt, header, recv=False)
+            for k, (a, b) in enumerate(segs):
+                plan.send(nxt, raw[a * size : b * size], partial(operator.getitem, have, k))
+    call.mesh.run(plan, call.what(op))

@@ -1,0 +1,90 @@
+"""What every algorithm shares: the call context, byte views, chunk and segment bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import Options
+from ..transport import Mesh
+from ..wire import Algo, Flags, Header, OpCode
+
+
+class ScratchPool:
+    """Per-group reusable host buffers, so the hot path never allocates.
+
+    Only the thread running the group's collectives touches it.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` ``dtype`` elements (contents undefined)."""
+        nbytes = numel * _itemsize(dtype)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+            self._buffers[name] = buf
+        return buf[:nbytes].view(dtype)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+@dataclass
+class Call:
+    """One collective as seen by one rank: where it runs and how it is tuned."""
+
+    mesh: Mesh
+    seq: int
+    options: Options
+    scratch: ScratchPool = field(default_factory=ScratchPool)
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    def header(
+        self,
+        op: OpCode,
+        algo: Algo,
+        dtype: torch.dtype | None,
+        *,
+        reduce_op: int = 0,
+        numel: int = 0,
+        aux: int = 0,
+    ) -> Header:
+        flags = Flags.DETERMINISTIC if self.options.deterministic else Flags.NONE
+        return Header(self.seq, op, algo, dtype, reduce_op, numel, aux, flags)
+
+    def segment_elems(self, dtype: torch.dtype) -> int:
+        return max(1, self.options.segment_bytes // _itemsize(dtype))
+
+    def what(self, op: OpCode) -> str:
+        return f"{op.name.lower()}#{self.seq}"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous 1-D CPU tensor's memory (no copy)."""
+    assert t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu", "internal: flat CPU"
+    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
+
+
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into ``parts`` near-equal ranges; depends only on the arguments."""
+    return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
+
+
+def segments(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into pieces of at most ``step`` elements (none if empty)."""
+    return [(a, min(a + step, end)) for a in range(start, end, step)]

@@ -1,0 +1,173 @@
+"""Ring algorithms: allreduce, all-gather and reduce-scatter share one pass.
+
+The data is cut into N chunks (chunk bounds depend only on numel and N). In a
+ring pass rank r sends to r+1 and receives from r-1. Each chunk moves in
+segments of ``segment_bytes``: a received segment is reduced (or stored) and
+becomes sendable at once, so receiving, reducing and sending overlap and the
+link never idles waiting for a whole chunk.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+
+from ..reduce_ops import Kind, Reduction, combine_, finish_
+from ..transport import Plan
+from ..wire import Algo, Header, OpCode
+from .common import Call, bytes_of, chunk_bounds, segments
+
+
+def ring_pass(
+    call: Call,
+    plan: Plan,
+    chunks: Sequence[torch.Tensor],
+    *,
+    reduce_steps: int,
+    gather_steps: int,
+    shift: int = 0,
+    kind: Kind = Kind.SUM,
+    on_reduced: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Add one ring pass over ``chunks`` (N contiguous 1-D tensors) to ``plan``.
+
+    Step s (0-based) sends chunk ``(r - s + shift) mod N`` to the right and
+    receives chunk ``(r - s - 1 + shift) mod N`` from the left. The first
+    ``reduce_steps`` steps combine what arrives into the local chunk (through
+    a one-segment scratch buffer); the next ``gather_steps`` store it in place.
+    ``on_reduced`` runs on each segment of the chunk finished by the last
+    reduce step. Segment k of step s is sent once segment k of step s-1 has
+    arrived, which is exactly the segment it forwards.
+    """
+    n, r = call.world, call.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    steps = reduce_steps + gather_steps
+    seg_elems = call.segment_elems(chunks[0].dtype)
+    views = [bytes_of(c) for c in chunks]
+    size = chunks[0].element_size()
+    scratch = call.scratch.get("ring", seg_elems, chunks[0].dtype)
+    scratch_bytes = bytes_of(scratch)
+    arrived: list[bool] = []
+    first_recv: list[int] = []  # index into `arrived` of each step's first segment
+    for s in range(steps):
+        c = (r - s - 1 + shift) % n
+        first_recv.append(len(arrived))
+        for a, b in segments(0, chunks[c].numel(), seg_elems):
+            idx = len(arrived)
+            arrived.append(False)
+            if s < reduce_steps:
+                done = _reduce_into(
+                    chunks[c][a:b],
+                    scratch[: b - a],
+                    kind,
+                    on_reduced if s == reduce_steps - 1 else None,
+                    arrived,
+                    idx,
+                )
+                plan.recv(left, scratch_bytes[: (b - a) * size], done)
+            else:
+                plan.recv(left, views[c][a * size : b * size], partial(_mark, arrived, idx))
+    for s in range(steps):
+        c = (r - s + shift) % n
+        for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
+            ready = None if s == 0 else partial(operator.getitem, arrived, first_recv[s - 1] + k)
+            plan.send(right, views[c][a * size : b * size], ready)
+
+
+def _mark(flags: list[bool], idx: int) -> None:
+    flags[idx] = True
+
+
+def _reduce_into(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    kind: Kind,
+    then: Callable[[torch.Tensor], None] | None,
+    flags: list[bool],
+    idx: int,
+) -> Callable[[], None]:
+    def done() -> None:
+        combine_(dst, src, kind)
+        if then is not None:
+            then(dst)
+        flags[idx] = True
+
+    return done
+
+
+def open_ring(call: Call, plan: Plan, header: Header) -> None:
+    """Open the frame to the right and from the left (one link each way)."""
+    n, r = call.world, call.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    plan.open(right, header, send=True, recv=left == right)
+    if left != right:
+        plan.open(left, header, send=False, recv=True)
+
+
+def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
+    """Ring allreduce of the flat CPU tensor ``buf``, in place.
+
+    Steps: N-1 reduce-scatter steps (rank r ends owning the reduced chunk
+    r+1), then N-1 all-gather steps that circulate the reduced chunks.
+    Bytes on the wire per rank: 2(N-1)/N x nbytes sent, the same received;
+    the bandwidth optimum. Latency: 2(N-1) hops.
+    """
+    n = call.world
+    plan = Plan(call.rank)
+    header = call.header(
+        OpCode.ALLREDUCE, Algo.RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
+    )
+    open_ring(call, plan, header)
+    chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
+    ring_pass(
+        call,
+        plan,
+        chunks,
+        reduce_steps=n - 1,
+        gather_steps=n - 1,
+        kind=red.combine_kind,
+        on_reduced=lambda seg: finish_(seg, red, n),
+    )
+    call.mesh.run(plan, call.what(OpCode.ALLREDUCE))
+
+
+def allgather_ring(call: Call, chunks: Sequence[torch.Tensor], op: OpCode = OpCode.ALLGATHER) -> None:
+    """Ring all-gather: ``chunks[r]`` holds this rank's input; fills the others in place.
+
+    Steps: N-1; at step s rank r forwards chunk (r-s) and receives chunk
+    (r-s-1). Bytes on the wire per rank: (N-1) x chunk bytes each way.
+    """
+    plan = Plan(call.rank)
+    numel = sum(c.numel() for c in chunks)
+    open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel))
+    ring_pass(call, plan, chunks, reduce_steps=0, gather_steps=call.world - 1)
+    call.mesh.run(plan, call.what(op))
+
+
+def reduce_scatter_ring(
+    call: Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode = OpCode.REDUCE_SCATTER
+) -> None:
+    """Ring reduce-scatter, in place: afterwards ``chunks[r]`` holds the reduced chunk r.
+
+    Steps: N-1; at step s rank r sends chunk (r-s-1) and combines chunk
+    (r-s-2) from the left. Bytes on the wire per rank: (N-1) x chunk bytes each way.
+    """
+    n = call.world
+    plan = Plan(call.rank)
+    numel = sum(c.numel() for c in chunks)
+    header = call.header(op, Algo.RING, chunks[0].dtype, reduce_op=int(red.kind), numel=numel)
+    open_ring(call, plan, header)
+    ring_pass(
+        call,
+        plan,
+        chunks,
+        reduce_steps=n - 1,
+        gather_steps=0,
+        shift=-1,
+        kind=red.combine_kind,
+        on_reduced=lambda seg: finish_(seg, red, n),
+    )
+    call.mesh.run(plan, call.what(op))

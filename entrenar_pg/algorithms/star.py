@@ -1,0 +1,83 @@
+"""Star (coordinator) allreduce: rank 0 gathers, reduces, broadcasts. Fewest hops."""
+
+from __future__ import annotations
+
+import operator
+from functools import partial
+
+import torch
+
+from ..reduce_ops import Kind, Reduction, combine_, finish_, tree_reduce_
+from ..transport import Plan
+from ..wire import Algo, OpCode
+from .common import Call, bytes_of, segments
+
+ROOT = 0
+
+
+def allreduce_star(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Star allreduce of the flat CPU tensor ``buf``, in place.
+
+    Steps: every other rank sends its input to rank 0 and receives the result
+    into place; rank 0 combines segment k as soon as every rank's segment k
+    has arrived (in rank order; in the canonical tree order when
+    deterministic) and sends it straight back, so large messages pipeline.
+    Bytes on the wire: a leaf sends and receives nbytes; rank 0 sends and
+    receives (N-1) x nbytes. Latency: 2 hops, the fewest possible.
+    """
+    n, r = call.world, call.rank
+    plan = Plan(r)
+    header = call.header(op, Algo.STAR, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
+    raw = bytes_of(buf)
+    if r != ROOT:
+        plan.open(ROOT, header)
+        plan.send(ROOT, raw)
+        plan.recv(ROOT, raw)
+        call.mesh.run(plan, call.what(op))
+        return
+    numel, size = buf.numel(), buf.element_size()
+    leaves = list(range(1, n))
+    scratch = call.scratch.get("star", numel * len(leaves), buf.dtype)
+    parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(leaves)}
+    segs = segments(0, numel, call.segment_elems(buf.dtype))
+    arrivals = [0] * len(segs)
+    reduced = [False] * len(segs)
+    kind = red.combine_kind
+    deterministic = call.options.deterministic
+
+    def arrived(k: int) -> None:
+        arrivals[k] += 1
+        if arrivals[k] < len(leaves):
+            return
+        a, b = segs[k]
+        if deterministic:
+            tree_reduce_([buf[a:b]] + [parts[p][a:b] for p in leaves], kind)
+        else:
+            for p in leaves:
+                combine_(buf[a:b], parts[p][a:b], kind)
+        finish_(buf[a:b], red, n)
+        reduced[k] = True
+
+    for p in leaves:
+        plan.open(p, header)
+        view = bytes_of(parts[p])
+        for k, (a, b) in enumerate(segs):
+            plan.recv(p, view[a * size : b * size], partial(arrived, k))
+    if not segs:  # nothing to reduce: the headers alone are the barrier
+        finish_(buf, red, n)
+    for p in leaves:
+        for k, (a, b) in enumerate(segs):
+            plan.send(p, raw[a * size : b * size], partial(operator.getitem, reduced, k))
+    call.mesh.run(plan, call.what(op))
+
+
+def barrier(call: Call) -> None:
+    """Every rank reaches this point before any leaves it.
+
+    A star allreduce of one byte: rank 0 sends its answer only once every
+    rank's byte has arrived. 2 hops, 1 payload byte each way per leaf.
+    """
+    token = torch.zeros(1, dtype=torch.uint8)
+    allreduce_star(call, token, Reduction(Kind.MAX), OpCode.BARRIER)

@@ -1,0 +1,368 @@
+"""EntrenarProcessGroup: the thin adapter from torch's collective calls to jobs.
+
+Each method validates its arguments in the caller's thread (ValueError /
+TypeError naming the rank and the call, before anything is sent), records what
+to stage, wraps the algorithm as a job with the next sequence number, hands it
+to the comm thread, and returns at once a Work whose future completes with the
+output tensors. One core path (``_launch``) serves every collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from . import algorithms as alg
+from .config import Options
+from .engine import Engine, Job
+from .errors import EntrenarError
+from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_, resolve
+from .staging import PinnedPool, Staged, Staging
+from .transport import Mesh
+from .wire import OpCode
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "entrenar"
+
+Body = Callable[[alg.Call], None]
+
+
+class EntrenarProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run over entrenar's TCP mesh."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        timeout: timedelta = timedelta(minutes=30),
+        options: Options | None = None,
+        group_name: str = "",
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self.options = options if options is not None else Options.from_env()
+        self._group_name = group_name
+        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        self._timeout = timeout
+        self._lock = threading.Lock()  # orders seq assignment with enqueueing
+        self._seq = 0
+        self._scratch = alg.ScratchPool()
+        self._pinned: PinnedPool | None = None
+        self._cuda_streams: dict[int, Any] = {}
+        self._closed = False
+        self.checker: Any | None = None  # contracts.ContractChecker when enabled
+        self.mesh = Mesh(store, rank, size, self.options, timeout, name=group_name)
+        self._engine = Engine(rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort,
+                              self.options.spin_us)
+        log.info(
+            "rank %d: entrenar group %r up: world %d, options %s",
+            rank,
+            group_name,
+            size,
+            self.options,
+        )
+
+    # ------------------------------------------------------------ identity
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def __repr__(self) -> str:
+        return f"EntrenarProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+    def stats(self) -> dict[str, float]:
+        """Communication counters: ``<kind>_calls``, ``<kind>_bytes``, ``<kind>_seconds``."""
+        return self._engine.stats.as_dict()
+
+    # ------------------------------------------------------------ core path
+
+    def _where(self, call: str) -> str:
+        return f"rank {self._rank}: {call}"
+
+    def _validate(
+        self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
+    ) -> torch.device:
+        """Check a call's tensors; returns their common device. Raises before anything is sent."""
+        where = self._where(call)
+        if self._closed:
+            raise ValueError(f"{where}: the process group was destroyed")
+        if self._engine.error is not None:
+            raise self._engine.broken_error(call)
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
+        device: torch.device | None = None
+        dtype: torch.dtype | None = None
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: expected tensors, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise ValueError(f"{where}: only dense tensors are supported, got {t.layout}")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{where}: device {t.device} is not supported (cpu, cuda)")
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"{where}: dtype {t.dtype} is not supported by entrenar")
+            if device is None:
+                device, dtype = t.device, t.dtype
+            elif t.device != device:
+                raise ValueError(f"{where}: tensors on different devices ({device} and {t.device})")
+            elif same_dtype and t.dtype != dtype:
+                raise ValueError(f"{where}: tensors of different dtypes ({dtype} and {t.dtype})")
+        return device if device is not None else torch.device("cpu")
+
+    def _staging(self, device: torch.device) -> Staging:
+        if device.type != "cuda":
+            return Staging(device, None, None)
+        if self._pinned is None:
+            self._pinned = PinnedPool()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._cuda_streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+            self._cuda_streams[index] = stream
+        return Staging(device, self._pinned, stream)
+
+    def _launch(
+        self,
+        kind: OpCode,
+        staging: Staging,
+        nbytes: int,
+        body: Body,
+        result: Any,
+    ) -> Any:
+        """Queue ``body`` as the next job; return a Work completing with ``result``."""
+        if staging.is_cuda:
+            fut = torch.futures.Future(devices=[staging.device])
+        else:
+            fut = torch.futures.Future()
+        name = kind.name.lower()
+
+        def run(seq: int) -> Any:
+            call = alg.Call(self.mesh, seq, self.options, self._scratch)
+            staging.load()
+            body(call)
+            staging.store()
+            return result
+
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context())
+            self._engine.submit(job)
+        return _create_work_from_future(fut)
+
+    @staticmethod
+    def _host(items: Sequence[Staged]) -> list[torch.Tensor]:
+        out = []
+        for it in items:
+            assert it.host is not None, "internal: staging.load() not run"
+            out.append(it.host)
+        return out
+
+    # ------------------------------------------------------------ allreduce
+
+    def _allreduce_algorithm(self, nbytes: int) -> str:
+        algo = self.options.algorithm
+        if algo == "auto":
+            algo = "star" if nbytes <= self.options.star_max_bytes else "ring"
+        return algo
+
+    def _allreduce_flat(self, call: alg.Call, flat: torch.Tensor, red: Reduction) -> None:
+        """The one allreduce of a flat host tensor every allreduce entry point ends in."""
+        if self.checker is not None:
+            self.checker.before_allreduce(call, flat, red)
+        prepare_(flat, red)
+        if call.world > 1:
+            nbytes = flat.numel() * flat.element_size()
+            if self._allreduce_algorithm(nbytes) == "star":
+                alg.allreduce_star(call, flat, red)
+            else:
+                alg.allreduce_ring(call, flat, red)
+        if self.checker is not None:
+            self.checker.after_allreduce(call, flat, red)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._allreduce_many("allreduce", tensors, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._allreduce_many("allreduce_coalesced", tensors, opts)
+
+    def _allreduce_many(self, call_name: str, tensors: list[torch.Tensor], opts: Any) -> Any:
+        device = self._validate(call_name, tensors)
+        if not tensors:
+            raise ValueError(f"{self._where(call_name)}: no tensors given")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        red = resolve(op, tensors[0].dtype, where=self._where(call_name))
+        staging = self._staging(device)
+        items = staging.add(tensors, read=True, write=True)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        def body(call: alg.Call) -> None:
+            hosts = self._host(items)
+            if len(hosts) == 1:
+                self._allreduce_flat(call, hosts[0], red)
+                return
+            total = sum(h.numel() for h in hosts)
+            flat = call.scratch.get("coalesced", total, hosts[0].dtype)
+            torch.cat(hosts, out=flat)
+            self._allreduce_flat(call, flat, red)
+            offset = 0
+            for h in hosts:
+                h.copy_(flat[offset : offset + h.numel()])
+                offset += h.numel()
+
+        return self._launch(OpCode.ALLREDUCE, staging, nbytes, body, list(tensors))
+
+    # ------------------------------------------------------------ broadcast
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        device = self._validate("broadcast", tensors, same_dtype=False)
+        root = opts.rootRank if opts is not None else 0
+        self._check_root("broadcast", root)
+        staging = self._staging(device)
+        is_root = self._rank == root
+        items = staging.add(tensors, read=is_root, write=not is_root)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        def body(call: alg.Call) -> None:
+            if call.world > 1:
+                for h in self._host(items):
+                    alg.broadcast(call, h, root)
+
+        return self._launch(OpCode.BROADCAST, staging, nbytes, body, list(tensors))
+
+    def _check_root(self, call: str, root: int) -> None:
+        if not 0 <= root < self._size:
+            raise ValueError(f"{self._where(call)}: root rank {root} outside [0, {self._size})")
+
+    # ------------------------------------------------------------ allgather
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        where = self._where("allgather")
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise ValueError(f"{where}: expected one input tensor and one output list")
+        inp, outs = input_tensors[0], output_tensors[0]
+        device = self._validate("allgather", [inp, *outs])
+        if len(outs) != self._size:
+            raise ValueError(f"{where}: output list has {len(outs)} tensors, world size is {self._size}")
+        for o in outs:
+            if o.numel() != inp.numel():
+                raise ValueError(
+                    f"{where}: output tensor of {o.numel()} elements for an input of {inp.numel()}"
+                )
+        staging = self._staging(device)
+        src = staging.add([inp], read=True, write=False)
+        dst = staging.add(outs, read=False, write=True)
+
+        def body(call: alg.Call) -> None:
+            chunks = self._host(dst)
+            chunks[self._rank].copy_(self._host(src)[0])
+            if call.world > 1:
+                alg.allgather_ring(call, chunks)
+
+        nbytes = inp.numel() * inp.element_size() * self._size
+        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, output_tensors)
+
+    def _allgather_into(self, call_name: str, output: torch.Tensor, inp: torch.Tensor) -> Any:
+        where = self._where(call_name)
+        device = self._validate(call_name, [output, inp])
+        if output.numel() != inp.numel() * self._size:
+            raise ValueError(
+                f"{where}: output has {output.numel()} elements, expected "
+                f"{self._size} x {inp.numel()}"
+            )
+        staging = self._staging(device)
+        src = staging.add([inp], read=True, write=False)
+        dst = staging.add([output], read=False, write=True)
+        n = inp.numel()
+
+        def body(call: alg.Call) -> None:
+            flat = self._host(dst)[0]
+            chunks = [flat[i * n : (i + 1) * n] for i in range(self._size)]
+            chunks[self._rank].copy_(self._host(src)[0])
+            if call.world > 1:
+                alg.allgather_ring(call, chunks)
+
+        nbytes = output.numel() * output.element_size()
+        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, [output])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self._allgather_into("all_gather_single", output, input)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self._allgather_into("_allgather_base", output, input)
+
+    # ------------------------------------------------------------ barrier
+
+    def barrier(self, opts: Any = None) -> Any:
+        self._validate("barrier", [])
+        staging = self._staging(torch.device("cpu"))
+
+        def body(call: alg.Call) -> None:
+            if call.world > 1:
+                alg.barrier(call)
+
+        return self._launch(OpCode.BARRIER, staging, 0, body, [])
+
+    # ------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        """Release threads and sockets (torch's destroy_process_group calls this)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.shutdown()
+        self.mesh.close()
+
+    def abort(self) -> None:
+        self._engine.shutdown(timeout_s=0.1)
+        self.mesh.abort(EntrenarError(f"rank {self._rank}: process group aborted by the user"))
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def create_process_group(dist_opts: Any, backend_options: Any = None) -> EntrenarProcessGroup:
+    """The creator torch calls (extended API): ``pg_options`` may be an ``Options``."""
+    if backend_options is None:
+        options = Options.from_env()
+    elif isinstance(backend_options, Options):
+        options = backend_options
+    else:
+        raise TypeError(
+            f"rank {dist_opts.group_rank}: entrenar's pg_options must be entrenar_pg.Options, "
+            f"got {type(backend_options).__name__}"
+        )
+    return EntrenarProcessGroup(
+        dist_opts.store,
+        dist_opts.group_rank,
+        dist_opts.group_size,
+        timeout=dist_opts.timeout,
+        options=options,
+        group_name=str(dist_opts.group_id or ""),
+        global_ranks=list(dist_opts.global_ranks_in_group or []),
+    )

@@ -1,0 +1,191 @@
+"""The group's comm thread: runs jobs in issue order, completes futures, turns failures into errors.
+
+Every rank issues a group's collectives in the same order (torch's contract,
+and ours), so one FIFO thread per group is enough to keep the ranks in step:
+the caller gets a Work back at once and keeps computing (DDP's backward
+overlaps the bucket in flight), and the thread runs the jobs one after another.
+
+The first failure breaks the group: the job's future gets the error, the
+transport aborts (publishing the error so that peers raise it too), every
+queued and later job fails with the same error class, naming the first failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import EntrenarError, PeerConnectionError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Job:
+    """One collective: ``run()`` does the work and returns the future's value."""
+
+    seq: int
+    kind: str
+    nbytes: int
+    run: Callable[[], Any]
+    future: torch.futures.Future
+    # Entered around set_result (a CUDA stream context, so the future's event
+    # is recorded on the stream that wrote the results).
+    completion_context: Callable[[], Any] | None = None
+
+
+@dataclass
+class Stats:
+    """Per-kind counters: calls, payload bytes, seconds spent in the comm thread."""
+
+    calls: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    nbytes: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+
+    def record(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.calls[kind] += 1
+        self.nbytes[kind] += nbytes
+        self.seconds[kind] += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind in sorted(self.calls):
+            out[f"{kind}_calls"] = self.calls[kind]
+            out[f"{kind}_bytes"] = self.nbytes[kind]
+            out[f"{kind}_seconds"] = self.seconds[kind]
+        return out
+
+
+class Engine:
+    """A FIFO of jobs and the one thread that runs them."""
+
+    def __init__(
+        self,
+        rank: int,
+        name: str,
+        on_failure: Callable[[BaseException], None],
+        spin_us: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.stats = Stats()
+        self._on_failure = on_failure
+        self._spin_s = spin_us / 1e6
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._error: EntrenarError | None = None
+        self._failed_at = ""
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name=f"entrenar-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def error(self) -> EntrenarError | None:
+        return self._error
+
+    def broken_error(self, what: str) -> EntrenarError:
+        """The error for a call on a group that failed earlier (same class as the first)."""
+        assert self._error is not None
+        return type(self._error)(
+            f"rank {self.rank}: {what} refused: this process group failed at "
+            f"{self._failed_at} and cannot be used any more (recreate it). "
+            f"First error: {self._error}"
+        )
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise PeerConnectionError(
+                    f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed"
+                )
+            self._queue.append(job)
+            self._cv.notify()
+
+    def idle(self) -> bool:
+        return not self._queue and not self._busy
+
+    def _next(self) -> Job | None:
+        if self._spin_s and not self._queue:
+            end = time.perf_counter() + self._spin_s
+            while not self._queue and not self._stopping and time.perf_counter() < end:
+                pass
+        with self._cv:
+            while not self._queue and not self._stopping:
+                self._cv.wait()
+            if not self._queue:
+                return None
+            self._busy = True
+            return self._queue.popleft()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            try:
+                self.execute(job)
+            finally:
+                self._busy = False
+
+    def execute(self, job: Job) -> None:
+        what = f"{job.kind}#{job.seq}"
+        if self._error is not None:
+            job.future.set_exception(self.broken_error(what))
+            return
+        start = time.perf_counter()
+        try:
+            value = job.run()
+        except BaseException as e:
+            self._fail(job, e)
+            return
+        self.stats.record(job.kind, job.nbytes, time.perf_counter() - start)
+        if job.completion_context is None:
+            job.future.set_result(value)
+        else:
+            with job.completion_context():
+                job.future.set_result(value)
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        what = f"{job.kind}#{job.seq}"
+        if isinstance(e, EntrenarError):
+            err = e
+        else:
+            err = EntrenarError(f"rank {self.rank}: {what} failed: {e!r}")
+            err.__cause__ = e
+        log.error("rank %d: %s failed: %s", self.rank, what, err)
+        self._error = err
+        self._failed_at = what
+        try:
+            self._on_failure(err)
+        except Exception:  # the error itself is what matters; keep going
+            log.exception("rank %d: abort after %s failed", self.rank, what)
+        job.future.set_exception(err)
+        with self._cv:
+            queued = list(self._queue)
+            self._queue.clear()
+        for other in queued:
+            other.future.set_exception(self.broken_error(f"{other.kind}#{other.seq}"))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop after the running job; queued jobs fail. Idempotent."""
+        with self._cv:
+            self._stopping = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for job in queued:
+            job.future.set_exception(
+                PeerConnectionError(
+                    f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed "
+                    "before this collective ran"
+                )
+            )
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)

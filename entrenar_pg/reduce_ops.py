@@ -1,0 +1,154 @@
+"""Reduce ops: which op goes with which dtype, the in-place kernels, and the canonical order.
+
+Kernels run on CPU tensors (the comm thread only sees host memory) and always
+write into their first argument, so a reduction never allocates.
+
+The canonical order (deterministic mode) is a balanced pairwise tree over the
+ranks' contributions, split at ``m = (k + 1) // 2``::
+
+    tree([x0])       = x0
+    tree(xs)         = tree(xs[:m]) + tree(xs[m:])
+    tree([x0..x3])   = (x0 + x1) + (x2 + x3)
+
+It depends only on the number of contributions, so any algorithm that applies
+it elementwise gives the same bits; and for powers of two, a tree over M
+micro-batches equals a tree over N ranks of trees over M/N micro-batches each,
+which is what makes the trainer's results world-size invariant.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class Kind(enum.IntEnum):
+    """Reduce op codes; equal to torch's ``ReduceOp.RedOpType`` values."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+SUPPORTED_DTYPES = FLOAT_DTYPES | INT_DTYPES | {torch.bool}
+
+_ALLOWED: dict[Kind, frozenset[torch.dtype]] = {
+    Kind.SUM: SUPPORTED_DTYPES,
+    Kind.PRODUCT: SUPPORTED_DTYPES,
+    Kind.MIN: SUPPORTED_DTYPES,
+    Kind.MAX: SUPPORTED_DTYPES,
+    Kind.AVG: FLOAT_DTYPES,
+    Kind.PREMUL_SUM: FLOAT_DTYPES,
+    Kind.BAND: INT_DTYPES | {torch.bool},
+    Kind.BOR: INT_DTYPES | {torch.bool},
+    Kind.BXOR: INT_DTYPES | {torch.bool},
+}
+
+
+class Reduction(NamedTuple):
+    """A validated reduce op. ``factor`` is PREMUL_SUM's multiplier."""
+
+    kind: Kind
+    factor: float = 1.0
+
+    @property
+    def combine_kind(self) -> Kind:
+        """The pairwise kernel: AVG and PREMUL_SUM combine by summing."""
+        return Kind.SUM if self.kind in (Kind.AVG, Kind.PREMUL_SUM) else self.kind
+
+
+def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
+    """Validate ``op`` for ``dtype``; ValueError naming ``where`` (rank and call) if not."""
+    factor = 1.0
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        kind = Kind(int(op))
+    elif isinstance(op, dist.ReduceOp):
+        inner = getattr(op, "op", None)
+        if inner is None:  # ReduceOp.SUM etc. compare equal to their RedOpType
+            kind = next((k for k in Kind if op == dist.ReduceOp.RedOpType(int(k))), None)
+            if kind is None:
+                raise ValueError(f"{where}: unknown reduce op {op!r}")
+        else:
+            kind = Kind(int(inner))
+        if kind is Kind.PREMUL_SUM:
+            raw = getattr(op, "factor", None)
+            if isinstance(raw, torch.Tensor):
+                if raw.numel() != 1:
+                    raise ValueError(f"{where}: PREMUL_SUM factor must be a scalar")
+                raw = raw.item()
+            if raw is None:
+                raise ValueError(f"{where}: PREMUL_SUM without a factor")
+            factor = float(raw)
+    else:
+        raise ValueError(f"{where}: reduce op must be a torch.distributed.ReduceOp, got {op!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{where}: dtype {dtype} is not supported by entrenar")
+    if dtype not in _ALLOWED[kind]:
+        raise ValueError(f"{where}: reduce op {kind.name} is not defined for dtype {dtype}")
+    return Reduction(kind, factor)
+
+
+def combine_(dst: torch.Tensor, src: torch.Tensor, kind: Kind) -> None:
+    """``dst = dst <op> src`` elementwise, in place (``kind`` is a combine kind)."""
+    if kind is Kind.SUM:
+        dst.add_(src)
+    elif kind is Kind.PRODUCT:
+        dst.mul_(src)
+    elif kind is Kind.MIN:
+        torch.minimum(dst, src, out=dst)
+    elif kind is Kind.MAX:
+        torch.maximum(dst, src, out=dst)
+    elif kind is Kind.BAND:
+        dst.bitwise_and_(src)
+    elif kind is Kind.BOR:
+        dst.bitwise_or_(src)
+    elif kind is Kind.BXOR:
+        dst.bitwise_xor_(src)
+    else:
+        raise AssertionError(f"not a combine kind: {kind}")
+
+
+def prepare_(t: torch.Tensor, red: Reduction) -> None:
+    """What each rank applies to its own input before combining (PREMUL_SUM's scale)."""
+    if red.kind is Kind.PREMUL_SUM and red.factor != 1.0:
+        t.mul_(red.factor)
+
+
+def finish_(t: torch.Tensor, red: Reduction, world: int) -> None:
+    """What is applied once to the combined result (AVG's division)."""
+    if red.kind is Kind.AVG and world > 1:
+        t.div_(world)
+
+
+def tree_reduce_(parts: Sequence[torch.Tensor], kind: Kind) -> torch.Tensor:
+    """Combine ``parts`` in the canonical pairwise-tree order, in place.
+
+    The result lands in ``parts[0]``; the other parts are used as scratch.
+    """
+    n = len(parts)
+    if n == 1:
+        return parts[0]
+    m = (n + 1) // 2
+    left = tree_reduce_(parts[:m], kind)
+    right = tree_reduce_(parts[m:], kind)
+    combine_(left, right, kind)
+    return left
+
+
+def tree_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum ``tensors`` in the canonical tree order (the inputs are left untouched)."""
+    if not tensors:
+        raise ValueError("tree_sum needs at least one tensor")
+    return tree_reduce_([t.clone() for t in tensors], Kind.SUM)

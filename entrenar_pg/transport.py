@@ -1,0 +1,534 @@
+"""TCP mesh: listen, publish the address in the store, connect, authenticate, exchange.
+
+Set-up: every rank listens on one port and publishes ``host:port`` in the
+group's store; rank 0 puts a random per-group secret there. Rank i connects to
+every rank j < i and accepts from every rank j > i, so each pair shares exactly
+one socket. The handshake is a challenge-response: the acceptor sends a nonce,
+the connector answers with its rank, the world size and an HMAC of the nonce
+under the secret, the acceptor answers with its own HMAC. Anything else is
+refused and closed, so a stray connection (or a process of another job) never
+becomes a peer.
+
+Data: after set-up the sockets are non-blocking and driven by ``Mesh.run``, a
+single progress loop that executes a ``Plan``: for each peer, an ordered list
+of byte ranges to send and an ordered list of byte ranges to receive into.
+A send may wait for a receive to finish (``ready``), a receive may run a
+callback when it completes (``done``: reduce a segment, mark it forwardable).
+That is all an algorithm needs; algorithms live in ``entrenar_pg.algorithms``
+and never touch a socket. Sending never waits on the peer's receive (the loop
+sends what the kernel takes and keeps receiving), so no size deadlocks.
+
+Failure: a rank that fails writes ``abort/<rank>`` (error class and message)
+into the store *before* closing its sockets. A peer that sees the connection
+close reads that record and raises the same error class, so the root cause
+reaches every rank. Every peer socket is watched for a hang-up (POLLRDHUP)
+during every exchange, so a rank blocked on another link still learns at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .config import Options
+from .errors import ERROR_TYPES, CollectiveMismatchError, EntrenarError, PeerConnectionError
+from .wire import HEADER_BYTES, Header
+
+log = logging.getLogger(__name__)
+
+_HELLO = struct.Struct("<4sII")  # magic, rank, world size
+_HELLO_MAGIC = b"ENTR"
+_NONCE_BYTES = 16
+_MAC_BYTES = 32
+_SECRET_KEY = "entrenar/secret"
+_ADDR_KEY = "entrenar/addr/{}"
+_ABORT_KEY = "entrenar/abort/{}"
+
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLOUT
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+_POLLHANG = select.POLLHUP | select.POLLERR | _POLLRDHUP
+
+
+@dataclass(slots=True)
+class Send:
+    """Bytes to send to a peer, once ``ready()`` (if given) is true."""
+
+    view: memoryview
+    ready: Callable[[], bool] | None = None
+
+
+@dataclass(slots=True)
+class Recv:
+    """A buffer to fill from a peer; ``done()`` runs once it is full."""
+
+    view: memoryview
+    done: Callable[[], None] | None = None
+
+
+@dataclass
+class Plan:
+    """Per-peer ordered sends and receives of one collective on one rank."""
+
+    rank: int
+    sends: dict[int, list[Send]] = field(default_factory=dict)
+    recvs: dict[int, list[Recv]] = field(default_factory=dict)
+
+    def open(self, peer: int, header: Header, *, send: bool = True, recv: bool = True) -> None:
+        """Start this collective's frame on the link(s) with ``peer``.
+
+        The header goes first in each direction used; the received one must
+        equal ``header`` (same collective, seq, dtype, size, algorithm), else
+        CollectiveMismatchError.
+        """
+        assert peer != self.rank
+        if send:
+            self.send(peer, memoryview(header.pack()))
+        if recv:
+            raw = bytearray(HEADER_BYTES)
+            self.recv(peer, memoryview(raw), _header_check(self.rank, peer, header, raw))
+
+    def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
+        self.sends.setdefault(peer, []).append(Send(view, ready))
+
+    def recv(self, peer: int, view: memoryview, done: Callable[[], None] | None = None) -> None:
+        self.recvs.setdefault(peer, []).append(Recv(view, done))
+
+
+def _header_check(rank: int, peer: int, mine: Header, raw: bytearray) -> Callable[[], None]:
+    def check() -> None:
+        try:
+            theirs = Header.unpack(raw)
+        except ValueError as e:
+            raise CollectiveMismatchError(
+                f"rank {rank}: garbage from rank {peer} where the header of "
+                f"{mine.describe()} was due ({e}); the ranks are out of step"
+            ) from None
+        if theirs != mine:
+            raise CollectiveMismatchError(
+                f"rank {rank}: collective mismatch with rank {peer}: this rank called "
+                f"{mine.describe()}, rank {peer} called {theirs.describe()}"
+            )
+
+    return check
+
+
+def _mac(secret: bytes, nonce: bytes, role: bytes, rank: int, world: int) -> bytes:
+    msg = nonce + role + struct.pack("<II", rank, world)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed during handshake")
+        got += k
+    return bytes(buf)
+
+
+def choose_host(options: Options) -> str:
+    """The address to listen on and publish (see ``Options.host``)."""
+    if options.host:
+        return options.host
+    if options.ifname:
+        return _ifname_address(options.ifname)
+    if options.master_addr:
+        try:
+            # Connecting a UDP socket sends nothing; it only asks the kernel for
+            # the route, whose source address is the one peers can reach us on.
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                probe.connect((options.master_addr, 9))
+                return str(probe.getsockname()[0])
+            finally:
+                probe.close()
+        except OSError:
+            log.debug("no route to MASTER_ADDR=%s; listening on 127.0.0.1", options.master_addr)
+    return "127.0.0.1"
+
+
+def _ifname_address(ifname: str) -> str:
+    import fcntl
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = struct.pack("256s", ifname.encode()[:15])
+        raw = fcntl.ioctl(s.fileno(), 0x8915, packed)  # SIOCGIFADDR
+        return socket.inet_ntoa(raw[20:24])
+    except OSError as e:
+        raise ValueError(f"ENTRENAR_IFNAME={ifname!r}: no IPv4 address ({e})") from None
+    finally:
+        s.close()
+
+
+class Mesh:
+    """One authenticated TCP socket to every other rank of a group."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        options: Options,
+        timeout: timedelta,
+        name: str = "",
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.name = name
+        self.timeout_s = max(timeout.total_seconds(), 0.001)
+        self._store = store
+        self._options = options
+        self._socks: dict[int, socket.socket] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
+        if world > 1:
+            self._connect_all()
+        self._poller = select.poll()
+        self._masks: dict[int, int] = {}
+        self._fd_peer: dict[int, int] = {}
+        for peer, sock in self._socks.items():
+            fd = sock.fileno()
+            self._poller.register(fd, _POLLRDHUP)
+            self._masks[fd] = _POLLRDHUP
+            self._fd_peer[fd] = peer
+
+    # ------------------------------------------------------------------ set-up
+
+    def _connect_all(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        host = choose_host(self._options)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, 0))
+        except OSError as e:
+            listener.close()
+            raise PeerConnectionError(f"rank {self.rank}: cannot listen on {host}: {e}") from e
+        listener.listen(self.world)
+        port = listener.getsockname()[1]
+        try:
+            if self.rank == 0:
+                self._store.set(_SECRET_KEY, secrets.token_hex(32))
+            secret = bytes(self._store.get(_SECRET_KEY))
+            self._store.set(_ADDR_KEY.format(self.rank), f"{host}:{port}")
+            log.debug("rank %d listening on %s:%d", self.rank, host, port)
+            expected = set(range(self.rank + 1, self.world))
+            acceptor = threading.Thread(
+                target=self._accept_loop,
+                args=(listener, secret, expected, deadline),
+                name=f"entrenar-accept-r{self.rank}",
+                daemon=True,
+            )
+            acceptor.start()
+            accept_error: list[BaseException] = []
+            self._accept_error = accept_error
+            for peer in range(self.rank):
+                self._connect_to(peer, secret, deadline)
+            acceptor.join(max(deadline - time.monotonic(), 0) + 1.0)
+            if accept_error:
+                raise accept_error[0]
+            missing = sorted(set(range(self.world)) - set(self._socks) - {self.rank})
+            if missing:
+                raise PeerConnectionError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
+                    f"rank(s) {missing} to connect"
+                )
+        except BaseException:
+            for s in self._socks.values():
+                s.close()
+            raise
+        finally:
+            listener.close()
+        for sock in self._socks.values():
+            self._tune(sock)
+            sock.setblocking(False)
+
+    def _tune(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if self._options.socket_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._options.socket_buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._options.socket_buffer_bytes)
+
+    def _connect_to(self, peer: int, secret: bytes, deadline: float) -> None:
+        addr = self._store.get(_ADDR_KEY.format(peer)).decode()
+        host, port = addr.rsplit(":", 1)
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.01))
+            try:
+                sock.connect((host, int(port)))
+                nonce = _recv_exact(sock, _NONCE_BYTES)
+                sock.sendall(
+                    _HELLO.pack(_HELLO_MAGIC, self.rank, self.world)
+                    + _mac(secret, nonce, b"C", self.rank, self.world)
+                )
+                answer = _recv_exact(sock, _MAC_BYTES)
+                if not hmac.compare_digest(answer, _mac(secret, nonce, b"A", peer, self.world)):
+                    raise PeerConnectionError(
+                        f"rank {self.rank}: {addr} (rank {peer}'s published address) failed "
+                        "authentication: another job's process?"
+                    )
+                self._socks[peer] = sock
+                return
+            except PeerConnectionError:
+                sock.close()
+                raise
+            except OSError as e:
+                sock.close()
+                last = e
+                time.sleep(0.05)
+        raise PeerConnectionError(
+            f"rank {self.rank}: could not connect to rank {peer} at {addr} "
+            f"within {self.timeout_s:.0f}s: {last}"
+        )
+
+    def _accept_loop(
+        self, listener: socket.socket, secret: bytes, expected: set[int], deadline: float
+    ) -> None:
+        try:
+            while expected:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                listener.settimeout(left)
+                try:
+                    sock, addr = listener.accept()
+                except TimeoutError:
+                    return
+                peer = self._authenticate(sock, addr, secret, expected, deadline)
+                if peer is None:
+                    sock.close()
+                    continue
+                expected.discard(peer)
+                self._socks[peer] = sock
+        except BaseException as e:  # surfaced by the connecting thread
+            self._accept_error.append(e)
+
+    def _authenticate(
+        self, sock: socket.socket, addr: Any, secret: bytes, expected: set[int], deadline: float
+    ) -> int | None:
+        sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.01))
+        try:
+            nonce = os.urandom(_NONCE_BYTES)
+            sock.sendall(nonce)
+            magic, peer, world = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            mac = _recv_exact(sock, _MAC_BYTES)
+        except (OSError, struct.error) as e:
+            log.warning("rank %d: dropped connection from %s during handshake: %s", self.rank, addr, e)
+            return None
+        if (
+            magic != _HELLO_MAGIC
+            or world != self.world
+            or peer not in expected
+            or not hmac.compare_digest(mac, _mac(secret, nonce, b"C", peer, world))
+        ):
+            log.warning(
+                "rank %d: refused connection from %s (claims rank %s of %s)",
+                self.rank,
+                addr,
+                peer,
+                world,
+            )
+            return None
+        try:
+            sock.sendall(_mac(secret, nonce, b"A", self.rank, self.world))
+        except OSError:
+            return None
+        return int(peer)
+
+    # ------------------------------------------------------------------ data
+
+    def run(self, plan: Plan, what: str) -> None:
+        """Execute ``plan``: all its sends and receives, overlapped, in order per link.
+
+        Raises PeerConnectionError if a peer closes, errors, or nothing moves
+        for the group's timeout; exceptions from ``done`` callbacks propagate.
+        """
+        if self._closed:
+            raise PeerConnectionError(f"rank {self.rank}: {what}: the group's sockets are closed")
+        socks = self._socks
+        # Per link state: [peer, sock, pieces, index, offset]
+        sending: list[list[Any]] = [[p, socks[p], lst, 0, 0] for p, lst in plan.sends.items()]
+        receiving: list[list[Any]] = [[p, socks[p], lst, 0, 0] for p, lst in plan.recvs.items()]
+        want: dict[int, int] = {}
+        try:
+            while sending or receiving:
+                moved = False
+                want.clear()
+                for st in sending:
+                    peer, sock, pieces, i, off = st
+                    n_pieces = len(pieces)
+                    while i < n_pieces:
+                        piece = pieces[i]
+                        if off == 0 and piece.ready is not None and not piece.ready():
+                            break
+                        view = piece.view
+                        try:
+                            n = sock.send(view[off:] if off else view) if len(view) else 0
+                        except BlockingIOError:
+                            want[sock.fileno()] = _POLLOUT
+                            break
+                        except OSError as e:
+                            raise self._link_error(peer, what, e) from e
+                        moved = True
+                        off += n
+                        if off < len(view):
+                            want[sock.fileno()] = _POLLOUT
+                            break
+                        i += 1
+                        off = 0
+                    st[3] = i
+                    st[4] = off
+                for st in receiving:
+                    peer, sock, pieces, i, off = st
+                    n_pieces = len(pieces)
+                    while i < n_pieces:
+                        piece = pieces[i]
+                        view = piece.view
+                        size = len(view)
+                        if size:
+                            try:
+                                n = sock.recv_into(view[off:] if off else view)
+                            except BlockingIOError:
+                                want[sock.fileno()] = want.get(sock.fileno(), 0) | _POLLIN
+                                break
+                            except OSError as e:
+                                raise self._link_error(peer, what, e) from e
+                            if n == 0:
+                                raise self._closed_error(peer, what)
+                            moved = True
+                            off += n
+                            if off < size:
+                                continue
+                        if piece.done is not None:
+                            piece.done()
+                        moved = True
+                        i += 1
+                        off = 0
+                    st[3] = i
+                    st[4] = off
+                if moved:
+                    sending = [st for st in sending if st[3] < len(st[2])]
+                    receiving = [st for st in receiving if st[3] < len(st[2])]
+                    continue
+                assert want, f"rank {self.rank}: {what}: a send waits on nothing"
+                self._wait(want, plan, sending, receiving, what)
+        finally:
+            for fd, mask in self._masks.items():
+                if mask != _POLLRDHUP:
+                    self._poller.modify(fd, _POLLRDHUP)
+                    self._masks[fd] = _POLLRDHUP
+
+    def _wait(
+        self,
+        want: dict[int, int],
+        plan: Plan,
+        sending: list[list[Any]],
+        receiving: list[list[Any]],
+        what: str,
+    ) -> None:
+        masks = self._masks
+        for fd in masks:
+            mask = want.get(fd, 0) | _POLLRDHUP
+            if masks[fd] != mask:
+                self._poller.modify(fd, mask)
+                masks[fd] = mask
+        events = self._poller.poll(self.timeout_s * 1000.0)
+        if not events:
+            raise PeerConnectionError(
+                f"rank {self.rank}: {what}: no progress for {self.timeout_s:.1f}s "
+                f"(waiting to receive from rank(s) {sorted(st[0] for st in receiving)}, "
+                f"to send to rank(s) {sorted(st[0] for st in sending)}): "
+                "a peer stalled, died, or issued a different collective"
+            )
+        for fd, ev in events:
+            if not ev & _POLLHANG:
+                continue
+            peer = self._fd_peer[fd]
+            if want.get(fd, 0) & _POLLIN:
+                continue  # recv drains what is left, then reports the close itself
+            record = self._abort_record(peer)
+            if record is not None or fd in want:
+                raise self._closed_error(peer, what, record)
+            # A peer not in this collective left (it finished and destroyed the
+            # group, or died: whoever talks to it next will say so).
+            self._poller.unregister(fd)
+            del masks[fd]
+
+    # ------------------------------------------------------------------ failure
+
+    def _abort_record(self, peer: int) -> tuple[str, str] | None:
+        key = _ABORT_KEY.format(peer)
+        try:
+            if not self._store.check([key]):
+                return None
+            kind, _, message = bytes(self._store.get(key)).decode().partition("|")
+            return kind, message
+        except Exception:  # the store itself may be gone with the job
+            return None
+
+    def _closed_error(
+        self, peer: int, what: str, record: tuple[str, str] | None = None
+    ) -> EntrenarError:
+        record = record or self._abort_record(peer)
+        if record is not None:
+            kind, message = record
+            cls = ERROR_TYPES.get(kind, PeerConnectionError)
+            return cls(f"rank {self.rank}: {what} aborted because rank {peer} failed: {message}")
+        return PeerConnectionError(
+            f"rank {self.rank}: {what}: rank {peer} closed the connection "
+            "(its process died, or it destroyed the group mid-collective)"
+        )
+
+    def _link_error(self, peer: int, what: str, e: OSError) -> EntrenarError:
+        if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+            return self._closed_error(peer, what)
+        return PeerConnectionError(f"rank {self.rank}: {what}: link to rank {peer} failed: {e}")
+
+    def abort(self, error: BaseException) -> None:
+        """Publish ``error`` as this rank's abort record, then drop every link.
+
+        The record is written first, so a peer that sees the close can read it.
+        """
+        if isinstance(error, EntrenarError):
+            kind, message = type(error).__name__, str(error)
+        else:
+            kind, message = "PeerConnectionError", f"rank {self.rank}: {error!r}"
+        try:
+            self._store.set(_ABORT_KEY.format(self.rank), f"{kind}|{message}")
+        except Exception as e:  # best effort: the close below still wakes the peers
+            log.debug("rank %d: could not write abort record: %s", self.rank, e)
+        self.close(hard=True)
+
+    def close(self, hard: bool = False) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for sock in self._socks.values():
+                try:
+                    if hard:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()

@@ -1,0 +1,130 @@
+"""The frame header: every collective opens each link it uses with one.
+
+A collective's traffic on a link (one direction between two ranks) is one
+frame: a 32-byte struct-packed header, then a payload whose length both sides
+derive from the header's fields. The payload moves in segments for pipelining,
+but segments carry no header of their own: a receiver checks the header once,
+at the start, and a peer whose header disagrees is a desynchronised program.
+
+Layout (little-endian, 32 bytes)::
+
+    magic u16 | version u8 | opcode u8 | algo u8 | dtype u8 | reduce_op u8 | flags u8
+    seq u64 | numel u64 | aux i64
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = 0xE7A1
+VERSION = 1
+_HEADER = struct.Struct("<HBBBBBBQQq")
+HEADER_BYTES = _HEADER.size
+assert HEADER_BYTES == 32
+
+
+class OpCode(enum.IntEnum):
+    """The collective a frame belongs to."""
+
+    ALLREDUCE = 1
+    BROADCAST = 2
+    ALLGATHER = 3
+    BARRIER = 4
+    REDUCE = 5
+    REDUCE_SCATTER = 6
+    GATHER = 7
+    SCATTER = 8
+    ALLTOALL = 9
+    SEND = 10
+    CHECK = 11  # contract-checker traffic
+
+
+class Algo(enum.IntEnum):
+    """The algorithm both ends must be running."""
+
+    NONE = 0
+    RING = 1
+    STAR = 2
+    DIRECT = 3  # every rank talks to every rank (alltoall, direct-exchange reduce-scatter)
+    CHAIN = 4  # pipelined chain (large broadcast)
+    TREE_RING = 5  # deterministic allreduce: direct-exchange reduce-scatter + ring all-gather
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    DETERMINISTIC = 1
+
+
+# dtype <-> one-byte code. Fixed numbers: they are part of the wire format.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
+DTYPE_CODE: dict[torch.dtype, int] = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+CODE_DTYPE: dict[int, torch.dtype] = {i + 1: dt for i, dt in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What one side of a link says it is doing. Equality means agreement."""
+
+    seq: int
+    op: OpCode
+    algo: Algo
+    dtype: torch.dtype | None
+    reduce_op: int = 0
+    numel: int = 0
+    aux: int = 0
+    flags: Flags = Flags.NONE
+
+    def pack(self) -> bytes:
+        code = 0 if self.dtype is None else DTYPE_CODE[self.dtype]
+        return _HEADER.pack(
+            MAGIC,
+            VERSION,
+            int(self.op),
+            int(self.algo),
+            code,
+            self.reduce_op,
+            int(self.flags),
+            self.seq,
+            self.numel,
+            self.aux,
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> Header:
+        """Parse a header; ValueError if it is not one (wrong magic or version)."""
+        magic, version, op, algo, code, red, flags, seq, numel, aux = _HEADER.unpack(raw)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(f"not an entrenar frame (magic {magic:#x}, version {version})")
+        return cls(
+            seq=seq,
+            op=OpCode(op),
+            algo=Algo(algo),
+            dtype=CODE_DTYPE.get(code),
+            reduce_op=red,
+            numel=numel,
+            aux=aux,
+            flags=Flags(flags),
+        )
+
+    def describe(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
+        return (
+            f"{self.op.name.lower()}#{self.seq}(dtype={dt}, numel={self.numel}, "
+            f"reduce_op={self.reduce_op}, aux={self.aux}, algo={self.algo.name.lower()}"
+            f"{', deterministic' if self.flags & Flags.DETERMINISTIC else ''})"
+        )

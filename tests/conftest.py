@@ -1,0 +1,131 @@
+"""Shared test harness: N ranks as threads over real loopback TCP, and process launchers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import entrenar_pg
+from entrenar_pg import EntrenarProcessGroup, Options
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_groups(
+    world: int, options: Options | None = None, timeout_s: float = 20.0
+) -> list[EntrenarProcessGroup]:
+    """Create ``world`` entrenar groups in this process, one per rank, over real TCP."""
+    store = dist.HashStore()
+    groups: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            groups[rank] = EntrenarProcessGroup(
+                dist.PrefixStore("t", store),
+                rank,
+                world,
+                timeout=timedelta(seconds=timeout_s),
+                options=options or Options(),
+            )
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    if errors:
+        for g in groups:
+            if g is not None:
+                g.shutdown()
+        raise errors[0]
+    assert all(g is not None for g in groups), "group creation hung"
+    return groups
+
+
+def run_ranks(
+    world: int,
+    fn: Callable[[int, EntrenarProcessGroup], Any],
+    *,
+    options: Options | None = None,
+    timeout_s: float = 60.0,
+    groups: list[EntrenarProcessGroup] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, group)`` on ``world`` threads at once; return the results in rank order.
+
+    Raises the first exception any rank raised; a rank still running after
+    ``timeout_s`` fails the test (a hang is a failure).
+    """
+    own = groups is None
+    gs = make_groups(world, options) if groups is None else groups
+    results: list[Any] = [None] * world
+    errors: dict[int, BaseException] = {}
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, gs[rank])
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+        if hung:
+            for g in gs:
+                g.abort()
+            pytest.fail(f"rank(s) {hung} still running after {timeout_s}s: a hang")
+        if errors:
+            raise errors[min(errors)]
+        return results
+    finally:
+        if own:
+            for g in gs:
+                g.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(
+    script: str | Path, nproc: int, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under torchrun --standalone with ``nproc`` workers; output captured."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(script), *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=REPO
+    )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    # Ranks share two cores: intra-op threads would only fight each other.
+    torch.set_num_threads(1)
+
+
+assert entrenar_pg.BACKEND_NAME == "entrenar"

@@ -1,0 +1,97 @@
+"""Helpers shared by the trainer, the linear-regression example and the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+T = TypeVar("T")
+
+BACKENDS = ("entrenar", "gloo", "nccl")
+
+
+def tree_sum(xs: Sequence[T]) -> T:
+    """Sum in the canonical balanced pairwise order of the entrenar backend.
+
+    ``tree(xs) = xs[0] if len(xs) == 1 else tree(xs[:m]) + tree(xs[m:])`` with
+    ``m = (len(xs) + 1) // 2``; for four terms ``((x0 + x1) + (x2 + x3))``. This is
+    the order in which ``ENTRENAR_DETERMINISTIC=1`` sums across ranks, so summing
+    the micro-batches of a rank with it and then across ranks with the backend
+    gives the same bits as summing all micro-batches on one rank, whenever the
+    world size and the micro-batches per rank are powers of two. Kept here
+    (identical definition to ``entrenar_pg.tree_sum``) so the trainer does not
+    depend on the backend for it.
+    """
+    if not xs:
+        raise ValueError("tree_sum of an empty sequence")
+    if len(xs) == 1:
+        return xs[0]
+    m = (len(xs) + 1) // 2
+    return tree_sum(xs[:m]) + tree_sum(xs[m:])  # type: ignore[operator]
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def load_backend(backend: str) -> None:
+    """Make sure ``backend`` can be passed to ``init_process_group``.
+
+    ``entrenar`` registers itself when torch is imported (entry point), but only
+    once the package is installed; importing ``entrenar_pg`` covers a plain
+    checkout (the repository root must be on ``sys.path``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "entrenar":
+        try:
+            import entrenar_pg  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "backend 'entrenar' needs the entrenar_pg package: run `pip install -e .` "
+                "in the repository, or run from the repository root"
+            ) from e
+
+
+def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """The entrenar group's communication counters; ``{}`` for other backends."""
+    try:
+        import entrenar_pg
+
+        return dict(entrenar_pg.get_stats(group))
+    except (ImportError, AttributeError):
+        return {}
+    except Exception:  # a stats call must never take training down
+        return {}
+
+
+def state_hash(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes of named tensors (in the order given)."""
+    h = hashlib.sha256()
+    for name, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        flat = t.reshape(-1)
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()
+
+
+def param_hash(module: nn.Module) -> str:
+    """Hash of a module's state_dict in sorted key order (bitwise identity check)."""
+    sd = module.state_dict()
+    return state_hash((k, sd[k]) for k in sorted(sd))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
