@@ -696,10 +696,17 @@ def _add_ratios(rows: list[dict[str, Any]], raw: dict[tuple[int, int], float]) -
         r["busbw_vs_raw"] = r["busbw_GBps"] / raw_gbps if raw_gbps else None
 
 
-def combine_world(world: int, ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Merge the per-rank samples of one world size into result rows."""
+def combine_world(
+    world: int, ranks: Sequence[dict[str, Any]], order: Sequence[str]
+) -> dict[str, Any]:
+    """Merge the per-rank samples of one world size into rows (by size, then ``order``)."""
     rows: list[dict[str, Any]] = []
-    keys = sorted(ranks[0]["allreduce"], key=lambda k: (int(k.split("|")[1]), k))
+
+    def sort_key(key: str) -> tuple[int, int]:
+        name, size = key.split("|")
+        return int(size), order.index(name) if name in order else len(order)
+
+    keys = sorted(ranks[0]["allreduce"], key=sort_key)
     for key in keys:
         name, size = key.split("|")
         samples = combine_ranks([r["allreduce"][key] for r in ranks])
@@ -775,7 +782,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     }
     for world in cfg.world_sizes:
         log.info("world size %d: %d sizes x %d variants ...", world, len(cfg.sizes), len(algos))
-        part = combine_world(world, run_world(world, cfg))
+        order = [SWEEP_VARIANTS[a].name for a in algos]
+        part = combine_world(world, run_world(world, cfg), order)
         for k in ("allreduce", "raw_tcp", "ddp"):
             result[k].extend(part[k])
         if mpiexec is not None:
@@ -883,6 +891,37 @@ def allreduce_table(result: dict[str, Any], world: int, markdown: bool = False) 
     return _render(header, body, markdown)
 
 
+def summary_tables(result: dict[str, Any], world: int, markdown: bool = False) -> list[str]:
+    """Two compact size x variant tables: median time (x gloo) and busbw GB/s (x raw TCP)."""
+    rows = [r for r in result["allreduce"] + result["mpi"] if r["world_size"] == world]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    cell = {(r["variant"], r["size_bytes"]): r for r in rows}
+    raws = {r["size_bytes"]: r for r in result["raw_tcp"] if r["world_size"] == world}
+    sizes = sorted({r["size_bytes"] for r in rows})
+    t_body, b_body = [], []
+    for size in sizes:
+        t_row, b_row = [format_bytes(size)], [format_bytes(size)]
+        for name in names:
+            r = cell.get((name, size))
+            if r is None:
+                t_row.append("-")
+                b_row.append("-")
+                continue
+            ratio = r.get("time_vs_gloo")
+            extra = "" if name == GLOO or ratio is None else f" ({ratio:.2f}x)"
+            t_row.append(_fmt_time(r["median_s"]) + extra)
+            vs_raw = r.get("busbw_vs_raw")
+            b_row.append(f"{r['busbw_GBps']:.3f}" + ("" if vs_raw is None else f" ({vs_raw:.2f})"))
+        b_row.append(f"{raws[size]['GBps_each_way']:.3f}" if size in raws else "-")
+        t_body.append(t_row)
+        b_body.append(b_row)
+    lines = [f"N={world} median time per allreduce (time / gloo):", ""]
+    lines += _render(["size", *names], t_body, markdown)
+    lines += ["", f"N={world} busbw GB/s (busbw / raw TCP each way):", ""]
+    lines += _render(["size", *names, RAW], b_body, markdown)
+    return lines
+
+
 def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     """DDP step rows as text lines."""
     header = ["N", "variant", "step median", "min", "max", "n", "tokens/s", "step/gloo"]
@@ -930,6 +969,7 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
     for world in meta["config"]["world_sizes"]:
         lines += ["", f"allreduce float32, N={world}:", ""]
         lines += allreduce_table(result, world, markdown)
+        lines += [""] + summary_tables(result, world, markdown)
     if result["ddp"]:
         d = result["ddp"][0]
         lines += [

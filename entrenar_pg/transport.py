@@ -210,6 +210,15 @@ class Mesh:
             self._masks[fd] = _POLLRDHUP
             self._fd_peer[fd] = peer
 
+    @property
+    def sockets(self) -> dict[int, socket.socket]:
+        """The authenticated, non-blocking socket to each peer (for channels built on a mesh)."""
+        return dict(self._socks)
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
     # ------------------------------------------------------------------ set-up
 
     def _connect_all(self) -> None:

@@ -122,7 +122,7 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per process; 0: cores / local processes
     timeout_s: float = 600.0  # process-group timeout
     # optimisation
-    steps: int = 400  # optimizer steps (total, counting resumed ones)
+    steps: int = 500  # optimizer steps (total, counting resumed ones)
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per rank per step (when micro_batches is 0)
     micro_batches: int = 0  # global micro-batches per step M (fixed: world-size invariance)
