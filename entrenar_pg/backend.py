@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from . import algorithms as alg
 from .config import Options
@@ -27,6 +26,7 @@ from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_, resolve
 from .staging import PinnedPool, Staged, Staging
 from .transport import Mesh
 from .wire import OpCode
+from .work import EntrenarWork
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,10 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         with self._lock:
             self._seq += 1
             seq = self._seq
-            job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context())
+            work = EntrenarWork(fut, f"{name}#{seq}", self._rank)
+            job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context(), work)
             self._engine.submit(job)
-        return _create_work_from_future(fut)
+        return work
 
     @staticmethod
     def _host(items: Sequence[Staged]) -> list[torch.Tensor]:
@@ -193,7 +194,9 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         if call.world > 1:
             nbytes = flat.numel() * flat.element_size()
             if self._allreduce_algorithm(nbytes) == "star":
-                alg.allreduce_star(call, flat, red)
+                alg.allreduce_star(call, flat, red)  # tree order at the root if deterministic
+            elif self.options.deterministic:
+                alg.allreduce_tree_ring(call, flat, red)
             else:
                 alg.allreduce_ring(call, flat, red)
         if self.checker is not None:

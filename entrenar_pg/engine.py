@@ -39,6 +39,9 @@ class Job:
     # Entered around set_result (a CUDA stream context, so the future's event
     # is recorded on the stream that wrote the results).
     completion_context: Callable[[], Any] | None = None
+    # The Work handed to the caller: held here until the job is done, so a
+    # Python Work passed to C++ (DDP's reducer) is not collected while pending.
+    work: Any = None
 
 
 @dataclass

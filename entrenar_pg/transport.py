@@ -236,7 +236,7 @@ class Mesh:
         try:
             if self.rank == 0:
                 self._store.set(_SECRET_KEY, secrets.token_hex(32))
-            secret = bytes(self._store.get(_SECRET_KEY))
+            secret = self._store_get(_SECRET_KEY, deadline)
             self._store.set(_ADDR_KEY.format(self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
             expected = set(range(self.rank + 1, self.world))
@@ -270,6 +270,18 @@ class Mesh:
             self._tune(sock)
             sock.setblocking(False)
 
+    def _store_get(self, key: str, deadline: float) -> bytes:
+        """``store.get`` bounded by the group's timeout, not the store's own."""
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            self._store.wait([key], timedelta(seconds=left))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            raise PeerConnectionError(
+                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for {key!r} "
+                f"in the store (a rank of this group did not start or crashed): {e}"
+            ) from e
+        return bytes(self._store.get(key))
+
     def _tune(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -278,7 +290,7 @@ class Mesh:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._options.socket_buffer_bytes)
 
     def _connect_to(self, peer: int, secret: bytes, deadline: float) -> None:
-        addr = self._store.get(_ADDR_KEY.format(peer)).decode()
+        addr = self._store_get(_ADDR_KEY.format(peer), deadline).decode()
         host, port = addr.rsplit(":", 1)
         last: Exception | None = None
         while time.monotonic() < deadline:

@@ -7,7 +7,9 @@ Corpus
     half the bytes and mostly fixtures). Files are taken in sorted order of their
     relative path and concatenated, each preceded by a ``# file: <path>`` line,
     until ``max_bytes`` is reached (the last file is cut). Every
-    ``val_every``-th file goes to the validation split, the rest to training.
+    ``val_every``-th file goes to the validation split, the rest to training
+    (when the cap leaves fewer than ``val_every`` files, the last
+    ``1/val_every`` of the bytes is the validation split instead).
     Nothing is downloaded; the same Python installation gives the same bytes,
     and the SHA-256 of both splits identifies the corpus in checkpoints.
 
@@ -101,17 +103,26 @@ def build_corpus(
         n_files += 1
     train = b"".join(train_parts)
     val = b"".join(val_parts)
+    if not val:  # fewer than val_every files under the cap: hold out the tail instead
+        cut = len(train) - len(train) // val_every
+        train, val = train[:cut], train[cut:]
     digest = hashlib.sha256()
     digest.update(len(train).to_bytes(8, "little"))
     digest.update(train)
     digest.update(val)
     return Corpus(
-        train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
-        val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
+        train=_as_tensor(train),
+        val=_as_tensor(val),
         root=str(root),
         n_files=n_files,
         sha256=digest.hexdigest(),
     )
+
+
+def _as_tensor(b: bytes) -> torch.Tensor:
+    if not b:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 def num_windows(data: torch.Tensor, block_size: int) -> int:

@@ -1,0 +1,156 @@
+"""Deterministic reductions: every element is combined in the canonical tree order.
+
+The canonical order (``reduce_ops.tree_reduce_``) is a balanced pairwise tree
+over the ranks' contributions, ``((x0 + x1) + (x2 + x3))`` for four ranks; it
+depends only on the world size. A ring reduce-scatter cannot follow it (rank r
+adds the contributions in the order they travel round the ring, which differs
+from chunk to chunk), so the deterministic reduce-scatter is a *direct
+exchange*: every rank sends chunk p straight to rank p and receives its own
+chunk from every peer, then combines the N contributions of each segment in
+tree order as soon as that segment has arrived from everyone. The bytes on the
+wire are the ring's; only the hop pattern differs. The allreduce follows it
+with a ring all-gather in the same plan, so a reduced segment starts round
+the ring while later segments are still being exchanged.
+
+Because every rank reduces the elements it owns in the same tree, and the
+star algorithm's coordinator uses the same tree, ring, star and auto give the
+same bits; chunk and segment boundaries only decide *who* reduces an element
+and *when*, never in which order, so the result is also independent of
+``segment_bytes`` and of how a tensor is split into buckets.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from ..reduce_ops import Reduction, finish_, tree_reduce_
+from ..transport import Plan
+from ..wire import Algo, Header, OpCode
+from .common import Call, bytes_of, chunk_bounds, segments
+
+
+def _exchange(
+    call: Call, plan: Plan, chunks: Sequence[torch.Tensor], red: Reduction, header: Header
+) -> list[bool]:
+    """Add the direct-exchange reduce-scatter to ``plan``; opens every link.
+
+    Returns the per-segment "reduced" flags of ``chunks[rank]`` (set by the
+    receive callbacks as the plan runs), for a later phase to wait on.
+    """
+    n, r = call.world, call.rank
+    own = chunks[r]
+    dtype, size, numel = own.dtype, own.element_size(), own.numel()
+    for c in chunks:
+        if c.dtype != dtype:
+            raise ValueError(f"rank {r}: reduce-scatter chunks of different dtypes")
+    peers = [p for p in range(n) if p != r]
+    scratch = call.scratch.get("tree", numel * len(peers), dtype)
+    parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(peers)}
+    segs = segments(0, numel, call.segment_elems(dtype))
+    arrivals = [0] * len(segs)
+    reduced = [False] * len(segs)
+    kind = red.combine_kind
+
+    def arrived(k: int) -> None:
+        arrivals[k] += 1
+        if arrivals[k] < len(peers):
+            return
+        a, b = segs[k]
+        mine = own[a:b]
+        ordered = [mine if p == r else parts[p][a:b] for p in range(n)]
+        result = tree_reduce_(ordered, kind)  # lands in ordered[0]
+        if result is not mine:
+            mine.copy_(result)
+        finish_(mine, red, n)
+        reduced[k] = True
+
+    for p in peers:
+        plan.open(p, header)
+        out = chunks[p]
+        out_raw = bytes_of(out)
+        for a, b in segments(0, out.numel(), call.segment_elems(dtype)):
+            plan.send(p, out_raw[a * size : b * size])
+        into = bytes_of(parts[p])
+        for k, (a, b) in enumerate(segs):
+            plan.recv(p, into[a * size : b * size], partial(arrived, k))
+    if not segs:
+        finish_(own, red, n)
+    return reduced
+
+
+def reduce_scatter_tree(
+    call: Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode = OpCode.REDUCE_SCATTER
+) -> None:
+    """Deterministic reduce-scatter, in place: afterwards ``chunks[r]`` holds the reduced chunk r.
+
+    ``chunks`` are N contiguous 1-D CPU tensors of one dtype (sizes may
+    differ); ``prepare_`` (PREMUL_SUM's scale) is the caller's, AVG's division
+    is done here, after the sum.
+
+    Steps: one, a direct exchange. Rank r sends chunk p to every rank p != r
+    and receives chunk r from every peer, segment by segment, all links at
+    once; segment k of chunk r is combined in the canonical tree order as soon
+    as every peer's segment k has arrived (the N-1 combines of an element are
+    done by its owner, none on the way). Bytes on the wire per rank: the
+    other chunks out, (N-1) x chunk r in; for equal chunks (N-1)/N x total
+    each way, the ring's. Latency: 1 hop. Scratch: (N-1) x chunk r bytes.
+    """
+    n = call.world
+    if len(chunks) != n:
+        raise ValueError(f"rank {call.rank}: reduce-scatter needs {n} chunks, got {len(chunks)}")
+    if n == 1:
+        finish_(chunks[0], red, 1)
+        return
+    numel = sum(c.numel() for c in chunks)
+    plan = Plan(call.rank)
+    header = call.header(op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel)
+    _exchange(call, plan, chunks, red, header)
+    call.mesh.run(plan, call.what(op))
+
+
+def allreduce_tree_ring(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Deterministic allreduce of the flat CPU tensor ``buf``, in place.
+
+    Steps: the direct-exchange reduce-scatter of ``reduce_scatter_tree``
+    (``buf`` cut by ``chunk_bounds``; rank r owns chunk r and tree-reduces it),
+    then N-1 ring all-gather steps (at step s rank r forwards chunk r-s to
+    r+1 and receives chunk r-s-1 from r-1), both in one plan: segment k of
+    chunk r goes round the ring as soon as it is reduced. Bytes on the wire
+    per rank: 2(N-1)/N x nbytes sent and received, the same as the ring
+    allreduce. Latency: 1 + (N-1) hops.
+    """
+    n, r = call.world, call.rank
+    if n == 1:
+        finish_(buf, red, 1)
+        return
+    header = call.header(op, Algo.TREE_RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
+    chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
+    plan = Plan(r)
+    reduced = _exchange(call, plan, chunks, red, header)
+    # Ring all-gather over the same (already open) links. A received segment
+    # lands in its final place; chunk c's segment k can only arrive after its
+    # owner had this rank's segment k, so overwriting it never races the
+    # exchange's send of the same bytes.
+    right, left = (r + 1) % n, (r - 1) % n
+    seg_elems = call.segment_elems(buf.dtype)
+    size = buf.element_size()
+    views = [bytes_of(c) for c in chunks]
+    got: list[list[bool]] = []
+    for s in range(n - 1):
+        c = (r - s - 1) % n
+        flags = [False] * len(segments(0, chunks[c].numel(), seg_elems))
+        for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
+            plan.recv(left, views[c][a * size : b * size], partial(flags.__setitem__, k, True))
+        got.append(flags)
+    for s in range(n - 1):
+        c = (r - s) % n
+        gate = reduced if s == 0 else got[s - 1]
+        for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
+            plan.send(right, views[c][a * size : b * size], partial(operator.getitem, gate, k))
+    call.mesh.run(plan, call.what(op))

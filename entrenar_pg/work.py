@@ -1,0 +1,74 @@
+"""EntrenarWork: the handle every collective returns.
+
+torch's ``_create_work_from_future`` wrapper returns True from ``wait()`` even
+when the future failed, which would turn a broken collective into silent
+garbage. This Work re-raises the collective's error (PeerConnectionError,
+CollectiveMismatchError, ContractViolation) from ``wait()``, so
+``dist.all_reduce`` and friends raise it in the caller, and exposes the future
+that DDP's reducer chains on. The engine holds a reference until the job is
+done, so a Work handed to C++ stays alive while it is pending.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerConnectionError
+
+
+class EntrenarWork(dist.Work):
+    def __init__(self, future: torch.futures.Future, what: str, rank: int) -> None:
+        super().__init__()
+        self._future = future
+        self._what = what
+        self._rank = rank
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        future.add_done_callback(self._on_done)
+
+    def _on_done(self, fut: torch.futures.Future) -> None:
+        try:
+            fut.value()
+        except BaseException as e:  # recorded for exception()/is_success()
+            self._error = e
+        self._done.set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until done; raise the collective's error. ``timedelta(0)`` means no timeout."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if seconds > 0 and not self._done.wait(seconds):
+            raise PeerConnectionError(
+                f"rank {self._rank}: {self._what}: Work.wait timed out after {seconds:.1f}s"
+            )
+        # Future.wait re-raises the error and, for CUDA futures, makes the
+        # current stream wait for the streams that produced the result.
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._future.value()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.is_set() else "pending"
+        return f"EntrenarWork({self._what}, rank={self._rank}, {state})"
