@@ -23,7 +23,7 @@ from .config import Options
 from .engine import Engine, Job
 from .errors import EntrenarError
 from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_, resolve
-from .staging import PinnedPool, Staged, Staging
+from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .transport import Mesh
 from .wire import OpCode
 from .work import EntrenarWork
@@ -133,12 +133,13 @@ class EntrenarProcessGroup(dist.ProcessGroup):
             return Staging(device, None, None)
         if self._pinned is None:
             self._pinned = PinnedPool()
+        # A CUDA tensor's device always has an index (never current_device()).
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._cuda_streams.get(index)
         if stream is None:
-            stream = torch.cuda.Stream(device=index)
+            stream = new_comm_stream(index)
             self._cuda_streams[index] = stream
-        return Staging(device, self._pinned, stream)
+        return Staging(torch.device("cuda", index), self._pinned, stream)
 
     def _launch(
         self,
@@ -149,10 +150,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         result: Any,
     ) -> Any:
         """Queue ``body`` as the next job; return a Work completing with ``result``."""
-        if staging.is_cuda:
-            fut = torch.futures.Future(devices=[staging.device])
-        else:
-            fut = torch.futures.Future()
+        fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
         name = kind.name.lower()
 
         def run(seq: int) -> Any:
@@ -167,7 +165,17 @@ class EntrenarProcessGroup(dist.ProcessGroup):
             seq = self._seq
             work = EntrenarWork(fut, f"{name}#{seq}", self._rank)
             job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context(), work)
-            self._engine.submit(job)
+            if (
+                nbytes <= self.options.inline_max_bytes
+                and not staging.is_cuda
+                and self._engine.idle()
+            ):
+                # Small and nothing queued: run it here, in issue order (we hold
+                # the lock every submission takes), sparing the two thread
+                # wake-ups (~100 us each) a hand-off to the comm thread costs.
+                self._engine.run_inline(job)
+            else:
+                self._engine.submit(job)
         return work
 
     @staticmethod

@@ -98,10 +98,10 @@ class BenchConfig:
     world_sizes: tuple[int, ...] = (2, 4)
     sizes: tuple[int, ...] = ()
     algos: tuple[str, ...] = tuple(SWEEP_VARIANTS)
-    repeats: int = 40
-    min_repeats: int = 3
+    repeats: int = 50
+    min_repeats: int = 5
     rounds: int = 5
-    budget_bytes: int = 1 * GiB
+    budget_bytes: int = 2 * GiB
     raw: bool = True
     raw_min_bytes: int = 1 * MiB
     mpi: bool = True
@@ -793,6 +793,31 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def git_revision() -> str:
+    """``<short sha>[+dirty]`` of the checkout this module lives in, or ``""``."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return sha + ("+dirty" if dirty else "")
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the whole benchmark described by ``cfg``; returns the JSON-able result."""
     started = time.time()
@@ -809,6 +834,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "meta": {
             "machine": machine_info(),
+            "git": git_revision(),
             "config": cfg.to_json(),
             "variants": [SWEEP_VARIANTS[a].name for a in algos],
             "variant_options": {SWEEP_VARIANTS[a].name: SWEEP_VARIANTS[a].options for a in algos},
@@ -1008,7 +1034,8 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
     meta = result["meta"]
     m = meta["machine"]
     lines = [
-        f"machine: {m['nproc']} CPUs, {m['cpu']}, kernel {m['kernel']}, torch {m['torch']}",
+        f"machine: {m['nproc']} CPUs, {m['cpu']}, kernel {m['kernel']}, torch {m['torch']}, "
+        f"git {meta.get('git') or '?'}, {meta['started']}",
         f"timing: {meta['timing']}",
     ]
     if meta.get("mpi_library"):
@@ -1112,13 +1139,13 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         "--repeats",
         type=int,
         default=None,
-        help="max timed samples per variant and size (default 40; --quick 8)",
+        help="max timed samples per variant and size (default 50; --quick 8)",
     )
     p.add_argument("--rounds", type=int, default=None, help="interleaving rounds (default 5)")
     p.add_argument(
         "--budget",
         default=None,
-        help="bytes moved per variant and size, bounds the samples (default 1G)",
+        help="bytes per variant and size, bounds the samples (default 2G; --quick 64M)",
     )
     p.add_argument("--ddp-steps", type=int, default=None, help="timed DDP steps per variant")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP step benchmark")
@@ -1143,10 +1170,10 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         world_sizes=tuple(int(x) for x in worlds.split(",")),
         sizes=parse_sizes(a.sizes or (QUICK_SIZES if q else DEFAULT_SIZES)),
         algos=algos,
-        repeats=a.repeats or (8 if q else 40),
-        min_repeats=3,
+        repeats=a.repeats or (8 if q else 50),
+        min_repeats=3 if q else 5,
         rounds=a.rounds or (2 if q else 5),
-        budget_bytes=parse_bytes(a.budget) if a.budget else (64 * MiB if q else 1 * GiB),
+        budget_bytes=parse_bytes(a.budget) if a.budget else (64 * MiB if q else 2 * GiB),
         raw=not a.no_raw,
         mpi=not a.no_mpi,
         ddp=not a.no_ddp,

@@ -92,9 +92,9 @@ class Options:
             raise ValueError(
                 f"{ENV_ALGORITHM}/algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"
             )
-        if self.segment_bytes < 64:
+        if self.segment_bytes < 1:
             raise ValueError(
-                f"{ENV_SEGMENT_BYTES}/segment_bytes must be >= 64, got {self.segment_bytes}"
+                f"{ENV_SEGMENT_BYTES}/segment_bytes must be >= 1, got {self.segment_bytes}"
             )
         for name in ("star_max_bytes", "socket_buffer_bytes", "spin_us", "inline_max_bytes"):
             if getattr(self, name) < 0:

@@ -112,7 +112,18 @@ class Engine:
             self._cv.notify()
 
     def idle(self) -> bool:
+        """No job queued or running (so a job may run in the caller's thread)."""
         return not self._queue and not self._busy
+
+    def run_inline(self, job: Job) -> None:
+        """Run ``job`` in the calling thread. The caller guarantees ``idle()`` and
+        holds the lock that every ``submit`` of this group takes."""
+        assert self.idle(), "internal: inline run on a busy engine"
+        self._busy = True
+        try:
+            self.execute(job)
+        finally:
+            self._busy = False
 
     def _next(self) -> Job | None:
         if self._spin_s and not self._queue:

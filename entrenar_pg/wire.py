@@ -39,7 +39,7 @@ class OpCode(enum.IntEnum):
     GATHER = 7
     SCATTER = 8
     ALLTOALL = 9
-    SEND = 10
+    SEND = 10  # a point-to-point message on a group's p2p channel (see p2p_header)
     CHECK = 11  # contract-checker traffic
 
 
@@ -128,3 +128,21 @@ class Header:
             f"reduce_op={self.reduce_op}, aux={self.aux}, algo={self.algo.name.lower()}"
             f"{', deterministic' if self.flags & Flags.DETERMINISTIC else ''})"
         )
+
+
+def p2p_header(index: int, dtype: torch.dtype, nbytes: int, tag: int) -> Header:
+    """The header of one point-to-point message on a link of the p2p channel.
+
+    ``seq`` is the message's index on its link (0, 1, 2, ... per direction),
+    so a receiver that finds a gap knows the stream is corrupt; ``numel`` is
+    the payload length in bytes (any dtype can travel; ``dtype`` is None when
+    it has no wire code); ``aux`` is the user's tag, matched against recvs.
+    """
+    return Header(
+        seq=index,
+        op=OpCode.SEND,
+        algo=Algo.DIRECT,
+        dtype=dtype if dtype in DTYPE_CODE else None,
+        numel=nbytes,
+        aux=tag,
+    )

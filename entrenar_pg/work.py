@@ -11,7 +11,7 @@ done, so a Work handed to C++ stays alive while it is pending.
 
 from __future__ import annotations
 
-import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,24 +27,20 @@ class EntrenarWork(dist.Work):
         self._future = future
         self._what = what
         self._rank = rank
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        future.add_done_callback(self._on_done)
-
-    def _on_done(self, fut: torch.futures.Future) -> None:
-        try:
-            fut.value()
-        except BaseException as e:  # recorded for exception()/is_success()
-            self._error = e
-        self._done.set()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until done; raise the collective's error. ``timedelta(0)`` means no timeout."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        if seconds > 0 and not self._done.wait(seconds):
-            raise PeerConnectionError(
-                f"rank {self._rank}: {self._what}: Work.wait timed out after {seconds:.1f}s"
-            )
+        if seconds > 0 and not self._future.done():
+            # Rare path (torch's own calls pass no timeout): poll, since a
+            # torch Future has no timed wait.
+            deadline = time.monotonic() + seconds
+            while not self._future.done():
+                if time.monotonic() >= deadline:
+                    raise PeerConnectionError(
+                        f"rank {self._rank}: {self._what}: Work.wait timed out after {seconds:.1f}s"
+                    )
+                time.sleep(0.0005)
         # Future.wait re-raises the error and, for CUDA futures, makes the
         # current stream wait for the streams that produced the result.
         self._future.wait()
@@ -54,13 +50,19 @@ class EntrenarWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return bool(self._future.done())
 
     def exception(self) -> Any:
-        return self._error
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except BaseException as e:  # the collective's error, returned not raised
+            return e
+        return None
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
 
     def result(self) -> Any:
         self.wait()
@@ -70,5 +72,5 @@ class EntrenarWork(dist.Work):
         self.wait()
 
     def __repr__(self) -> str:
-        state = "done" if self._done.is_set() else "pending"
+        state = "done" if self._future.done() else "pending"
         return f"EntrenarWork({self._what}, rank={self._rank}, {state})"

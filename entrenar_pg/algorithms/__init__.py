@@ -1,9 +1,11 @@
 """Collective algorithms. Each builds a transport ``Plan`` and runs it; none touches a socket."""
 
+from .alltoall import alltoall, exchange
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, segments
 from .deterministic import allreduce_tree_ring, reduce_scatter_tree
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
+from .rooted import gather, reduce, reduce_star, scatter
 from .star import allreduce_star, barrier
 
 __all__ = [
@@ -13,12 +15,18 @@ __all__ = [
     "allreduce_ring",
     "allreduce_star",
     "allreduce_tree_ring",
+    "alltoall",
     "barrier",
     "broadcast",
     "bytes_of",
     "chunk_bounds",
+    "exchange",
+    "gather",
+    "reduce",
     "reduce_scatter_ring",
     "reduce_scatter_tree",
+    "reduce_star",
     "ring_pass",
+    "scatter",
     "segments",
 ]

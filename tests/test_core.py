@@ -1,0 +1,373 @@
+"""Core backend, unit level: N ranks as threads over real loopback TCP.
+
+Covers the allreduce algorithms across world sizes and sizes, every reduce op
+and dtype against a reference computed in one process, broadcast/allgather/
+barrier, argument validation, mismatch detection and timeouts.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import make_groups, run_ranks
+
+from entrenar_pg import (
+    CollectiveMismatchError,
+    EntrenarProcessGroup,
+    Options,
+    PeerConnectionError,
+)
+from entrenar_pg.config import ENV_ALGORITHM, ENV_SEGMENT_BYTES
+from entrenar_pg.wire import Algo, Header, OpCode
+
+pytestmark = pytest.mark.timeout(120)
+
+ALGOS = ["ring", "star"]
+
+
+def allreduce(pg: EntrenarProcessGroup, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    pg.allreduce([t], opts).wait()
+
+
+# ---------------------------------------------------------------- config and wire
+
+
+def test_options_from_env_and_validation() -> None:
+    o = Options.from_env({ENV_ALGORITHM: "Ring", ENV_SEGMENT_BYTES: "4096"})
+    assert (o.algorithm, o.segment_bytes) == ("ring", 4096)
+    with pytest.raises(ValueError, match="ENTRENAR_ALGO"):
+        Options.from_env({ENV_ALGORITHM: "tree"})
+    with pytest.raises(ValueError, match="ENTRENAR_SEGMENT_BYTES"):
+        Options.from_env({ENV_SEGMENT_BYTES: "lots"})
+    with pytest.raises(ValueError, match="ENTRENAR_DETERMINISTIC"):
+        Options.from_env({"ENTRENAR_DETERMINISTIC": "maybe"})
+    with pytest.raises(TypeError):
+        Options("ring")  # type: ignore[misc]  # keyword-only
+
+
+def test_header_round_trip_and_garbage() -> None:
+    h = Header(7, OpCode.ALLREDUCE, Algo.RING, torch.bfloat16, 4, 123456789, -1)
+    assert Header.unpack(h.pack()) == h
+    assert len(h.pack()) == 32
+    with pytest.raises(ValueError, match="not an entrenar frame"):
+        Header.unpack(b"\0" * 32)
+
+
+# ---------------------------------------------------------------- allreduce sweep
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("world", range(1, 9))
+def test_allreduce_sizes(world: int, algo: str) -> None:
+    """Sizes 0, 1, 7 (non-divisible) and many segments (64-byte segments)."""
+    sizes = [0, 1, 7, 1000]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for n in sizes:
+            t = torch.arange(n, dtype=torch.float64) + 1000.0 * rank
+            allreduce(pg, t)
+            outs.append(t)
+        return outs
+
+    results = run_ranks(world, fn, options=Options(algorithm=algo, segment_bytes=64))
+    for i, n in enumerate(sizes):
+        expected = torch.arange(n, dtype=torch.float64) * world + 1000.0 * sum(range(world))
+        for rank in range(world):
+            assert torch.equal(results[rank][i], expected), (world, algo, n, rank)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_allreduce_64mib(world: int, algo: str) -> None:
+    numel = (64 << 20) // 4
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> bool:
+        t = torch.full((numel,), float(rank + 1))
+        t[-1] = rank
+        allreduce(pg, t)
+        expected = world * (world + 1) / 2
+        return bool((t[:-1] == expected).all()) and t[-1].item() == sum(range(world))
+
+    assert all(run_ranks(world, fn, options=Options(algorithm=algo), timeout_s=100))
+
+
+# ---------------------------------------------------------------- ops x dtypes
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "AVG": dist.ReduceOp.AVG,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+    "BAND": dist.ReduceOp.BAND,
+    "BOR": dist.ReduceOp.BOR,
+    "BXOR": dist.ReduceOp.BXOR,
+    "PREMUL_SUM": dist._make_nccl_premul_sum(0.5),
+}
+VALID = {
+    "SUM": FLOATS + INTS + [torch.bool],
+    "PRODUCT": FLOATS + INTS + [torch.bool],
+    "MIN": FLOATS + INTS + [torch.bool],
+    "MAX": FLOATS + INTS + [torch.bool],
+    "AVG": FLOATS,
+    "PREMUL_SUM": FLOATS,
+    "BAND": INTS + [torch.bool],
+    "BOR": INTS + [torch.bool],
+    "BXOR": INTS + [torch.bool],
+}
+
+
+def _input(rank: int, dtype: torch.dtype, n: int = 37) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234 + rank)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g) + 0.5).to(dtype)
+    return torch.randint(1, 5, (n,), generator=g).to(dtype)
+
+
+def _reference(name: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    acc = inputs[0].clone()
+    if name == "PREMUL_SUM":
+        acc = acc * 0.5
+    for x in inputs[1:]:
+        if name in ("SUM", "AVG"):
+            acc = acc + x
+        elif name == "PREMUL_SUM":
+            acc = acc + x * 0.5
+        elif name == "PRODUCT":
+            acc = acc * x
+        elif name == "MIN":
+            acc = torch.minimum(acc, x)
+        elif name == "MAX":
+            acc = torch.maximum(acc, x)
+        elif name == "BAND":
+            acc = acc & x
+        elif name == "BOR":
+            acc = acc | x
+        elif name == "BXOR":
+            acc = acc ^ x
+    if name == "AVG":
+        acc = acc / len(inputs)
+    return acc
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_every_op_and_dtype_against_reference(algo: str) -> None:
+    world = 3
+    cases = [(name, dt) for name, dts in VALID.items() for dt in dts]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for name, dt in cases:
+            t = _input(rank, dt)
+            allreduce(pg, t, OPS[name])
+            outs.append(t)
+        return outs
+
+    results = run_ranks(world, fn, options=Options(algorithm=algo, segment_bytes=16))
+    for i, (name, dt) in enumerate(cases):
+        ref = _reference(name, [_input(r, dt) for r in range(world)])
+        for rank in range(world):
+            got = results[rank][i]
+            assert got.dtype == dt
+            if dt.is_floating_point:
+                tol = 1e-2 if dt in (torch.float16, torch.bfloat16) else 1e-6
+                torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+            else:
+                assert torch.equal(got, ref), (name, dt, rank)
+        # every rank holds the same bits
+        assert all(torch.equal(results[0][i], results[r][i]) for r in range(world))
+
+
+# ---------------------------------------------------------------- other collectives
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_broadcast_allgather_barrier_coalesced(world: int) -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+        for root in range(world):
+            for n in (0, 5, 300_000):  # 300k floats > star_max_bytes: chained broadcast
+                t = torch.full((n,), float(rank))
+                opts = dist.BroadcastOptions()
+                opts.rootRank = root
+                pg.broadcast([t], opts).wait()
+                assert bool((t == root).all()), (rank, root, n)
+        outs = [torch.empty(4, dtype=torch.int32) for _ in range(world)]
+        pg.allgather([outs], [torch.full((4,), rank, dtype=torch.int32)]).wait()
+        assert [int(o[0]) for o in outs] == list(range(world))
+        flat = torch.empty(3 * world)
+        pg._allgather_base(flat, torch.full((3,), float(rank))).wait()
+        assert flat.tolist() == [float(r) for r in range(world) for _ in range(3)]
+        a, b = torch.ones(3) * rank, torch.ones(5, 2) * rank
+        pg.allreduce_coalesced([a, b]).wait()
+        assert bool((a == sum(range(world))).all()) and bool((b == sum(range(world))).all())
+        pg.barrier().wait()
+
+    run_ranks(world, fn, options=Options(segment_bytes=4096))
+
+
+def test_barrier_really_waits() -> None:
+    """No rank leaves the barrier before the last one arrives."""
+    arrive: dict[int, float] = {}
+    leave: dict[int, float] = {}
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+        time.sleep(0.3 * rank)
+        arrive[rank] = time.monotonic()
+        pg.barrier().wait()
+        leave[rank] = time.monotonic()
+
+    run_ranks(3, fn)
+    assert min(leave.values()) >= max(arrive.values())
+
+
+def test_async_work_overlaps_and_completes_in_order() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
+        ts = [torch.full((10_000,), float(i + rank)) for i in range(20)]
+        works = [pg.allreduce([t]) for t in ts]  # all in flight at once
+        for w in works:
+            assert w.wait() is True
+            assert w.is_completed() and w.is_success()
+            assert w.get_future().value() is not None
+        return [float(t[0]) for t in ts]
+
+    res = run_ranks(2, fn)
+    assert res[0] == res[1] == [float(2 * i + 1) for i in range(20)]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_arguments_raise_before_sending_and_group_survives() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+        with pytest.raises(ValueError, match=rf"rank {rank}: allreduce.*BXOR.*float32"):
+            allreduce(pg, torch.ones(3), dist.ReduceOp.BXOR)
+        with pytest.raises(ValueError, match="AVG.*int64"):
+            allreduce(pg, torch.ones(3, dtype=torch.int64), dist.ReduceOp.AVG)
+        with pytest.raises(ValueError, match="different dtypes"):
+            pg.allreduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+        with pytest.raises(ValueError, match="complex64 is not supported"):
+            pg.allreduce([torch.ones(2, dtype=torch.complex64)])
+        with pytest.raises(ValueError, match="dense"):
+            pg.allreduce([torch.ones(2).to_sparse()])
+        with pytest.raises(ValueError, match="root rank 7"):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 7
+            pg.broadcast([torch.ones(2)], opts)
+        with pytest.raises(ValueError, match="output list has 1 tensors"):
+            pg.allgather([[torch.ones(2)]], [torch.ones(2)])
+        with pytest.raises(TypeError, match="expected tensors"):
+            pg.allreduce([3.0])  # type: ignore[list-item]
+        t = torch.ones(4)
+        allreduce(pg, t)  # nothing was sent above: the ranks are still in step
+        return float(t[0])
+
+    assert run_ranks(2, fn) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_mismatched_collectives_raise_on_both(algo: str) -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> str:
+        with pytest.raises(CollectiveMismatchError) as info:
+            if rank == 0:
+                allreduce(pg, torch.ones(10))
+            else:
+                pg.broadcast([torch.ones(10)], None).wait()
+        # later calls say the group is broken, with the same class
+        with pytest.raises(CollectiveMismatchError, match="cannot be used any more"):
+            allreduce(pg, torch.ones(1))
+        return str(info.value)
+
+    msgs = run_ranks(2, fn, options=Options(algorithm=algo), timeout_s=30)
+    for m in msgs:
+        assert "allreduce#1" in m and "broadcast#1" in m, m
+
+
+def test_size_mismatch_is_detected() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+        with pytest.raises(CollectiveMismatchError, match=r"mismatch.*numel=1[012].*numel=1[012]"):
+            allreduce(pg, torch.ones(10 + rank))
+
+    run_ranks(3, fn, timeout_s=30)
+
+
+def test_stalled_peer_times_out_on_every_rank() -> None:
+    groups = make_groups(3, Options(), timeout_s=2.0)
+    started = time.monotonic()
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+        if rank == 2:
+            time.sleep(4.0)  # never joins the collective in time
+            with pytest.raises(PeerConnectionError):
+                allreduce(pg, torch.ones(8))
+        else:
+            with pytest.raises(PeerConnectionError, match="no progress|rank 2|failed"):
+                allreduce(pg, torch.ones(8))
+        return time.monotonic() - started
+
+    try:
+        elapsed = run_ranks(3, fn, groups=groups, timeout_s=30)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert max(elapsed[:2]) < 2.0 + 1.5, elapsed  # within the timeout, not after it
+
+
+def test_missing_rank_fails_group_creation_within_timeout() -> None:
+    store = dist.HashStore()
+    start = time.monotonic()
+    with pytest.raises(PeerConnectionError, match="rank 1: timed out"):
+        EntrenarProcessGroup(store, 1, 2, timeout=timedelta(seconds=1.5), options=Options())
+    assert time.monotonic() - start < 4
+
+
+def test_intruder_connection_is_refused() -> None:
+    """A connection that cannot answer the challenge never becomes a peer."""
+    import socket
+
+    store = dist.HashStore()
+    results: dict[int, object] = {}
+
+    import threading
+
+    def make(rank: int) -> None:
+        results[rank] = EntrenarProcessGroup(
+            dist.PrefixStore("x", store), rank, 2, timeout=timedelta(seconds=10), options=Options()
+        )
+
+    t0 = threading.Thread(target=make, args=(0,), daemon=True)
+    t0.start()
+    prefixed = dist.PrefixStore("x", store)
+    prefixed.wait(["entrenar/addr/0"], timedelta(seconds=10))
+    host, port = prefixed.get("entrenar/addr/0").decode().rsplit(":", 1)
+    intruder = socket.create_connection((host, int(port)), timeout=5)
+    intruder.recv(16)  # the challenge
+    intruder.sendall(b"ENTR" + (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + b"x" * 32)
+    assert intruder.recv(32) == b""  # refused and closed
+    intruder.close()
+    t1 = threading.Thread(target=make, args=(1,), daemon=True)
+    t1.start()
+    t0.join(15)
+    t1.join(15)
+    groups = [results[0], results[1]]
+    try:
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.ones(3)
+            allreduce(pg, t)
+            return float(t[0])
+
+        assert run_ranks(2, fn, groups=groups) == [2.0, 2.0]  # type: ignore[arg-type]
+    finally:
+        for g in groups:
+            g.shutdown()  # type: ignore[attr-defined]
