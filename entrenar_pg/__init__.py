@@ -14,12 +14,14 @@ import torch.distributed as dist
 
 from .backend import BACKEND_NAME, EntrenarProcessGroup, create_process_group
 from .config import Options
+from .contracts import ContractChecker
 from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError
 from .reduce_ops import tree_sum
 
 __all__ = [
     "BACKEND_NAME",
     "CollectiveMismatchError",
+    "ContractChecker",
     "ContractViolation",
     "EntrenarError",
     "EntrenarProcessGroup",

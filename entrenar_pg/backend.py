@@ -19,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as alg
+from .collectives import CollectivesMixin
 from .config import Options
+from .contracts import ContractChecker
 from .engine import Engine, Job
 from .errors import EntrenarError
+from .p2p import P2PChannel
 from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_, resolve
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .transport import Mesh
@@ -35,7 +38,7 @@ BACKEND_NAME = "entrenar"
 Body = Callable[[alg.Call], None]
 
 
-class EntrenarProcessGroup(dist.ProcessGroup):
+class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     """A torch.distributed process group whose collectives run over entrenar's TCP mesh."""
 
     def __init__(
@@ -62,8 +65,10 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._pinned: PinnedPool | None = None
         self._cuda_streams: dict[int, Any] = {}
         self._closed = False
-        self.checker: Any | None = None  # contracts.ContractChecker when enabled
+        self.checker: Any | None = ContractChecker(self) if self.options.check else None
         self.mesh = Mesh(store, rank, size, self.options, timeout, name=group_name)
+        # p2p has its own mesh and thread: a recv must never block the collectives.
+        self._p2p = P2PChannel(store, rank, size, self.options, timeout, name=group_name)
         self._engine = Engine(rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort,
                               self.options.spin_us)
         log.info(
@@ -345,10 +350,12 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._closed = True
         self._engine.shutdown()
         self.mesh.close()
+        self._p2p.close()
 
     def abort(self) -> None:
         self._engine.shutdown(timeout_s=0.1)
         self.mesh.abort(EntrenarError(f"rank {self._rank}: process group aborted by the user"))
+        self._p2p.close(hard=True)
 
     def __del__(self) -> None:
         try:

@@ -343,8 +343,13 @@ def main(argv: list[str] | None = None) -> int:
 
     device = pick_device(cfg, local_rank)
     load_backend(cfg.backend)
+    # torchrun (2.13) hands every restart the same agent TCPStore with no per-attempt
+    # prefix, so a backend could read a dead attempt's addresses; keep attempts apart.
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"entrenar-trainer/attempt-{restart_count}", store)
     dist.init_process_group(
-        backend=cfg.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        backend=cfg.backend, store=store, rank=rank, world_size=world, timeout=timeout
     )
 
     # -- global batch geometry ------------------------------------------------

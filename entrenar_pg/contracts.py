@@ -1,0 +1,552 @@
+"""The contract checker: proves, as training runs, that the reductions were right.
+
+Enabled by ``ENTRENAR_CHECK=1`` (``Options.check``) on a group, or in code with
+``ContractChecker.install(group)``. Three contracts:
+
+C-RING-001 (every allreduce): every rank holds the same output, and the
+    output is the op applied to the inputs. Before the allreduce each rank
+    projects its input on a random vector ``r`` (``S_i = r.x_i``) and takes
+    its norm; afterwards it projects its output (``S_out = r.y``) and hashes
+    it. One small direct exchange (op CHECK, same sequence number) gives every
+    rank every rank's record, and every rank runs the same verdict on the same
+    records: the output hashes must all be equal, and for the linear ops
+    (SUM, AVG, PREMUL_SUM) ``|S_out - f * sum_i S_i| <= tau * |f| * sum_i ||x_i||``
+    (``f`` = 1, 1/N or the PREMUL factor; ``tau`` = ``check_tolerance`` +
+    (N + 1) x the dtype's unit roundoff). For integer dtypes the comparison is
+    exact (modulo 2^bits, as the reduction itself wraps). Other ops (PRODUCT,
+    MIN, MAX, bitwise, bool) get the identical-output check only.
+F-DP-003 (every allreduce input): a NaN or infinity in any rank's input fails
+    the same exchange, naming the rank(s), the allreduce's sequence number,
+    the bucket and optimizer step it belongs to, and the first bad element.
+C-DDP-001 (after every optimizer step): every rank holds identical
+    parameters. A global optimizer step post-hook hashes the optimizer's
+    parameters and exchanges the hashes through the group (so an unmodified
+    DDP script is covered). Parameters that are sharded DTensors (FSDP2) are
+    skipped: they are meant to differ.
+
+A violation raises ``ContractViolation`` on every rank: the verdict runs inside
+the group's job, so the engine breaks the group, publishes the error and every
+later call on it fails with the same class; no rank is left waiting.
+
+Float bound: with ``r`` of i.i.d. standard normal entries (a fixed 4096-entry
+vector, each 4096-element block scaled by its own random weight, all from a
+fixed seed so every rank has the same ``r``), ``r.delta`` for an error vector
+``delta`` is a zero-mean variable of standard deviation ``||delta||``. The
+reduction's rounding error obeys ``||delta|| <= (N - 1) u sum_i ||x_i||``
+(``u`` the dtype's unit roundoff; N + 1 also covers AVG's division and
+PREMUL's scaling), and block dot products are accumulated in float32 over 4096
+elements then in float64 (relative error well under 1e-4), so the default
+``check_tolerance`` of 1e-3 never fires on a correct float32 reduction, while
+a corruption whose norm exceeds ~1e-3 of the inputs' is caught; a corruption
+on one rank only is always caught by the hash.
+
+The hash is xxHash's XXH3-64 (``xxhash``, the ``check`` extra): ~26 GB/s here
+against ~1 GB/s for ``hashlib.blake2b``, which is the fallback when xxhash is
+not installed. Measured costs are in docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .algorithms.common import Call, bytes_of
+from .errors import ContractViolation
+from .reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind, Reduction
+from .transport import Plan
+from .wire import Algo, OpCode
+
+try:  # optional dependency (extra "check"); blake2b is the fallback
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _xxhash = None
+
+log = logging.getLogger(__name__)
+
+HASH_NAME = "xxh3_64" if _xxhash is not None else "blake2b-64"
+
+_BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
+_SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
+_SEED = 0x5EED_C0DE
+
+# Unit roundoff of each float dtype.
+_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+_INT_BITS = {
+    torch.int8: 8,
+    torch.uint8: 8,
+    torch.int16: 16,
+    torch.int32: 32,
+    torch.int64: 64,
+}
+_LINEAR = (Kind.SUM, Kind.AVG, Kind.PREMUL_SUM)
+
+# Record exchanged per allreduce: int64 fields (floats stored by their bits).
+_F_FLAGS, _F_SIN, _F_NORM, _F_SOUT, _F_HASH, _F_BAD, _F_NUMEL, _F_KIND = range(8)
+_RECORD = 8
+_IN_NONFINITE = 1
+_OUT_NONFINITE = 2
+_PROJECTED = 4
+
+# aux field of the CHECK header, so the two kinds of exchange can't be confused.
+_AUX_ALLREDUCE = 1
+_AUX_PARAMS = 2
+
+
+# ---------------------------------------------------------------------- hashing
+
+
+class _Blake2b64:
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=8)
+
+    def update(self, data: memoryview) -> None:
+        self._h.update(data)
+
+    def intdigest(self) -> int:
+        return int.from_bytes(self._h.digest(), "little")
+
+
+def _hasher() -> Any:
+    return _xxhash.xxh3_64() if _xxhash is not None else _Blake2b64()
+
+
+def _to_i64(u: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _f2i(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
+
+
+def _i2f(i: int) -> float:
+    return float(torch.tensor([i], dtype=torch.int64).view(torch.float64).item())
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a tensor's values (a contiguous CPU copy if it is not one already)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return bytes_of(t.contiguous().reshape(-1))
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> int:
+    """64-bit hash (XXH3, or blake2b) of the tensors' bytes, in order; as an int64."""
+    h = _hasher()
+    for t in tensors:
+        h.update(tensor_bytes(t))
+    return _to_i64(h.intdigest())
+
+
+# ---------------------------------------------------------------------- projection
+
+
+class _Projection:
+    """The random vector r, the same on every rank (fixed seed), applied blockwise.
+
+    r[j] = base[j mod 4096] * weight[j // 4096]: one matrix-vector product
+    over the (blocks x 4096) view of the data, then a float64 dot with the
+    block weights. Distinct weights per block make aligned block swaps visible.
+    """
+
+    def __init__(self, seed: int = _SEED) -> None:
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randn(_BLOCK, generator=g, dtype=torch.float64)
+        base[base == 0] = 1.0
+        self.r64 = base
+        self.r32 = base.float()
+        self.rint = torch.randint(1, 1 << 20, (_BLOCK,), generator=g, dtype=torch.int64)
+        self.rint *= torch.randint(0, 2, (_BLOCK,), generator=g, dtype=torch.int64) * 2 - 1
+        self._seed = seed
+        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def weights(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block weights (float64, int64) for ``blocks`` blocks: a function of the size only."""
+        cap = 1 << max(blocks - 1, 0).bit_length()
+        w = self._weights.get(cap)
+        if w is None:
+            g = torch.Generator().manual_seed(self._seed + cap)
+            wf = torch.randn(cap, generator=g, dtype=torch.float64)
+            wf[wf == 0] = 1.0
+            wi = torch.randint(1, 1 << 20, (cap,), generator=g, dtype=torch.int64)
+            w = (wf, wi)
+            self._weights[cap] = w
+        return w
+
+    def floats(self, x: torch.Tensor, wide: bool = False) -> tuple[float, float]:
+        """(r.x, ||x||_2) of a flat float tensor; non-finite if x is (or, rarely, overflows)."""
+        n = x.numel()
+        full, tail = divmod(n, _BLOCK)
+        wf, _ = self.weights(full + (1 if tail else 0))
+        work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
+        r = self.r64 if work == torch.float64 else self.r32
+        s = 0.0
+        if full:
+            rows = x[: full * _BLOCK].view(full, _BLOCK)
+            if rows.dtype == work:
+                v = torch.mv(rows, r)
+            else:
+                v = torch.empty(full, dtype=work)
+                for a in range(0, full, _SLICE_ROWS):
+                    b = min(a + _SLICE_ROWS, full)
+                    torch.mv(rows[a:b].to(work), r, out=v[a:b])
+            s += float(torch.dot(v.double(), wf[:full]))
+        if tail:
+            s += float(torch.dot(x[full * _BLOCK :].double(), self.r64[:tail])) * float(wf[full])
+        norm = float(torch.linalg.vector_norm(x, dtype=work)) if n else 0.0
+        return s, norm
+
+    def ints(self, x: torch.Tensor) -> int:
+        """r.x over int64 with wrap-around (exact modulo 2^64), as an int64."""
+        n = x.numel()
+        full, tail = divmod(n, _BLOCK)
+        _, wi = self.weights(full + (1 if tail else 0))
+        s = torch.zeros((), dtype=torch.int64)
+        if full:
+            rows = x[: full * _BLOCK].view(full, _BLOCK)
+            v = torch.empty(full, dtype=torch.int64)
+            for a in range(0, full, _SLICE_ROWS):
+                b = min(a + _SLICE_ROWS, full)
+                torch.mv(rows[a:b].to(torch.int64), self.rint, out=v[a:b])
+            s += torch.dot(v, wi[:full])
+        if tail:
+            s += torch.dot(x[full * _BLOCK :].to(torch.int64), self.rint[:tail]) * wi[full]
+        return int(s.item())
+
+
+# ---------------------------------------------------------------------- exchange
+
+
+def exchange_records(call: Call, record: torch.Tensor, aux: int) -> torch.Tensor:
+    """All-gather one small int64 record per rank, directly (1 hop), op CHECK.
+
+    Returns an (N, len(record)) int64 tensor; row i is rank i's record.
+    Bytes on the wire per rank: (N - 1) x record bytes each way.
+    """
+    n, r = call.world, call.rank
+    out = torch.empty((n, record.numel()), dtype=torch.int64)
+    out[r] = record
+    if n == 1:
+        return out
+    header = call.header(OpCode.CHECK, Algo.DIRECT, torch.int64, numel=out.numel(), aux=aux)
+    plan = Plan(r)
+    mine = bytes_of(out[r])
+    for p in range(n):
+        if p != r:
+            plan.open(p, header)
+            plan.send(p, mine)
+            plan.recv(p, bytes_of(out[p]))
+    call.mesh.run(plan, call.what(OpCode.CHECK))
+    return out
+
+
+def _groups(values: Sequence[int]) -> tuple[list[int], str]:
+    """Ranks that disagree with the majority value (all ranks if there is no strict majority)."""
+    counts = Counter(values)
+    if len(counts) == 1:
+        return [], ""
+    top, top_n = counts.most_common(1)[0]
+    ties = [v for v, c in counts.items() if c == top_n]
+    by_value = ", ".join(
+        f"{[i for i, v in enumerate(values) if v == val]}: {val & (2**64 - 1):016x}"
+        for val in counts
+    )
+    if len(ties) > 1:
+        return list(range(len(values))), by_value
+    return [i for i, v in enumerate(values) if v != top], by_value
+
+
+# ---------------------------------------------------------------------- the checker
+
+
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with their own hook
+_hook_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def _global_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """After every optimizer step in this process: C-DDP-001 on the default group, if checked."""
+    if optimizer in _watched or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):
+        return
+    checker = getattr(pg, "checker", None)
+    if isinstance(checker, ContractChecker):
+        checker.after_optimizer_step(optimizer)
+
+
+def _install_global_hook() -> None:
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _hook_handle = register_optimizer_step_post_hook(_global_post_hook)
+
+
+class ContractChecker:
+    """Checks C-RING-001 and F-DP-003 on every allreduce of ``group``, C-DDP-001 per step.
+
+    The group calls ``before_allreduce``/``after_allreduce`` from its job (the
+    comm thread) around every allreduce; the optimizer hook calls
+    ``after_optimizer_step``. Counters (``allreduces_checked``,
+    ``steps_checked``, ``seconds``) say what it did and what it cost.
+    """
+
+    def __init__(
+        self, group: Any, *, tolerance: float | None = None, watch_optimizers: bool = True
+    ) -> None:
+        self.group = group
+        options = getattr(group, "options", None)
+        self.tolerance = (
+            tolerance
+            if tolerance is not None
+            else (options.check_tolerance if options is not None else 1e-3)
+        )
+        self.step = 0  # optimizer steps completed (and checked)
+        self.allreduces_checked = 0
+        self.steps_checked = 0
+        self.seconds = 0.0  # time spent checking (projection, hashing, exchanges)
+        self._since_step = 0  # allreduces since the last optimizer step: the bucket index
+        self._projection = _Projection()
+        self._pending: tuple[int, int, int, int, int] | None = None
+        self._warned_overflow = False
+        if watch_optimizers:
+            _install_global_hook()
+
+    @classmethod
+    def install(cls, group: Any = None, **kwargs: Any) -> ContractChecker:
+        """Attach a checker to ``group`` (default: the default group), which must be entrenar."""
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if not hasattr(pg, "checker") or not hasattr(pg, "mesh"):
+            raise TypeError(f"ContractChecker needs an entrenar process group, got {pg!r}")
+        checker = cls(pg, **kwargs)
+        pg.checker = checker
+        return checker
+
+    # ------------------------------------------------------------ allreduce
+
+    def before_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
+        """Project and norm this rank's input (and find its first non-finite element)."""
+        start = time.perf_counter()
+        self._since_step += 1
+        flags, s_in, norm, bad = 0, 0, 0, -1
+        dtype = flat.dtype
+        if dtype in FLOAT_DTYPES:
+            s, nrm = self._projection.floats(flat)
+            if not (math.isfinite(s) and math.isfinite(nrm)):
+                nonfinite = (~torch.isfinite(flat)).nonzero()
+                if nonfinite.numel():
+                    flags |= _IN_NONFINITE
+                    bad = int(nonfinite[0].item())
+                else:  # finite but overflowed float32: redo wide
+                    s, nrm = self._projection.floats(flat, wide=True)
+            if red.kind in _LINEAR and not flags:
+                flags |= _PROJECTED
+            s_in, norm = _f2i(s), _f2i(nrm)
+        elif dtype in INT_DTYPES and red.kind in _LINEAR:
+            flags |= _PROJECTED
+            s_in = self._projection.ints(flat)
+        self._pending = (flags, s_in, norm, bad, call.seq)
+        self.seconds += time.perf_counter() - start
+
+    def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
+        """Hash and project the output, exchange the records, and judge (raises on violation)."""
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        if pending is None or pending[4] != call.seq:
+            raise ContractViolation(
+                f"rank {call.rank}: checker: allreduce #{call.seq} ended without having begun "
+                "(before_allreduce was not called)"
+            )
+        flags, s_in, norm, bad, _ = pending
+        s_out = 0
+        if flags & _PROJECTED:
+            if flat.dtype in FLOAT_DTYPES:
+                s, _nrm = self._projection.floats(flat)
+                if not math.isfinite(s):
+                    flags |= _OUT_NONFINITE
+                s_out = _f2i(s)
+            else:
+                s_out = self._projection.ints(flat)
+        record = torch.tensor(
+            [flags, s_in, norm, s_out, digest([flat]), bad, flat.numel(), int(red.kind)],
+            dtype=torch.int64,
+        )
+        records = exchange_records(call, record, _AUX_ALLREDUCE)
+        self.seconds += time.perf_counter() - start
+        self.allreduces_checked += 1
+        self._judge_allreduce(call, flat, red, records.tolist())
+
+    def _where(self, call: Call, flat: torch.Tensor) -> str:
+        dt = str(flat.dtype).removeprefix("torch.")
+        return (
+            f"allreduce #{call.seq} (bucket {self._since_step} of optimizer step "
+            f"{self.step + 1}; {flat.numel()} x {dt})"
+        )
+
+    def _judge_allreduce(
+        self, call: Call, flat: torch.Tensor, red: Reduction, recs: list[list[int]]
+    ) -> None:
+        """The verdict: a function of the gathered records only, so every rank reaches it."""
+        n = len(recs)
+        where = self._where(call, flat)
+        sizes = {rec[_F_NUMEL] for rec in recs}
+        kinds = {rec[_F_KIND] for rec in recs}
+        if len(sizes) > 1 or len(kinds) > 1:  # the headers make this unreachable
+            raise ContractViolation(
+                f"rank {call.rank}: C-RING-001 violated at {where}: ranks disagree on the "
+                f"call (numel {sorted(sizes)}, op {sorted(kinds)})"
+            )
+        bad_input = [i for i, rec in enumerate(recs) if rec[_F_FLAGS] & _IN_NONFINITE]
+        if bad_input:
+            what = "; ".join(f"rank {i}: element {recs[i][_F_BAD]}" for i in bad_input)
+            raise ContractViolation(
+                f"rank {call.rank}: F-DP-003 violated at {where}: non-finite value in the "
+                f"input of rank(s) {bad_input} (first non-finite {what}); halting every rank"
+            )
+        problems: list[str] = []
+        offenders: set[int] = set()
+        minority, listing = _groups([rec[_F_HASH] for rec in recs])
+        if minority:
+            offenders.update(minority)
+            problems.append(
+                f"ranks hold different outputs (output {HASH_NAME} by ranks: {listing}); "
+                f"rank(s) {minority} differ"
+            )
+        if all(rec[_F_FLAGS] & _PROJECTED for rec in recs):
+            wrong, detail = self._judge_checksum(flat.dtype, red, n, recs)
+            if wrong:
+                offenders.update(wrong)
+                problems.append(
+                    f"the output of rank(s) {wrong} is not the {red.kind.name} of the inputs "
+                    f"({detail})"
+                )
+        if problems:
+            raise ContractViolation(
+                f"rank {call.rank}: C-RING-001 violated at {where}: " + "; ".join(problems)
+                + f" [offending rank(s): {sorted(offenders)}]"
+            )
+
+    def _judge_checksum(
+        self, dtype: torch.dtype, red: Reduction, n: int, recs: list[list[int]]
+    ) -> tuple[list[int], str]:
+        if dtype in INT_DTYPES:
+            mask = (1 << _INT_BITS[dtype]) - 1
+            total = sum(rec[_F_SIN] for rec in recs)
+            wrong = [i for i, rec in enumerate(recs) if (rec[_F_SOUT] - total) & mask]
+            return wrong, f"exact checksum modulo 2^{_INT_BITS[dtype]}"
+        if any(rec[_F_FLAGS] & _OUT_NONFINITE for rec in recs):
+            # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
+            # behaviour, e.g. float16); the hash check above still applies.
+            if not self._warned_overflow:
+                log.warning("checker: an allreduce output overflowed; checksum skipped")
+                self._warned_overflow = True
+            return [], ""
+        if red.kind is Kind.AVG:
+            f = 1.0 / n
+        elif red.kind is Kind.PREMUL_SUM:
+            f = red.factor
+        else:
+            f = 1.0
+        expected = f * math.fsum(_i2f(rec[_F_SIN]) for rec in recs)
+        tau = self.tolerance + (n + 1) * _ROUNDOFF[dtype]
+        bound = tau * abs(f) * math.fsum(_i2f(rec[_F_NORM]) for rec in recs)
+        wrong = [
+            i for i, rec in enumerate(recs) if not abs(_i2f(rec[_F_SOUT]) - expected) <= bound
+        ]
+        got = ", ".join(f"rank {i}: {_i2f(recs[i][_F_SOUT]):.6g}" for i in wrong)
+        return wrong, f"checksum r.y {got}; expected {expected:.6g} +- {bound:.3g}"
+
+    # ------------------------------------------------------------ parameters
+
+    def watch(self, optimizer: Any) -> Any:
+        """Check C-DDP-001 after every step of ``optimizer`` (for groups that are not the default).
+
+        Returns the hook handle; the global hook then skips this optimizer.
+        """
+        _watched.add(optimizer)
+        return optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self.after_optimizer_step(opt)
+        )
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.check_parameters(params)
+
+    def check_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """C-DDP-001 now: every rank's ``params`` hash the same. Counts as one optimizer step.
+
+        Every rank of the group must call it at the same point (it is a collective).
+        """
+        start = time.perf_counter()
+        self.step += 1
+        self._since_step = 0
+        step = self.step
+        tensors = [t for t in (_replicated(p) for p in params) if t is not None]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        record = torch.tensor([digest(tensors), len(tensors), nbytes, step], dtype=torch.int64)
+        pg = self.group
+
+        def body(call: Call) -> None:
+            records = exchange_records(call, record, _AUX_PARAMS).tolist()
+            self._judge_parameters(call, step, records)
+
+        work = pg._launch(OpCode.CHECK, pg._staging(torch.device("cpu")), 0, body, [])
+        try:
+            work.wait()
+        finally:
+            self.seconds += time.perf_counter() - start
+        self.steps_checked += 1
+
+    def _judge_parameters(self, call: Call, step: int, recs: list[list[int]]) -> None:
+        steps = [rec[3] for rec in recs]
+        if len(set(steps)) > 1:
+            raise ContractViolation(
+                f"rank {call.rank}: C-DDP-001 violated after optimizer step {step}: the ranks "
+                f"are at different steps ({steps} by rank)"
+            )
+        shapes = [(rec[1], rec[2]) for rec in recs]
+        if len(set(shapes)) > 1:
+            raise ContractViolation(
+                f"rank {call.rank}: C-DDP-001 violated after optimizer step {step}: the ranks "
+                f"hold different parameter sets ((count, bytes) by rank: {shapes})"
+            )
+        minority, listing = _groups([rec[0] for rec in recs])
+        if minority:
+            raise ContractViolation(
+                f"rank {call.rank}: C-DDP-001 violated after optimizer step {step}: the ranks "
+                f"hold different parameters (parameter {HASH_NAME} by ranks: {listing}); "
+                f"rank(s) {minority} diverged"
+            )
+
+
+def _replicated(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor to hash for parameter ``p``: None for a sharded DTensor (FSDP2)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # pragma: no cover
+        return p
+    if isinstance(p, DTensor):
+        if all(isinstance(pl, Replicate) for pl in p.placements):
+            return p.to_local()
+        return None
+    return p

@@ -1,0 +1,68 @@
+"""Differential test: identical inputs through gloo and through entrenar (ring, star, auto).
+
+Run under torchrun. Prints ``DIFF <rank> <checked> <failures> <gloo-unsupported>``
+and one ``FAIL ...`` line per disagreement.
+"""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from entrenar_pg import Options
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+groups = {
+    a: dist.new_group(backend="entrenar", pg_options=Options(algorithm=a, segment_bytes=256))
+    for a in ("ring", "star", "auto")
+}
+ops = {
+    "SUM": dist.ReduceOp.SUM,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+    "BAND": dist.ReduceOp.BAND,
+    "BOR": dist.ReduceOp.BOR,
+    "BXOR": dist.ReduceOp.BXOR,
+    "AVG": dist.ReduceOp.AVG,
+}
+dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+checked = failures = unsupported = 0
+for name, op in ops.items():
+    for dt in dtypes:
+        for n in (0, 1, 7, 1000):
+            g = torch.Generator().manual_seed(hash((name, str(dt), n, rank)) % 2**31)
+            if dt == torch.bool:
+                x = torch.rand(n, generator=g) > 0.5
+            elif dt.is_floating_point:
+                x = (torch.rand(n, generator=g) + 0.5).to(dt)
+            else:
+                x = torch.randint(1, 4, (n,), generator=g).to(dt)
+            ref = x.clone()
+            try:
+                dist.all_reduce(ref, op=op)  # gloo, the default group
+            except Exception:
+                unsupported += 1
+                # entrenar must then either compute it or refuse it with ValueError
+                continue
+            for algo, grp in groups.items():
+                got = x.clone()
+                try:
+                    dist.all_reduce(got, op=op, group=grp)
+                except ValueError as e:
+                    failures += 1
+                    print(f"FAIL {rank} {algo} {name} {dt} n={n}: entrenar refused: {e}", flush=True)
+                    continue
+                checked += 1
+                if dt.is_floating_point:
+                    tol = 1e-2 if dt in (torch.float16, torch.bfloat16) else 1e-6
+                    ok = torch.allclose(got.double(), ref.double(), rtol=tol, atol=tol)
+                else:
+                    ok = torch.equal(got, ref)
+                if not ok:
+                    failures += 1
+                    print(f"FAIL {rank} {algo} {name} {dt} n={n}: {got[:4]} vs {ref[:4]}", flush=True)
+print(f"DIFF {rank} {checked} {failures} {unsupported}", flush=True)
+dist.destroy_process_group()

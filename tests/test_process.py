@@ -1,0 +1,110 @@
+"""Core backend, process level: real processes, real torchrun, real DDP.
+
+Each test has a timeout and the subprocesses have their own, so a hang fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, free_port, torchrun
+
+SCRIPTS = REPO / "tests" / "scripts"
+pytestmark = pytest.mark.slow
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_matches_gloo_and_ranks_agree(world: int, tmp_path: Path) -> None:
+    for backend in ("entrenar", "gloo"):
+        _ok(torchrun(SCRIPTS / "ddp_check.py", world, "--backend", backend,
+                     "--out", str(tmp_path / backend), timeout_s=120))
+    states = {
+        b: [torch.load(tmp_path / b / f"rank{r}.pt") for r in range(world)]
+        for b in ("entrenar", "gloo")
+    }
+    ours = states["entrenar"]
+    for r in range(1, world):
+        for k, v in ours[0].items():
+            assert torch.equal(v, ours[r][k]), f"rank {r} differs from rank 0 in {k}"
+    for k, v in ours[0].items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, states["gloo"][0][k], rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(v, states["gloo"][0][k]), k
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_allreduce_against_gloo(world: int) -> None:
+    out = _ok(torchrun(SCRIPTS / "allreduce_vs_gloo.py", world, timeout_s=150))
+    lines = [line.split() for line in out.splitlines() if line.startswith("DIFF")]
+    assert len(lines) == world, out
+    for _, rank, checked, failures, _unsupported in lines:
+        assert int(failures) == 0, out
+        assert int(checked) > 100, out  # it really compared things
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_256mib_allreduce_completes(world: int) -> None:
+    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", world, timeout_s=300))
+    assert sorted(out.split("CHECK")[1:]) and out.count(" ok") == world, out
+
+
+def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIMEOUT_S=str(timeout_s),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "fault.py"), mode], env=env, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results: dict[int, list[str]] = {}
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank hung in mode {mode}")
+        for line in out.splitlines():
+            if line.startswith("RESULT"):
+                parts = line.split(maxsplit=4)
+                results[int(parts[1])] = parts[2:]
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_killed_rank_raises_peer_connection_error_on_others(world: int) -> None:
+    timeout_s = 20.0
+    results = _spawn("kill", world, timeout_s)
+    assert 1 not in results  # it was killed
+    survivors = [r for r in range(world) if r != 1]
+    assert sorted(results) == survivors, results
+    for r in survivors:
+        kind, seconds = results[r][0], float(results[r][1])
+        assert kind == "PeerConnectionError", results[r]
+        assert seconds < timeout_s, results[r]  # well within the timeout
+
+
+@pytest.mark.timeout(120)
+def test_different_collectives_raise_mismatch_on_both() -> None:
+    results = _spawn("mismatch", 2, 20.0)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert results[r][0] == "CollectiveMismatchError", results[r]
+        assert "allreduce#" in results[r][2] and "allgather#" in results[r][2], results[r]
