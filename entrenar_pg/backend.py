@@ -1,3 +1,5 @@
+# mypy: disable-error-code="override,misc,call-arg"
+# (torch's stubs type ProcessGroup's methods as overloads no Python override can match.)
 """EntrenarProcessGroup: the thin adapter from torch's collective calls to jobs.
 
 Each method validates its arguments in the caller's thread (ValueError /

@@ -73,15 +73,16 @@ def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
     """Validate ``op`` for ``dtype``; ValueError naming ``where`` (rank and call) if not."""
     factor = 1.0
     if isinstance(op, dist.ReduceOp.RedOpType):
-        kind = Kind(int(op))
+        kind = Kind(op.value)
     elif isinstance(op, dist.ReduceOp):
         inner = getattr(op, "op", None)
         if inner is None:  # ReduceOp.SUM etc. compare equal to their RedOpType
-            kind = next((k for k in Kind if op == dist.ReduceOp.RedOpType(int(k))), None)
-            if kind is None:
+            found = next((k for k in Kind if op == dist.ReduceOp.RedOpType(int(k))), None)
+            if found is None:
                 raise ValueError(f"{where}: unknown reduce op {op!r}")
+            kind = found
         else:
-            kind = Kind(int(inner))
+            kind = Kind(inner.value)
         if kind is Kind.PREMUL_SUM:
             raw = getattr(op, "factor", None)
             if isinstance(raw, torch.Tensor):

@@ -356,7 +356,9 @@ class Mesh:
             magic, peer, world = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             mac = _recv_exact(sock, _MAC_BYTES)
         except (OSError, struct.error) as e:
-            log.warning("rank %d: dropped connection from %s during handshake: %s", self.rank, addr, e)
+            log.warning(
+                "rank %d: dropped connection from %s during handshake: %s", self.rank, addr, e
+            )
             return None
         if (
             magic != _HELLO_MAGIC

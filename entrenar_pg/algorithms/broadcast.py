@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import operator
-from functools import partial
 
 import torch
 
 from ..transport import Plan
 from ..wire import Algo, OpCode
-from .common import Call, bytes_of, segments
+from .common import Call, bytes_of, is_set, segments, setter
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
@@ -45,9 +43,9 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
         if pos > 0:
             plan.open(prev, header, send=False)
             for k, (a, b) in enumerate(segs):
-                plan.recv(prev, raw[a * size : b * size], partial(have.__setitem__, k, True))
+                plan.recv(prev, raw[a * size : b * size], setter(have, k))
         if pos < n - 1:
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
-                plan.send(nxt, raw[a * size : b * size], partial(operator.getitem, have, k))
+                plan.send(nxt, raw[a * size : b * size], is_set(have, k))
     call.mesh.run(plan, call.what(op))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -77,7 +80,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous 1-D CPU tensor's memory (no copy)."""
     assert t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu", "internal: flat CPU"
-    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
+    return t.detach().view(torch.uint8).numpy().data.cast("B")
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -88,3 +91,13 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 def segments(start: int, end: int, step: int) -> list[tuple[int, int]]:
     """``[start, end)`` cut into pieces of at most ``step`` elements (none if empty)."""
     return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+def is_set(flags: list[bool], idx: int) -> Callable[[], bool]:
+    """A send's ``ready``: true once ``flags[idx]`` is (the receive it forwards is done)."""
+    return partial(operator.getitem, flags, idx)  # type: ignore[return-value]
+
+
+def setter(flags: list[bool], idx: int) -> Callable[[], None]:
+    """A receive's ``done``: set ``flags[idx]``."""
+    return partial(operator.setitem, flags, idx, True)

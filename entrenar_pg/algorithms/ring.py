@@ -9,16 +9,14 @@ link never idles waiting for a whole chunk.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import torch
 
 from ..reduce_ops import Kind, Reduction, combine_, finish_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
-from .common import Call, bytes_of, chunk_bounds, segments
+from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
 
 
 def ring_pass(
@@ -69,16 +67,12 @@ def ring_pass(
                 )
                 plan.recv(left, scratch_bytes[: (b - a) * size], done)
             else:
-                plan.recv(left, views[c][a * size : b * size], partial(_mark, arrived, idx))
+                plan.recv(left, views[c][a * size : b * size], setter(arrived, idx))
     for s in range(steps):
         c = (r - s + shift) % n
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
-            ready = None if s == 0 else partial(operator.getitem, arrived, first_recv[s - 1] + k)
+            ready = None if s == 0 else is_set(arrived, first_recv[s - 1] + k)
             plan.send(right, views[c][a * size : b * size], ready)
-
-
-def _mark(flags: list[bool], idx: int) -> None:
-    flags[idx] = True
 
 
 def _reduce_into(
@@ -134,7 +128,9 @@ def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
     call.mesh.run(plan, call.what(OpCode.ALLREDUCE))
 
 
-def allgather_ring(call: Call, chunks: Sequence[torch.Tensor], op: OpCode = OpCode.ALLGATHER) -> None:
+def allgather_ring(
+    call: Call, chunks: Sequence[torch.Tensor], op: OpCode = OpCode.ALLGATHER
+) -> None:
     """Ring all-gather: ``chunks[r]`` holds this rank's input; fills the others in place.
 
     Steps: N-1; at step s rank r forwards chunk (r-s) and receives chunk

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from functools import partial
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from ..reduce_ops import Kind, Reduction, combine_, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, OpCode
-from .common import Call, bytes_of, segments
+from .common import Call, bytes_of, is_set, segments
 
 ROOT = 0
 
@@ -69,7 +68,7 @@ def allreduce_star(
         finish_(buf, red, n)
     for p in leaves:
         for k, (a, b) in enumerate(segs):
-            plan.send(p, raw[a * size : b * size], partial(operator.getitem, reduced, k))
+            plan.send(p, raw[a * size : b * size], is_set(reduced, k))
     call.mesh.run(plan, call.what(op))
 
 
