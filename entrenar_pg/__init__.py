@@ -12,7 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .backend import BACKEND_NAME, EntrenarProcessGroup, create_process_group
+from ._plugin import BACKEND_NAME, register
+from .backend import EntrenarProcessGroup
 from .config import Options
 from .contracts import ContractChecker
 from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError
@@ -33,20 +34,6 @@ __all__ = [
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
-
-
-def register() -> None:
-    """Register the ``entrenar`` backend with torch.distributed (idempotent)."""
-    if BACKEND_NAME.upper() in dist.Backend._plugins:
-        return
-    dist.Backend.register_backend(
-        BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu", "cuda"]
-    )
-
-
-def _entry_point() -> None:
-    """Called by torch when it is imported (entry point group ``torch.backends``)."""
-    register()
 
 
 def get_stats(group: Any = None) -> dict[str, float]:

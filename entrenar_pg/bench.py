@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -60,6 +61,7 @@ RAW = "raw-tcp"
 MPI_SHM = "mpi"
 MPI_TCP = "mpi-tcp"
 GLOO = "gloo"
+EXIT_GRACE_S = 20.0  # how long ranks may take to exit once all have written their results
 
 
 @dataclass(frozen=True)
@@ -530,13 +532,19 @@ def _ddp(
     models: dict[str, nn.Module] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
     check_active: dict[str, bool | None] = {}
+    checkers: dict[str, Any] = {}
     for v in variants:
         group = _new_group(v, world)
-        if v.options.get("check"):
-            check_active[v.name] = _checker_active(group)
         m = DDP(copy.deepcopy(spec.model), process_group=group)
         models[v.name] = m
         optims[v.name] = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        if v.options.get("check"):
+            check_active[v.name] = _checker_active(group)
+            checker = getattr(group, "checker", None)
+            if checker is not None and hasattr(checker, "watch"):
+                # C-DDP-001 on a group that is not the default one needs the optimizer named.
+                checker.watch(optims[v.name])
+                checkers[v.name] = checker
 
     def step(name: str) -> None:
         optims[name].zero_grad(set_to_none=True)
@@ -561,6 +569,7 @@ def _ddp(
         "seq_len": spec.seq_len,
         "tokens_per_step": spec.batch * spec.seq_len * world,
         "check_active": check_active,
+        "checker_stats": {name: _checker_stats(c) for name, c in checkers.items()},
     }
     return times, info
 
@@ -575,6 +584,12 @@ def _checker_active(group: dist.ProcessGroup) -> bool | None:
             return None
     checker = getattr(backend, "checker", False)
     return None if checker is False else checker is not None
+
+
+def _checker_stats(checker: Any) -> dict[str, float]:
+    """The contract checker's counters (what it checked, seconds it spent), where it has them."""
+    names = ("allreduces_checked", "steps_checked", "seconds")
+    return {n: float(getattr(checker, n)) for n in names if hasattr(checker, n)}
 
 
 def _worker(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path: str) -> None:
@@ -612,11 +627,17 @@ def _worker(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path
             "ddp": ddp_times,
             "ddp_info": ddp_info,
         }
-        Path(out_path).write_text(json.dumps(result))
-    finally:
-        if raw is not None:
-            raw.close()
-        dist.destroy_process_group()
+        tmp_path = out_path + ".tmp"
+        Path(tmp_path).write_text(json.dumps(result))
+        os.replace(tmp_path, out_path)  # the parent treats the file's appearance as "done"
+    except BaseException:
+        # Fail fast: a cleanup that waits on dead peers would only delay the parent.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if raw is not None:
+        raw.close()
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------
@@ -659,6 +680,7 @@ def run_world(world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
             for p in procs:
                 p.start()
             deadline = time.monotonic() + cfg.timeout_s
+            done_at: float | None = None
             while any(p.exitcode is None for p in procs):
                 failed = [p for p in procs if p.exitcode not in (None, 0)]
                 if failed:
@@ -666,12 +688,15 @@ def run_world(world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
                         f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
                         " (its traceback is above on stderr)"
                     )
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if done_at is None and all(os.path.exists(x) for x in paths):
+                    done_at = now  # every rank wrote its result; only teardown is left
+                if done_at is not None and now > done_at + EXIT_GRACE_S:
+                    log.warning("world size %d: ranks hung in teardown; killed them", world)
+                    break
+                if now > deadline:
                     raise BenchError(f"world size {world}: timed out after {cfg.timeout_s:.0f} s")
                 time.sleep(0.05)
-            bad = [p for p in procs if p.exitcode != 0]
-            if bad:
-                raise BenchError(f"world size {world}: {bad[0].name} exited with {bad[0].exitcode}")
             return [json.loads(Path(path).read_text()) for path in paths]
         finally:
             _kill_all(procs)
@@ -1056,6 +1081,15 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
             "",
         ]
         lines += ddp_table(result, markdown)
+        for r in result["ddp"]:
+            st = r.get("checker_stats", {}).get(r["variant"])
+            if st and st.get("steps_checked"):
+                lines.append(
+                    f"N={r['world_size']} {r['variant']}: rank 0's checker covered "
+                    f"{st.get('allreduces_checked', 0):.0f} allreduces and "
+                    f"{st['steps_checked']:.0f} optimizer steps, "
+                    f"{1e3 * st.get('seconds', 0.0) / st['steps_checked']:.2f} ms per step"
+                )
     for note in meta["notes"]:
         lines.append(f"note: {note}")
     return lines

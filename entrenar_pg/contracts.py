@@ -78,6 +78,7 @@ HASH_NAME = "xxh3_64" if _xxhash is not None else "blake2b-64"
 _BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
 _SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
 _SEED = 0x5EED_C0DE
+_PROJECTIONS = 2  # independent random projections, computed in the same pass
 
 # Unit roundoff of each float dtype.
 _ROUNDOFF = {
@@ -95,9 +96,10 @@ _INT_BITS = {
 }
 _LINEAR = (Kind.SUM, Kind.AVG, Kind.PREMUL_SUM)
 
-# Record exchanged per allreduce: int64 fields (floats stored by their bits).
-_F_FLAGS, _F_SIN, _F_NORM, _F_SOUT, _F_HASH, _F_BAD, _F_NUMEL, _F_KIND = range(8)
-_RECORD = 8
+# Record exchanged per allreduce: int64 fields (floats stored by their bits);
+# _F_SIN and _F_SOUT are the first of _PROJECTIONS consecutive fields.
+_F_FLAGS, _F_NORM, _F_HASH, _F_BAD, _F_NUMEL, _F_KIND, _F_SIN = range(7)
+_F_SOUT = _F_SIN + _PROJECTIONS
 _IN_NONFINITE = 1
 _OUT_NONFINITE = 2
 _PROJECTED = 4
@@ -130,6 +132,10 @@ def _to_i64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
+def _finite(values: Sequence[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
 def _f2i(x: float) -> int:
     return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
 
@@ -158,76 +164,79 @@ def digest(tensors: Iterable[torch.Tensor]) -> int:
 
 
 class _Projection:
-    """The random vector r, the same on every rank (fixed seed), applied blockwise.
+    """Two random vectors r_k, the same on every rank (fixed seed), applied blockwise.
 
-    r[j] = base[j mod 4096] * weight[j // 4096]: one matrix-vector product
-    over the (blocks x 4096) view of the data, then a float64 dot with the
-    block weights. Distinct weights per block make aligned block swaps visible.
+    r_k[j] = base[k, j mod 4096] * weight[k, j // 4096]: one matrix product
+    over the (blocks x 4096) view of the data (both projections in one pass),
+    then a float64 dot with the block weights. Distinct weights per block make
+    aligned block swaps visible; two projections make a miss (a corruption
+    whose projection happens to be tiny) the product of two small chances.
     """
 
     def __init__(self, seed: int = _SEED) -> None:
         g = torch.Generator().manual_seed(seed)
-        base = torch.randn(_BLOCK, generator=g, dtype=torch.float64)
+        base = torch.randn(_PROJECTIONS, _BLOCK, generator=g, dtype=torch.float64)
         base[base == 0] = 1.0
         self.r64 = base
         self.r32 = base.float()
-        self.rint = torch.randint(1, 1 << 20, (_BLOCK,), generator=g, dtype=torch.int64)
-        self.rint *= torch.randint(0, 2, (_BLOCK,), generator=g, dtype=torch.int64) * 2 - 1
+        self.rint = torch.randint(
+            1, 1 << 20, (_PROJECTIONS, _BLOCK), generator=g, dtype=torch.int64
+        ) * (torch.randint(0, 2, (_PROJECTIONS, _BLOCK), generator=g, dtype=torch.int64) * 2 - 1)
         self._seed = seed
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def weights(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block weights (float64, int64) for ``blocks`` blocks: a function of the size only."""
+        """Block weights (float64, int64), ``_PROJECTIONS`` x >= ``blocks``: a function of the size."""
         cap = 1 << max(blocks - 1, 0).bit_length()
         w = self._weights.get(cap)
         if w is None:
             g = torch.Generator().manual_seed(self._seed + cap)
-            wf = torch.randn(cap, generator=g, dtype=torch.float64)
+            wf = torch.randn(_PROJECTIONS, cap, generator=g, dtype=torch.float64)
             wf[wf == 0] = 1.0
-            wi = torch.randint(1, 1 << 20, (cap,), generator=g, dtype=torch.int64)
+            wi = torch.randint(1, 1 << 20, (_PROJECTIONS, cap), generator=g, dtype=torch.int64)
             w = (wf, wi)
             self._weights[cap] = w
         return w
 
-    def floats(self, x: torch.Tensor, wide: bool = False) -> tuple[float, float]:
-        """(r.x, ||x||_2) of a flat float tensor; non-finite if x is (or, rarely, overflows)."""
+    def floats(self, x: torch.Tensor, wide: bool = False) -> tuple[list[float], float]:
+        """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows)."""
         n = x.numel()
         full, tail = divmod(n, _BLOCK)
         wf, _ = self.weights(full + (1 if tail else 0))
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = self.r64 if work == torch.float64 else self.r32
-        s = 0.0
+        s = torch.zeros(_PROJECTIONS, dtype=torch.float64)
         if full:
             rows = x[: full * _BLOCK].view(full, _BLOCK)
             if rows.dtype == work:
-                v = torch.mv(rows, r)
+                v = torch.mm(r, rows.t())
             else:
-                v = torch.empty(full, dtype=work)
+                v = torch.empty(_PROJECTIONS, full, dtype=work)
                 for a in range(0, full, _SLICE_ROWS):
                     b = min(a + _SLICE_ROWS, full)
-                    torch.mv(rows[a:b].to(work), r, out=v[a:b])
-            s += float(torch.dot(v.double(), wf[:full]))
+                    torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
+            s += (v.double() * wf[:, :full]).sum(1)
         if tail:
-            s += float(torch.dot(x[full * _BLOCK :].double(), self.r64[:tail])) * float(wf[full])
+            s += torch.mv(self.r64[:, :tail], x[full * _BLOCK :].double()) * wf[:, full]
         norm = float(torch.linalg.vector_norm(x, dtype=work)) if n else 0.0
-        return s, norm
+        return s.tolist(), norm
 
-    def ints(self, x: torch.Tensor) -> int:
-        """r.x over int64 with wrap-around (exact modulo 2^64), as an int64."""
+    def ints(self, x: torch.Tensor) -> list[int]:
+        """[r_k . x] over int64 with wrap-around (exact modulo 2^64)."""
         n = x.numel()
         full, tail = divmod(n, _BLOCK)
         _, wi = self.weights(full + (1 if tail else 0))
-        s = torch.zeros((), dtype=torch.int64)
+        s = torch.zeros(_PROJECTIONS, dtype=torch.int64)
         if full:
             rows = x[: full * _BLOCK].view(full, _BLOCK)
-            v = torch.empty(full, dtype=torch.int64)
+            v = torch.empty(_PROJECTIONS, full, dtype=torch.int64)
             for a in range(0, full, _SLICE_ROWS):
                 b = min(a + _SLICE_ROWS, full)
-                torch.mv(rows[a:b].to(torch.int64), self.rint, out=v[a:b])
-            s += torch.dot(v, wi[:full])
+                torch.mm(self.rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
+            s += (v * wi[:, :full]).sum(1)
         if tail:
-            s += torch.dot(x[full * _BLOCK :].to(torch.int64), self.rint[:tail]) * wi[full]
-        return int(s.item())
+            s += torch.mv(self.rint[:, :tail], x[full * _BLOCK :].to(torch.int64)) * wi[:, full]
+        return [int(v) for v in s.tolist()]
 
 
 # ---------------------------------------------------------------------- exchange
@@ -327,7 +336,7 @@ class ContractChecker:
         self.seconds = 0.0  # time spent checking (projection, hashing, exchanges)
         self._since_step = 0  # allreduces since the last optimizer step: the bucket index
         self._projection = _Projection()
-        self._pending: tuple[int, int, int, int, int] | None = None
+        self._pending: tuple[int, int, int, int, list[int]] | None = None
         self._warned_overflow = False
         if watch_optimizers:
             _install_global_hook()
@@ -348,11 +357,12 @@ class ContractChecker:
         """Project and norm this rank's input (and find its first non-finite element)."""
         start = time.perf_counter()
         self._since_step += 1
-        flags, s_in, norm, bad = 0, 0, 0, -1
+        flags, norm, bad = 0, 0, -1
+        s_in = [0] * _PROJECTIONS
         dtype = flat.dtype
         if dtype in FLOAT_DTYPES:
             s, nrm = self._projection.floats(flat)
-            if not (math.isfinite(s) and math.isfinite(nrm)):
+            if not (_finite(s) and math.isfinite(nrm)):
                 nonfinite = (~torch.isfinite(flat)).nonzero()
                 if nonfinite.numel():
                     flags |= _IN_NONFINITE
@@ -361,36 +371,34 @@ class ContractChecker:
                     s, nrm = self._projection.floats(flat, wide=True)
             if red.kind in _LINEAR and not flags:
                 flags |= _PROJECTED
-            s_in, norm = _f2i(s), _f2i(nrm)
+            s_in, norm = [_f2i(v) for v in s], _f2i(nrm)
         elif dtype in INT_DTYPES and red.kind in _LINEAR:
             flags |= _PROJECTED
             s_in = self._projection.ints(flat)
-        self._pending = (flags, s_in, norm, bad, call.seq)
+        self._pending = (call.seq, flags, norm, bad, s_in)
         self.seconds += time.perf_counter() - start
 
     def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
         """Hash and project the output, exchange the records, and judge (raises on violation)."""
         start = time.perf_counter()
         pending, self._pending = self._pending, None
-        if pending is None or pending[4] != call.seq:
+        if pending is None or pending[0] != call.seq:
             raise ContractViolation(
                 f"rank {call.rank}: checker: allreduce #{call.seq} ended without having begun "
                 "(before_allreduce was not called)"
             )
-        flags, s_in, norm, bad, _ = pending
-        s_out = 0
+        _, flags, norm, bad, s_in = pending
+        s_out = [0] * _PROJECTIONS
         if flags & _PROJECTED:
             if flat.dtype in FLOAT_DTYPES:
                 s, _nrm = self._projection.floats(flat)
-                if not math.isfinite(s):
+                if not _finite(s):
                     flags |= _OUT_NONFINITE
-                s_out = _f2i(s)
+                s_out = [_f2i(v) for v in s]
             else:
                 s_out = self._projection.ints(flat)
-        record = torch.tensor(
-            [flags, s_in, norm, s_out, digest([flat]), bad, flat.numel(), int(red.kind)],
-            dtype=torch.int64,
-        )
+        fields = [flags, norm, digest([flat]), bad, flat.numel(), int(red.kind), *s_in, *s_out]
+        record = torch.tensor(fields, dtype=torch.int64)
         records = exchange_records(call, record, _AUX_ALLREDUCE)
         self.seconds += time.perf_counter() - start
         self.allreduces_checked += 1
@@ -449,10 +457,16 @@ class ContractChecker:
     def _judge_checksum(
         self, dtype: torch.dtype, red: Reduction, n: int, recs: list[list[int]]
     ) -> tuple[list[int], str]:
+        """Ranks whose output projections disagree with the inputs' (any of the projections)."""
+        ks = range(_PROJECTIONS)
         if dtype in INT_DTYPES:
             mask = (1 << _INT_BITS[dtype]) - 1
-            total = sum(rec[_F_SIN] for rec in recs)
-            wrong = [i for i, rec in enumerate(recs) if (rec[_F_SOUT] - total) & mask]
+            totals = [sum(rec[_F_SIN + k] for rec in recs) for k in ks]
+            wrong = [
+                i
+                for i, rec in enumerate(recs)
+                if any((rec[_F_SOUT + k] - totals[k]) & mask for k in ks)
+            ]
             return wrong, f"exact checksum modulo 2^{_INT_BITS[dtype]}"
         if any(rec[_F_FLAGS] & _OUT_NONFINITE for rec in recs):
             # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
@@ -467,14 +481,19 @@ class ContractChecker:
             f = red.factor
         else:
             f = 1.0
-        expected = f * math.fsum(_i2f(rec[_F_SIN]) for rec in recs)
+        expected = [f * math.fsum(_i2f(rec[_F_SIN + k]) for rec in recs) for k in ks]
         tau = self.tolerance + (n + 1) * _ROUNDOFF[dtype]
         bound = tau * abs(f) * math.fsum(_i2f(rec[_F_NORM]) for rec in recs)
         wrong = [
-            i for i, rec in enumerate(recs) if not abs(_i2f(rec[_F_SOUT]) - expected) <= bound
+            i
+            for i, rec in enumerate(recs)
+            if not all(abs(_i2f(rec[_F_SOUT + k]) - expected[k]) <= bound for k in ks)
         ]
-        got = ", ".join(f"rank {i}: {_i2f(recs[i][_F_SOUT]):.6g}" for i in wrong)
-        return wrong, f"checksum r.y {got}; expected {expected:.6g} +- {bound:.3g}"
+        got = ", ".join(
+            f"rank {i}: {[round(_i2f(recs[i][_F_SOUT + k]), 6) for k in ks]}" for i in wrong
+        )
+        want = [round(e, 6) for e in expected]
+        return wrong, f"checksums r.y {got}; expected {want} +- {bound:.3g}"
 
     # ------------------------------------------------------------ parameters
 

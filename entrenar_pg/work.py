@@ -47,7 +47,10 @@ class EntrenarWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        # A chained future: Future.set_exception only sets an unwrap function
+        # Python honours, so C++ consumers (DDP's reducer) would read the error
+        # object as a result and crash; a failing callback is a real C++ error.
+        return self._future.then(lambda fut: fut.value())
 
     def is_completed(self) -> bool:
         return bool(self._future.done())

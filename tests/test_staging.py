@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import make_groups, run_ranks
 from torch.overrides import TorchFunctionMode
 
 from entrenar_pg import EntrenarProcessGroup
 from entrenar_pg.staging import PinnedPool, Staging
-
-from conftest import make_groups, run_ranks
 
 CPU = torch.device("cpu")
 
@@ -130,8 +129,17 @@ def test_pool_reuses_buffers_per_device_and_slot() -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-              torch.int64, torch.uint8, torch.bool]
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    ],
 )
 def test_pool_views_every_dtype(dtype: torch.dtype) -> None:
     pool = PinnedPool(pin=False)
@@ -438,15 +446,43 @@ def test_mixed_devices_are_a_value_error_before_anything_is_sent() -> None:
             ("allgather", lambda: g.allgather([[cpu, cpu]], [on("cuda:0")])),
             ("allgather out", lambda: g.allgather([[on("cuda:1"), cpu]], [cpu])),
         ]
-        # (output, input) tensor pairs, for whichever of these entrenar implements.
-        for name in ("all_gather_single", "_allgather_base", "_reduce_scatter_base",
-                     "reduce_scatter_tensor", "alltoall_base"):
-            if name in vars(EntrenarProcessGroup):
-                f = getattr(g, name)
-                calls.append((name, lambda f=f: f(torch.zeros(8), on("cuda:0"))))
+        # Whichever of these entrenar implements (collectives added later are covered too).
+        # send/recv take exactly one tensor, so a call cannot mix devices.
+        c4, c8 = torch.zeros(4), torch.zeros(8)
+
+        def as_root(opts: Any) -> Any:
+            opts.rootRank = rank
+            return opts
+
+        more = {
+            "all_gather_single": lambda: g.all_gather_single(c8, on("cuda:0")),
+            "reduce": lambda: g.reduce([c4, on("cuda:0")]),
+            # rooted: each rank calls as the root (the only side that has several tensors)
+            "gather": lambda: g.gather([[c4, c4]], [on("cuda:0")], as_root(dist.GatherOptions())),
+            "scatter": lambda: g.scatter(
+                [on("cuda:0")], [[c4, c4]], as_root(dist.ScatterOptions())
+            ),
+            "alltoall_base": lambda: g.alltoall_base(c8, on("cuda:0", 8), [], []),
+            "all_to_all_single": lambda: g.all_to_all_single(c8, on("cuda:0", 8), [], []),
+            "alltoall": lambda: g.alltoall([c4, c4], [on("cuda:0"), c4]),
+            "reduce_scatter": lambda: g.reduce_scatter([on("cuda:0")], [[c4, c4]]),
+            "reduce_scatter_single": lambda: g.reduce_scatter_single(c4, on("cuda:0", 8)),
+            "reduce_scatter_tensor_coalesced": lambda: g.reduce_scatter_tensor_coalesced(
+                [c4], [on("cuda:0", 8)]
+            ),
+            "allgather_coalesced": lambda: g.allgather_coalesced([[c4, c4]], [on("cuda:0")]),
+            "allgather_into_tensor_coalesced": lambda: g.allgather_into_tensor_coalesced(
+                [c8], [on("cuda:0")]
+            ),
+        }
+        ours = [c for c in type(g).__mro__ if c.__module__.startswith("entrenar_pg")]
+        for name, call in more.items():
+            if any(name in vars(c) for c in ours):
+                calls.append((name, call))
         for name, call in calls:
             with pytest.raises(ValueError, match="different devices"):
                 call()
+                pytest.fail(f"{name}: tensors on different devices were accepted")
         with pytest.raises(ValueError, match="not supported"):
             g.allreduce([torch.zeros(2, device="meta")])
         # Nothing was sent: the group still works and every rank is in step.
@@ -456,4 +492,4 @@ def test_mixed_devices_are_a_value_error_before_anything_is_sent() -> None:
         return len(calls)
 
     counts = run_ranks(2, fn)
-    assert counts[0] >= 6
+    assert counts[0] == counts[1] >= 6

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,13 +52,33 @@ def torchrun(
         "--backend", backend, *TINY, "--threads", "1", *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    return run_group(cmd, timeout=timeout, check=check, env=env)
+
+
+def run_group(
+    cmd: list[str], *, timeout: float, check: bool, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill the whole session (no orphans)."""
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}")
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(
-            f"torchrun exited {proc.returncode}: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+            f"exit status {proc.returncode}: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
         )
     return proc
 
@@ -180,15 +201,17 @@ def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference):
     assert end["param_hash"] == reference["param_hash"]
     # the first attempt really stopped before the end
     first_attempt = recs[: recs.index(starts[1])]
-    assert max(r["step"] for r in first_attempt if "event" not in r) == 4
+    assert max(r["step"] for r in first_attempt if "event" not in r) == 5  # step 5 redone
     assert not any(r.get("event") == "end" for r in first_attempt)
 
 
 @pytest.mark.timeout(60)
 def test_deterministic_mode_rejects_non_power_of_two(tmp_path):
     proc = torchrun(
-        1, ["--deterministic", "--micro-batches", "3", *run_dir(tmp_path, "r")],
-        timeout=50, check=False,
-    )  # fmt: skip
+        1,
+        ["--deterministic", "--micro-batches", "3", *run_dir(tmp_path, "r")],
+        timeout=50,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "powers of two" in proc.stderr

@@ -248,6 +248,8 @@ def test_parse_args_maps_onto_frozen_config():
     with pytest.raises(Exception):  # noqa: B017 (dataclasses.FrozenInstanceError)
         cfg.steps = 3  # type: ignore[misc]
     with pytest.raises(ValueError, match="backend"):
+        TrainConfig(backend="mpi")
+    with pytest.raises(SystemExit):
         parse_args(["--backend", "mpi"])
     with pytest.raises(SystemExit):
         parse_args(["--steps", "many"])

@@ -179,7 +179,7 @@ def rank_micro_batches(rank: int, world_size: int, micro_batches: int) -> range:
 def micro_batch_windows(
     stream: SampleStream, samples_consumed: int, micro: int, batch_size: int
 ) -> list[int]:
-    """Window indices of global micro-batch ``micro`` of the step starting at ``samples_consumed``."""
+    """Windows of global micro-batch ``micro`` of the step that starts at ``samples_consumed``."""
     return stream.take(samples_consumed + micro * batch_size, batch_size)
 
 

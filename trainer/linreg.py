@@ -7,8 +7,9 @@ Runbook::
     python trainer/linreg.py --no-deterministic    # plain DDP (averages per-rank means)
     python trainer/linreg.py --world-sizes 1 2 --steps 50 --json out.json
 
-The program spawns the workers itself (torch.multiprocessing, one process per
-worker, 127.0.0.1), once per world size, and prints one row per world size:
+The program starts the workers itself (torch.multiprocessing, one process per
+worker, 127.0.0.1; forked on Linux, the parent touches no tensors before),
+once per world size, and prints one row per world size:
 final mean squared error on the whole data set, SHA-256 of the final weights,
 wall time, and whether the weights are bit-identical to the first row's.
 
@@ -68,6 +69,7 @@ class LinRegConfig:
     lr: float = 0.1
     seed: int = 0
     json: str = ""
+    start_method: str = "fork" if sys.platform == "linux" else "spawn"
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -146,7 +148,13 @@ def run(cfg: LinRegConfig) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="linreg-") as tmp:
         for n in cfg.world_sizes:
             out = os.path.join(tmp, f"n{n}.json")
-            mp.spawn(worker, args=(n, free_port(), cfg, out), nprocs=n, join=True)
+            mp.start_processes(
+                worker,
+                args=(n, free_port(), cfg, out),
+                nprocs=n,
+                join=True,
+                start_method=cfg.start_method,
+            )
             results.append(json.loads(Path(out).read_text()))
     ref = results[0]["hash"]
     for r in results:
@@ -186,6 +194,12 @@ def parse_args(argv: list[str] | None = None) -> LinRegConfig:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default="", help="also write the table's rows to this JSON file")
+    p.add_argument(
+        "--start-method",
+        default=d.start_method,
+        choices=("fork", "spawn", "forkserver"),
+        help="how workers start: fork (Linux default) skips re-importing torch in each",
+    )
     a = p.parse_args(argv)
     cfg = LinRegConfig(
         backend=a.backend,
@@ -199,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> LinRegConfig:
         lr=a.lr,
         seed=a.seed,
         json=a.json,
+        start_method=a.start_method,
     )
     for n in cfg.world_sizes:
         if cfg.micro_batches % n:

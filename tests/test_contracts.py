@@ -1,0 +1,363 @@
+"""The contract checker (ENTRENAR_CHECK=1): C-RING-001, F-DP-003, C-DDP-001.
+
+Fault injection: each fault is injected on one rank at call/step k and must be
+caught at exactly k, on every rank, as ContractViolation naming the contract,
+the rank and the call/step; a clean run raises nothing (and the checker
+demonstrably ran). Unit level: N ranks as threads over loopback TCP; process
+level: torchrun + DistributedDataParallel with ENTRENAR_CHECK=1.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_ranks, torchrun
+
+from entrenar_pg import (
+    ContractChecker,
+    ContractViolation,
+    EntrenarProcessGroup,
+    Options,
+)
+from entrenar_pg.algorithms import Call
+from entrenar_pg.reduce_ops import Reduction
+
+CHECK = Options(check=True)
+
+
+def op(kind: Any, factor: float | None = None) -> dist.AllreduceOptions:
+    o = dist.AllreduceOptions()
+    o.reduceOp = kind if factor is None else dist._make_nccl_premul_sum(factor)
+    return o
+
+
+class CorruptingChecker(ContractChecker):
+    """Test double: corrupts the allreduce output of ``victims`` at their ``at``-th call.
+
+    It runs inside the job, between the algorithm and the real check, exactly
+    where a faulty algorithm or transport would leave a wrong result.
+    """
+
+    def __init__(self, group: Any, at: int, victims: set[int], how: str) -> None:
+        super().__init__(group)
+        self.at, self.victims, self.how, self.calls = at, victims, how, 0
+
+    def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
+        self.calls += 1
+        if self.calls == self.at and call.rank in self.victims and flat.numel():
+            if self.how == "bump":  # one element off on one rank
+                flat[flat.numel() // 2] += 1
+            elif self.how == "scale":  # every rank the same wrong (scaled) output
+                flat.mul_(1.5)
+            elif self.how == "drop":  # a lost contribution: the first chunk zeroed
+                flat[: max(1, flat.numel() // call.world)] = 0
+        super().after_allreduce(call, flat, red)
+
+
+def install(pg: EntrenarProcessGroup, checker: ContractChecker) -> None:
+    pg.checker = checker
+
+
+def run_until_violation(
+    world: int, k: int, make_input: Any, setup: Any = None, options: Options = CHECK
+) -> list[tuple[int, str]]:
+    """Each rank allreduces ``make_input(rank, i)`` for i = 1..k+2; returns (call, message)."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[int, str]:
+        if setup is not None:
+            setup(rank, pg)
+        for i in range(1, k + 3):
+            t = make_input(rank, i)
+            try:
+                pg.allreduce([t]).wait()
+            except ContractViolation as e:
+                # The group is broken now: the next call says so, with the same class.
+                with pytest.raises(ContractViolation):
+                    pg.allreduce([torch.ones(2)]).wait()
+                return i, str(e)
+        return -1, "no violation"
+
+    return run_ranks(world, fn, options=options)
+
+
+# ---------------------------------------------------------------------- clean runs
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_clean_run_raises_nothing(world: int, deterministic: bool) -> None:
+    """Many dtypes, ops, sizes, algorithms: no false positive, and every call was checked."""
+    cases: list[tuple[torch.dtype, Any, int]] = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for kind in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+            for numel in (0, 1, 4095, 4097, 70_001):
+                cases.append((dtype, kind, numel))
+    for dtype in (torch.int32, torch.int8, torch.uint8, torch.int64):
+        for kind in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.BXOR):
+            cases.append((dtype, kind, 9000))
+    cases.append((torch.bool, dist.ReduceOp.SUM, 100))
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int]:
+        g = torch.Generator().manual_seed(rank)
+        n = 0
+        for dtype, kind, numel in cases:
+            if dtype.is_floating_point:
+                # Same-sign, wide-range values: the hardest case for the float bound.
+                scale = torch.exp(torch.randn(numel, generator=g) * 4).clamp(max=1000)
+                t = (torch.rand(numel, generator=g) * scale).to(dtype)  # fp16-safe
+            elif dtype == torch.bool:
+                t = torch.rand(numel, generator=g) > 0.5
+            else:
+                t = torch.randint(0, 100, (numel,), generator=g).to(dtype)
+            pg.allreduce([t], op(kind)).wait()
+            n += 1
+        t = torch.randn(1000, generator=g)
+        pg.allreduce([t], op(None, factor=0.25)).wait()  # PREMUL_SUM
+        parts = [torch.randn(n, generator=g) for n in (10, 5000, 3)]
+        pg.allreduce_coalesced(parts).wait()
+        assert pg.checker is not None
+        return n + 2, pg.checker.allreduces_checked
+
+    opts = Options(check=True, deterministic=deterministic, star_max_bytes=8192, segment_bytes=4096)
+    for issued, checked in run_ranks(world, fn, options=opts, timeout_s=80):
+        assert checked == issued, "the checker did not see every allreduce"
+
+
+@pytest.mark.timeout(60)
+def test_checker_installed_only_with_check() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> Any:
+        return pg.checker
+
+    assert run_ranks(2, fn, options=Options()) == [None, None]
+    assert all(isinstance(c, ContractChecker) for c in run_ranks(2, fn, options=CHECK))
+
+
+# ---------------------------------------------------------------------- C-RING-001
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("world", "how", "victims"), [
+    (3, "bump", {1}),  # one rank's output differs: the hash names it (and the checksum)
+    (2, "bump", {0}),  # two ranks: no majority, both named, still caught
+    (4, "scale", {0, 1, 2, 3}),  # all ranks agree on a wrong output: the checksum
+    (3, "drop", {0, 1, 2}),  # a lost contribution on every rank: the checksum
+])
+@pytest.mark.parametrize("algorithm", ["ring", "star"])
+def test_corrupt_output_caught_at_k(world: int, how: str, victims: set[int], algorithm: str) -> None:
+    k = 4
+
+    def setup(rank: int, pg: EntrenarProcessGroup) -> None:
+        install(pg, CorruptingChecker(pg, k, victims, how))
+
+    def make(rank: int, i: int) -> torch.Tensor:
+        return torch.randn(10_000, generator=torch.Generator().manual_seed(rank * 100 + i))
+
+    opts = Options(check=True, algorithm=algorithm)
+    results = run_until_violation(world, k, make, setup, opts)
+    for rank, (at, msg) in enumerate(results):
+        assert at == k, f"rank {rank}: caught at call {at}, not {k}: {msg}"
+        assert "C-RING-001" in msg and f"allreduce #{k} " in msg, msg
+        named = set(map(int, re.findall(r"\d+", msg.split("offending rank(s):")[1])))
+        expected = victims if len(victims) < world and world > 2 else set(range(world))
+        assert named == expected, f"rank {rank}: named {named}, expected {expected}: {msg}"
+
+
+@pytest.mark.timeout(60)
+def test_integer_checksum_is_exact() -> None:
+    """int64 SUM: an off-by-one on every rank (hashes agree) is caught by the exact checksum."""
+    k, world = 2, 3
+
+    class OffByOne(ContractChecker):
+        def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
+            if call.seq == k:
+                flat[7] += 1
+            super().after_allreduce(call, flat, red)
+
+    def setup(rank: int, pg: EntrenarProcessGroup) -> None:
+        install(pg, OffByOne(pg))
+
+    def make(rank: int, i: int) -> torch.Tensor:
+        return torch.randint(-(2**40), 2**40, (5000,), generator=torch.Generator().manual_seed(i))
+
+    for at, msg in run_until_violation(world, k, make, setup):
+        assert at == k and "C-RING-001" in msg and "not the SUM" in msg, msg
+
+
+# ---------------------------------------------------------------------- F-DP-003
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_input_caught_at_k(bad: float, dtype: torch.dtype) -> None:
+    k, world, victim, index = 3, 3, 2, 4321
+
+    def make(rank: int, i: int) -> torch.Tensor:
+        t = torch.randn(10_000).to(dtype)
+        if rank == victim and i == k:
+            t[index] = bad
+        return t
+
+    for rank, (at, msg) in enumerate(run_until_violation(world, k, make)):
+        assert at == k, f"rank {rank}: caught at {at}: {msg}"
+        assert "F-DP-003" in msg and f"allreduce #{k} " in msg, msg
+        assert f"rank(s) [{victim}]" in msg and f"element {index}" in msg, msg
+        assert f"bucket {k} of optimizer step 1" in msg, msg
+
+
+# ---------------------------------------------------------------------- C-DDP-001
+
+
+def _train(
+    rank: int, pg: EntrenarProcessGroup, steps: int, perturb: tuple[int, int] | None
+) -> tuple[int, str]:
+    """Data-parallel SGD by hand: grads averaged through ``pg``, the checker watching."""
+    torch.manual_seed(0)  # same init on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = 0
+    if perturb is not None:
+
+        def hook(o: Any, args: Any, kwargs: Any) -> None:  # runs before the checker's hook
+            if rank == perturb[1] and step == perturb[0]:
+                with torch.no_grad():
+                    model[0].weight[3, 5] += 1e-6
+
+        opt.register_step_post_hook(hook)
+    assert pg.checker is not None
+    pg.checker.watch(opt)
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(1, steps + 1):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
+            opt.step()
+    except ContractViolation as e:
+        return step, str(e)
+    assert pg.checker.steps_checked == steps
+    return -1, "no violation"
+
+
+@pytest.mark.timeout(60)
+def test_training_clean() -> None:
+    results = run_ranks(3, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
+    assert results == [(-1, "no violation")] * 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_weight_perturbation_caught_at_step_k(world: int) -> None:
+    k, victim = 4, 1
+    results = run_ranks(world, lambda r, pg: _train(r, pg, 8, (k, victim)), options=CHECK)
+    for rank, (at, msg) in enumerate(results):
+        assert at == k, f"rank {rank}: caught at step {at}: {msg}"
+        assert "C-DDP-001" in msg and f"optimizer step {k}:" in msg, msg
+        if world > 2:
+            assert f"rank(s) [{victim}] diverged" in msg, msg
+
+
+# ---------------------------------------------------------------------- process level (DDP)
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    import entrenar_pg
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fault, _, at = sys.argv[1].partition(":")  # clean | perturb:K | nan:K (on rank 1)
+    at = int(at or 0)
+    torch.set_num_threads(1)
+    dist.init_process_group("entrenar")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    step = 0
+
+    # The faults (an unmodified script has none of this).
+    def perturb(o, args, kwargs):
+        if fault == "perturb" and rank == 1 and step == at:
+            with torch.no_grad():
+                model[2].bias[0] += 1e-7
+
+    def poison(grad):
+        if fault == "nan" and rank == 1 and step == at:
+            grad = grad.clone()
+            grad[0, 0] = float("nan")
+        return grad
+
+    opt.register_step_post_hook(perturb)
+    model[0].weight.register_hook(poison)
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(1, 7):
+            x, y = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    except Exception as e:
+        kind = type(e).__name__
+        print(f"VIOLATION rank={rank} step={step} {kind} {e}".replace(chr(10), " "), flush=True)
+        os._exit(0)  # the test is about the verdict; skip interpreter teardown after a failure
+    checker = dist.distributed_c10d._get_default_group().checker
+    print(f"CLEAN rank={rank} steps={checker.steps_checked} "
+          f"allreduces={checker.allreduces_checked}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _ddp_run(tmp_path: Path, fault: str) -> str:
+    script = tmp_path / "ddp_contracts.py"
+    script.write_text(DDP_SCRIPT)
+    proc = torchrun(script, 2, fault, env={"ENTRENAR_CHECK": "1"}, timeout_s=70)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_ddp_torchrun_clean(tmp_path: Path) -> None:
+    """Unmodified DDP training with ENTRENAR_CHECK=1: no violation, every step and bucket checked."""
+    out = _ddp_run(tmp_path, "clean")
+    lines = re.findall(r"CLEAN rank=(\d) steps=(\d+) allreduces=(\d+)", out)
+    assert sorted(r for r, _, _ in lines) == ["0", "1"], out
+    for _, steps, allreduces in lines:
+        assert int(steps) == 6 and int(allreduces) >= 6  # every bucket of every step checked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("fault", "contract"), [("perturb", "C-DDP-001"), ("nan", "F-DP-003")])
+def test_ddp_torchrun_fault_caught_at_step_k(tmp_path: Path, fault: str, contract: str) -> None:
+    """Rank 1's weights perturbed after step k / a NaN in its gradient at step k: both ranks stop at k.
+
+    C-DDP-001 is raised by the optimizer hook: ContractViolation itself. F-DP-003
+    is raised in the allreduce job, which DDP's reducer waits on in C++: the
+    error reaches backward() as torch's RuntimeError carrying the
+    ContractViolation's text.
+    """
+    k = 3
+    out = _ddp_run(tmp_path, f"{fault}:{k}")
+    caught = re.findall(r"VIOLATION rank=(\d) step=(\d+) (\w+) (.*)", out)
+    assert sorted(r for r, _, _, _ in caught) == ["0", "1"], out
+    for _, step, kind, msg in caught:
+        assert int(step) == k and contract in msg, msg
+        if fault == "perturb":
+            assert kind == "ContractViolation" and f"optimizer step {k}:" in msg, msg
+        else:
+            assert "ContractViolation" in msg and f"of optimizer step {k};" in msg, msg
+            assert "rank(s) [1]" in msg, msg

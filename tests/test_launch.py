@@ -1,0 +1,250 @@
+"""The launchers in launch/: syntax and structure of every file, and real runs of
+local.sh, multinode.sh (two "nodes" on loopback) and netns_cluster.sh (two
+network namespaces joined by veth links; skipped where namespaces cannot be
+created)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
+
+TINY = [
+    "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+    "--batch-size", "4", "--corpus-bytes", "200000", "--eval-batches", "2",
+    "--eval-every", "0", "--sample-bytes", "0", "--no-plot", "--no-progress",
+    "--threads", "1", "--steps", "4", "--checkpoint-dir", "none",
+]  # fmt: skip
+
+
+def run(cmd, *, timeout, env=None, check=True):
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)  # netns_cluster.sh's trap tears down
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        pytest.fail(f"timed out: {cmd}\n{out[-3000:]}\n{err[-5000:]}")
+    if check and p.returncode != 0:
+        pytest.fail(f"exit {p.returncode}: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def end_record(metrics: Path) -> dict:
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert recs and recs[-1].get("event") == "end", recs[-1:]
+    return recs[-1]
+
+
+# -- static checks -------------------------------------------------------------------------
+
+SCRIPTS = ["local.sh", "multinode.sh", "netns_cluster.sh", "slurm/train.sbatch"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_scripts_parse_and_are_executable(name):
+    path = LAUNCH / name
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    assert path.read_text().startswith("#!/usr/bin/env bash\n")
+    run(["bash", "-n", str(path)], timeout=20)
+    if shutil.which("shellcheck"):
+        run(["shellcheck", "-S", "warning", str(path)], timeout=20)
+
+
+def test_slurm_script_uses_srun_torchrun_with_c10d():
+    text = (LAUNCH / "slurm" / "train.sbatch").read_text()
+    assert "#SBATCH --nodes=" in text and "#SBATCH --ntasks-per-node=1" in text
+    (srun_line,) = [chunk for chunk in text.split("\nsrun ")[1:]]
+    cmd = " ".join(w for w in srun_line.split() if w != "\\")
+    assert cmd.startswith("--kill-on-bad-exit=1 torchrun")
+    for flag in ("--rdzv-backend=c10d", "--rdzv-endpoint=", "--rdzv-id=", "--nnodes="):
+        assert flag in cmd
+    assert "trainer/train.py" in cmd and "--backend entrenar" in cmd
+
+
+def test_multinode_script_uses_c10d_rendezvous():
+    text = (LAUNCH / "multinode.sh").read_text()
+    for flag in ("--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$rdzv_port"', "--node-rank"):
+        assert flag in text
+    assert "ENTRENAR_IFNAME" in text and "ENTRENAR_HOST" in text
+
+
+def test_k8s_pytorchjob_manifest():
+    yaml = pytest.importorskip("yaml")
+    doc = yaml.safe_load((LAUNCH / "k8s" / "pytorchjob.yaml").read_text())
+    assert doc["apiVersion"] == "kubeflow.org/v1"
+    assert doc["kind"] == "PyTorchJob"
+    assert doc["metadata"]["name"]
+    specs = doc["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
+    for role, spec in specs.items():
+        assert spec["restartPolicy"] in ("OnFailure", "ExitCode", "Always", "Never"), role
+        pod = spec["template"]["spec"]
+        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        assert container["image"]
+        argv = container["command"] + container.get("args", [])
+        line = " ".join(argv)
+        words = shlex.split(line.split("-c", 1)[1]) if argv[:2] == ["bash", "-c"] else argv
+        assert words[words.index("torchrun") - 1 : words.index("torchrun")] in ([], ["exec"])
+        assert "--rdzv-backend=c10d" in words
+        assert any(w.startswith("--rdzv-endpoint=${MASTER_ADDR}:") for w in words)
+        assert "trainer/train.py" in words
+        i = words.index("--backend")
+        assert words[i + 1] == "entrenar"
+        # checkpoints on a shared volume, so a restarted pod can --resume
+        assert "--resume" in words
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert set(mounts) <= set(vols)
+        ckpt = words[words.index("--checkpoint-dir") + 1]
+        assert any(ckpt.startswith(path) for path in mounts.values())
+    nnodes = {
+        e["name"]: e["value"] for e in specs["Master"]["template"]["spec"]["containers"][0]["env"]
+    }["NNODES"]
+    assert int(nnodes) == specs["Master"]["replicas"] + specs["Worker"]["replicas"]
+
+
+def test_dockerfile_pins_torch_and_installs_the_package():
+    text = (LAUNCH / "k8s" / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("RUN")]
+    torch_line = next(line for line in lines if "torch" in line)
+    assert "torch==2.13.0" in torch_line and "download.pytorch.org/whl/cpu" in torch_line
+    assert any("pip install" in line and '".[train]"' in line for line in lines)
+    assert lines.index(torch_line) < next(i for i, v in enumerate(lines) if ".[train]" in v)
+    for path in ("pyproject.toml", "entrenar_pg", "trainer"):
+        assert f"COPY {path}" in text
+
+
+# -- real launches ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_local_sh_trains(tmp_path):
+    out = tmp_path / "run"
+    run(
+        [str(LAUNCH / "local.sh"), "2", "--backend", BACKEND, *TINY, "--out-dir", str(out)],
+        timeout=80,
+    )
+    end = end_record(out / "metrics.jsonl")
+    assert end["world_size"] == 2 and end["step"] == 4 and end["replicas_agree"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_multinode_sh_two_nodes_on_loopback(tmp_path):
+    """Two torchruns joined by the c10d rendezvous, as on two hosts."""
+    out = tmp_path / "run"
+    port = str(_free_port())
+    procs = []
+    for node in (0, 1):
+        env = dict(
+            os.environ,
+            RDZV_HOST="127.0.0.1",
+            RDZV_PORT=port,
+            NNODES="2",
+            NODE_RANK=str(node),
+            NPROC="1",
+            RDZV_ID=f"test-{uuid.uuid4().hex[:8]}" if node == 0 else "",
+        )
+        procs.append(env)
+    procs[1]["RDZV_ID"] = procs[0]["RDZV_ID"]
+    cmd = [str(LAUNCH / "multinode.sh"), "--backend", BACKEND, *TINY, "--out-dir", str(out)]
+    ps = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for env in procs
+    ]
+    logs = []
+    try:
+        for p in ps:
+            logs.append(p.communicate(timeout=80)[0])
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert [p.returncode for p in ps] == [0, 0], "\n".join(x[-4000:] for x in logs)
+    end = end_record(out / "metrics.jsonl")
+    assert end["world_size"] == 2 and end["replicas_agree"] and end["step"] == 4
+
+
+def _free_port() -> int:
+    from trainer.common import free_port
+
+    return free_port()
+
+
+def _netns_allowed() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"enrprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_netns_cluster_two_hosts_over_veth(tmp_path):
+    if not _netns_allowed():
+        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
+    prefix = f"enrt{os.getpid() % 100000}"
+    out = tmp_path / "run"
+    env = dict(
+        os.environ,
+        NODES="2",
+        NPROC="1",
+        NETNS_PREFIX=prefix,
+        LOG_DIR=str(tmp_path / "logs"),
+        TIMEOUT_S="90",
+    )
+    proc = run(
+        [str(LAUNCH / "netns_cluster.sh"), "--backend", BACKEND, *TINY, "--out-dir", str(out)],
+        timeout=110,
+        env=env,
+        check=False,
+    )
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, f"namespaces not torn down: {left}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    end = end_record(out / "metrics.jsonl")
+    assert end["world_size"] == 2 and end["replicas_agree"] and end["step"] == 4
+    # each node ran in its own namespace with its own address on the bridge
+    for i in (0, 1):
+        log = (tmp_path / "logs" / f"node{i}.log").read_text()
+        assert "Traceback" not in log, log[-3000:]
+    assert "rendezvous 10.77.0.1:" in proc.stderr
