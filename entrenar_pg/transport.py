@@ -61,6 +61,7 @@ _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 _POLLHANG = select.POLLHUP | select.POLLERR | _POLLRDHUP
+_MAX_IOV = 64  # buffers per sendmsg/recvmsg_into (the kernel allows 1024)
 
 
 @dataclass(slots=True)
@@ -73,10 +74,15 @@ class Send:
 
 @dataclass(slots=True)
 class Recv:
-    """A buffer to fill from a peer; ``done()`` runs once it is full."""
+    """A buffer to fill from a peer; ``done()`` runs once it is full.
+
+    ``chain``: the next piece's buffer is distinct from this one, so both may
+    be filled by one syscall (false for pieces that share a scratch buffer).
+    """
 
     view: memoryview
     done: Callable[[], None] | None = None
+    chain: bool = False
 
 
 @dataclass
@@ -99,13 +105,20 @@ class Plan:
             self.send(peer, memoryview(header.pack()))
         if recv:
             raw = bytearray(HEADER_BYTES)
-            self.recv(peer, memoryview(raw), _header_check(self.rank, peer, header, raw))
+            check = _header_check(self.rank, peer, header, raw)
+            self.recv(peer, memoryview(raw), check, chain=True)
 
     def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
         self.sends.setdefault(peer, []).append(Send(view, ready))
 
-    def recv(self, peer: int, view: memoryview, done: Callable[[], None] | None = None) -> None:
-        self.recvs.setdefault(peer, []).append(Recv(view, done))
+    def recv(
+        self,
+        peer: int,
+        view: memoryview,
+        done: Callable[[], None] | None = None,
+        chain: bool = False,
+    ) -> None:
+        self.recvs.setdefault(peer, []).append(Recv(view, done, chain))
 
 
 def _header_check(rank: int, peer: int, mine: Header, raw: bytearray) -> Callable[[], None]:
@@ -391,9 +404,13 @@ class Mesh:
         if self._closed:
             raise PeerConnectionError(f"rank {self.rank}: {what}: the group's sockets are closed")
         socks = self._socks
-        # Per link state: [peer, sock, pieces, index, offset]
-        sending: list[list[Any]] = [[p, socks[p], lst, 0, 0] for p, lst in plan.sends.items()]
-        receiving: list[list[Any]] = [[p, socks[p], lst, 0, 0] for p, lst in plan.recvs.items()]
+        # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket]
+        sending: list[list[Any]] = [
+            [p, socks[p], lst, 0, 0, False] for p, lst in plan.sends.items()
+        ]
+        receiving: list[list[Any]] = [
+            [p, socks[p], lst, 0, 0, False] for p, lst in plan.recvs.items()
+        ]
         want: dict[int, int] = {}
         spin_until = 0.0
         try:
@@ -401,57 +418,16 @@ class Mesh:
                 moved = False
                 want.clear()
                 for st in sending:
-                    peer, sock, pieces, i, off = st
-                    n_pieces = len(pieces)
-                    while i < n_pieces:
-                        piece = pieces[i]
-                        if off == 0 and piece.ready is not None and not piece.ready():
-                            break
-                        view = piece.view
-                        try:
-                            n = sock.send(view[off:] if off else view) if len(view) else 0
-                        except BlockingIOError:
-                            want[sock.fileno()] = _POLLOUT
-                            break
-                        except OSError as e:
-                            raise self._link_error(peer, what, e) from e
+                    if self._pump_send(st, what):
                         moved = True
-                        off += n
-                        if off < len(view):
-                            want[sock.fileno()] = _POLLOUT
-                            break
-                        i += 1
-                        off = 0
-                    st[3] = i
-                    st[4] = off
+                    if st[5]:
+                        want[st[1].fileno()] = _POLLOUT
                 for st in receiving:
-                    peer, sock, pieces, i, off = st
-                    n_pieces = len(pieces)
-                    while i < n_pieces:
-                        piece = pieces[i]
-                        view = piece.view
-                        size = len(view)
-                        if size:
-                            try:
-                                n = sock.recv_into(view[off:] if off else view)
-                            except BlockingIOError:
-                                want[sock.fileno()] = want.get(sock.fileno(), 0) | _POLLIN
-                                break
-                            except OSError as e:
-                                raise self._link_error(peer, what, e) from e
-                            if n == 0:
-                                raise self._closed_error(peer, what)
-                            moved = True
-                            off += n
-                            if off < size:
-                                continue
-                        if piece.done is not None:
-                            piece.done()
+                    if self._pump_recv(st, what):
                         moved = True
-                        i += 1
-                        off = 0
-                    st[3] = i
-                    st[4] = off
+                    if st[5]:
+                        fd = st[1].fileno()
+                        want[fd] = want.get(fd, 0) | _POLLIN
                 if moved:
                     sending = [st for st in sending if st[3] < len(st[2])]
                     receiving = [st for st in receiving if st[3] < len(st[2])]
@@ -474,6 +450,113 @@ class Mesh:
                 if mask != _POLLRDHUP:
                     self._poller.modify(fd, _POLLRDHUP)
                     self._masks[fd] = _POLLRDHUP
+
+    def _pump_send(self, st: list[Any], what: str) -> bool:
+        """Send what the kernel takes on one link; True if anything moved.
+
+        Consecutive ready pieces go out in one ``sendmsg`` (a header and a
+        small payload: one syscall, one TCP segment). Sets ``st[5]`` when the
+        socket is full (wait for POLLOUT); a piece that is not ready yet waits
+        on a receive, not on this socket.
+        """
+        peer, sock, pieces, i, off = st[0], st[1], st[2], st[3], st[4]
+        n_pieces = len(pieces)
+        moved = False
+        st[5] = False
+        while i < n_pieces:
+            views = []
+            j = i
+            while j < n_pieces and len(views) < _MAX_IOV:
+                piece = pieces[j]
+                if (j > i or off == 0) and piece.ready is not None and not piece.ready():
+                    break
+                views.append(piece.view[off:] if j == i and off else piece.view)
+                j += 1
+            if not views:
+                break
+            try:
+                n = sock.sendmsg(views)
+            except BlockingIOError:
+                st[5] = True
+                break
+            except OSError as e:
+                raise self._link_error(peer, what, e) from e
+            moved = True
+            total = 0
+            for v in views:
+                total += len(v)
+            full = n == total
+            while i < j:  # advance over what went out
+                left = len(pieces[i].view) - off
+                if n < left:
+                    off += n
+                    break
+                n -= left
+                i += 1
+                off = 0
+            if not full:
+                st[5] = True
+                break
+        st[3] = i
+        st[4] = off
+        return moved
+
+    def _pump_recv(self, st: list[Any], what: str) -> bool:
+        """Receive what has arrived on one link and run completed pieces' callbacks.
+
+        A piece marked ``chain`` (its buffer is not reused by the next) is
+        filled in one ``recvmsg_into`` together with the pieces after it, so
+        a header and its payload cost one syscall. Sets ``st[5]`` when the
+        socket is drained (wait for POLLIN).
+        """
+        peer, sock, pieces, i, off = st[0], st[1], st[2], st[3], st[4]
+        n_pieces = len(pieces)
+        moved = False
+        st[5] = False
+        while i < n_pieces:
+            piece = pieces[i]
+            size = len(piece.view)
+            if size == 0:
+                if piece.done is not None:
+                    piece.done()
+                moved = True
+                i += 1
+                continue
+            views = [piece.view[off:] if off else piece.view]
+            j = i + 1
+            while pieces[j - 1].chain and j < n_pieces and len(views) < _MAX_IOV:
+                views.append(pieces[j].view)
+                j += 1
+            try:
+                if len(views) == 1:
+                    n = sock.recv_into(views[0])
+                else:
+                    n = sock.recvmsg_into(views)[0]
+            except BlockingIOError:
+                st[5] = True
+                break
+            except OSError as e:
+                raise self._link_error(peer, what, e) from e
+            if n == 0:
+                raise self._closed_error(peer, what)
+            moved = True
+            while i < j:  # complete, in order, every piece now full
+                left = len(pieces[i].view) - off
+                if n < left:
+                    off += n
+                    break
+                n -= left
+                done = pieces[i].done
+                i += 1
+                off = 0
+                if done is not None:
+                    done()
+            if i < j:  # the kernel had no more for now
+                st[5] = True
+                break
+        st[3] = i
+        st[4] = off
+        return moved
 
     def _wait(
         self,

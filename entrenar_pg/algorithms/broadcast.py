@@ -43,7 +43,7 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
         if pos > 0:
             plan.open(prev, header, send=False)
             for k, (a, b) in enumerate(segs):
-                plan.recv(prev, raw[a * size : b * size], setter(have, k))
+                plan.recv(prev, raw[a * size : b * size], setter(have, k), chain=True)
         if pos < n - 1:
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):

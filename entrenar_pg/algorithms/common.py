@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,9 +79,18 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous 1-D CPU tensor's memory (no copy)."""
+    """A writable byte view of a contiguous 1-D CPU tensor's memory (no copy).
+
+    Through ctypes, not ``Tensor.numpy()``: numpy marks the tensor's storage
+    non-resizable for good, and user code resizes buffers it passed to a
+    collective (DDP's batched PowerSGD hook resizes the bucket buffer). The
+    view does not keep ``t`` alive: callers hold ``t`` while it is in use.
+    """
     assert t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu", "internal: flat CPU"
-    return t.detach().view(torch.uint8).numpy().data.cast("B")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

@@ -21,16 +21,50 @@ and *when*, never in which order, so the result is also independent of
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from functools import partial
 
 import torch
 
-from ..reduce_ops import Reduction, finish_, tree_reduce_
+from ..reduce_ops import Kind, Reduction, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
-from .common import Call, bytes_of, chunk_bounds, segments
+from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
+
+
+def _combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
+    """``dst = a <op> b``: the same kernel, operand order and rounding as ``combine_(a, b)``."""
+    if kind is Kind.SUM:
+        torch.add(a, b, out=dst)
+    elif kind is Kind.PRODUCT:
+        torch.mul(a, b, out=dst)
+    elif kind is Kind.MIN:
+        torch.minimum(a, b, out=dst)
+    elif kind is Kind.MAX:
+        torch.maximum(a, b, out=dst)
+    elif kind is Kind.BAND:
+        torch.bitwise_and(a, b, out=dst)
+    elif kind is Kind.BOR:
+        torch.bitwise_or(a, b, out=dst)
+    elif kind is Kind.BXOR:
+        torch.bitwise_xor(a, b, out=dst)
+    else:
+        raise AssertionError(f"not a combine kind: {kind}")
+
+
+def tree_reduce_into(dst: torch.Tensor, parts: Sequence[torch.Tensor], kind: Kind) -> None:
+    """``tree_reduce_(parts)``, bit for bit, with the result written into ``dst``.
+
+    The two halves reduce in place as usual; the root combine writes ``dst``
+    directly (``dst`` may be one of the parts), which saves ``tree_reduce_``'s
+    final copy when the owner's chunk is not the first contribution.
+    """
+    if len(parts) == 1:
+        if parts[0] is not dst:
+            dst.copy_(parts[0])
+        return
+    m = (len(parts) + 1) // 2
+    _combine_into(dst, tree_reduce_(parts[:m], kind), tree_reduce_(parts[m:], kind), kind)
 
 
 def _exchange(
@@ -48,9 +82,20 @@ def _exchange(
         if c.dtype != dtype:
             raise ValueError(f"rank {r}: reduce-scatter chunks of different dtypes")
     peers = [p for p in range(n) if p != r]
-    scratch = call.scratch.get("tree", numel * len(peers), dtype)
-    parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(peers)}
-    segs = segments(0, numel, call.segment_elems(dtype))
+    seg_elems = call.segment_elems(dtype)
+    segs = segments(0, numel, seg_elems)
+    if len(peers) == 1:
+        # One peer: segment k is reduced in the callback of its own receive, so
+        # one segment of scratch, reused (and cache-hot), is enough.
+        one = call.scratch.get("tree", min(seg_elems, numel), dtype)
+        parts = {peers[0]: one}
+        slot = [(0, b - a) for a, b in segs]
+    else:
+        # Several peers: segment k waits for the slowest one; the others' later
+        # segments keep arriving meanwhile, so every peer needs the whole chunk.
+        scratch = call.scratch.get("tree", numel * len(peers), dtype)
+        parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(peers)}
+        slot = segs
     arrivals = [0] * len(segs)
     reduced = [False] * len(segs)
     kind = red.combine_kind
@@ -60,11 +105,9 @@ def _exchange(
         if arrivals[k] < len(peers):
             return
         a, b = segs[k]
+        c, d = slot[k]
         mine = own[a:b]
-        ordered = [mine if p == r else parts[p][a:b] for p in range(n)]
-        result = tree_reduce_(ordered, kind)  # lands in ordered[0]
-        if result is not mine:
-            mine.copy_(result)
+        tree_reduce_into(mine, [mine if p == r else parts[p][c:d] for p in range(n)], kind)
         finish_(mine, red, n)
         reduced[k] = True
 
@@ -72,11 +115,11 @@ def _exchange(
         plan.open(p, header)
         out = chunks[p]
         out_raw = bytes_of(out)
-        for a, b in segments(0, out.numel(), call.segment_elems(dtype)):
+        for a, b in segments(0, out.numel(), seg_elems):
             plan.send(p, out_raw[a * size : b * size])
         into = bytes_of(parts[p])
-        for k, (a, b) in enumerate(segs):
-            plan.recv(p, into[a * size : b * size], partial(arrived, k))
+        for k, (c, d) in enumerate(slot):
+            plan.recv(p, into[c * size : d * size], partial(arrived, k))
     if not segs:
         finish_(own, red, n)
     return reduced
@@ -97,7 +140,8 @@ def reduce_scatter_tree(
     as every peer's segment k has arrived (the N-1 combines of an element are
     done by its owner, none on the way). Bytes on the wire per rank: the
     other chunks out, (N-1) x chunk r in; for equal chunks (N-1)/N x total
-    each way, the ring's. Latency: 1 hop. Scratch: (N-1) x chunk r bytes.
+    each way, the ring's. Latency: 1 hop. Scratch: (N-1) x chunk r bytes
+    (one segment when N = 2).
     """
     n = call.world
     if len(chunks) != n:
@@ -146,11 +190,11 @@ def allreduce_tree_ring(
         c = (r - s - 1) % n
         flags = [False] * len(segments(0, chunks[c].numel(), seg_elems))
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
-            plan.recv(left, views[c][a * size : b * size], partial(flags.__setitem__, k, True))
+            plan.recv(left, views[c][a * size : b * size], setter(flags, k))
         got.append(flags)
     for s in range(n - 1):
         c = (r - s) % n
         gate = reduced if s == 0 else got[s - 1]
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
-            plan.send(right, views[c][a * size : b * size], partial(operator.getitem, gate, k))
+            plan.send(right, views[c][a * size : b * size], is_set(gate, k))
     call.mesh.run(plan, call.what(op))

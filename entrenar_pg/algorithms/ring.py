@@ -67,7 +67,7 @@ def ring_pass(
                 )
                 plan.recv(left, scratch_bytes[: (b - a) * size], done)
             else:
-                plan.recv(left, views[c][a * size : b * size], setter(arrived, idx))
+                plan.recv(left, views[c][a * size : b * size], setter(arrived, idx), chain=True)
     for s in range(steps):
         c = (r - s + shift) % n
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):

@@ -63,7 +63,7 @@ def allreduce_star(
         plan.open(p, header)
         view = bytes_of(parts[p])
         for k, (a, b) in enumerate(segs):
-            plan.recv(p, view[a * size : b * size], partial(arrived, k))
+            plan.recv(p, view[a * size : b * size], partial(arrived, k), chain=True)
     if not segs:  # nothing to reduce: the headers alone are the barrier
         finish_(buf, red, n)
     for p in leaves:
