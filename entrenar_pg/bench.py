@@ -860,6 +860,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "meta": {
             "machine": machine_info(),
             "git": git_revision(),
+            "loadavg_start": list(os.getloadavg()),
             "config": cfg.to_json(),
             "variants": [SWEEP_VARIANTS[a].name for a in algos],
             "variant_options": {SWEEP_VARIANTS[a].name: SWEEP_VARIANTS[a].options for a in algos},
@@ -904,6 +905,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for r in result["mpi"]:
         r["time_vs_gloo"] = _ratio_to(result["allreduce"], r)
     result["meta"]["elapsed_s"] = time.time() - started
+    result["meta"]["loadavg_end"] = list(os.getloadavg())
     return result
 
 
@@ -1063,6 +1065,14 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
         f"git {meta.get('git') or '?'}, {meta['started']}",
         f"timing: {meta['timing']}",
     ]
+    if "loadavg_end" in meta:
+        lines.append(
+            "load average (1/5/15 min) at start "
+            + "/".join(f"{x:.1f}" for x in meta["loadavg_start"])
+            + ", at end "
+            + "/".join(f"{x:.1f}" for x in meta["loadavg_end"])
+            + f" on {m['nproc']} CPUs (other processes share this machine)"
+        )
     if meta.get("mpi_library"):
         lines.append(
             f"MPI: {meta['mpi_library']} ({MPI_SHM}: default shared memory; {MPI_TCP}: "

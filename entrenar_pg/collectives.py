@@ -67,6 +67,38 @@ class CollectivesMixin:
         def _check_root(self, call: str, root: int) -> None: ...
         def barrier(self, opts: Any = None) -> Any: ...
 
+    # ------------------------------------------------------------ torch integration
+    #
+    # A Python backend must subclass ProcessGroup (torch exposes no constructor
+    # for a Python ``Backend``), so it registers no per-device backend and
+    # torch's ``pg._get_backend(device)`` would raise. torch's Python side asks
+    # it only for capabilities (init_process_group(device_id=...), new_group,
+    # FSDP2's allocator, destroy): this group answers for every device itself.
+
+    supports_splitting = False  # no communicator splitting: new_group builds fresh meshes
+    supports_coalescing = False  # batch_isend_irecv issues each op (p2p never blocks)
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: Any) -> Any:
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    @property
+    def bound_device_id(self) -> Any:
+        """Always None: nothing is eagerly bound, so torch never tries to split this group.
+
+        ``init_process_group(device_id=...)`` sets it; the device is kept in
+        ``requested_device_id`` (staging follows each tensor's own device).
+        """
+        return None
+
+    @bound_device_id.setter
+    def bound_device_id(self, device: Any) -> None:
+        self.requested_device_id = device
+
     # ------------------------------------------------------------ helpers
 
     def _reduction(self, call: str, opts: Any, dtype: torch.dtype) -> Reduction:

@@ -26,6 +26,8 @@ ENV_SPIN_US = "ENTRENAR_SPIN_US"
 ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
+# torchrun's; every restart attempt reuses the same store, so our keys carry it.
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 ALGORITHMS = ("auto", "ring", "star")
 
@@ -72,6 +74,11 @@ class Options:
             thread (saves two thread wake-ups); 0 disables.
             Env ``ENTRENAR_INLINE_MAX_BYTES``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
+        attempt: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
+            torchrun hands every restart attempt the same store, so every key
+            entrenar writes there (addresses, secret, abort records) is
+            namespaced by it; otherwise a restarted job would read the dead
+            attempt's addresses.
     """
 
     algorithm: str = "auto"
@@ -86,6 +93,7 @@ class Options:
     spin_us: int = 0
     inline_max_bytes: int = 0
     master_addr: str = field(default="", repr=False)
+    attempt: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -131,6 +139,8 @@ class Options:
         kw["host"] = env.get(ENV_HOST, "")
         kw["ifname"] = env.get(ENV_IFNAME, "")
         kw["master_addr"] = env.get(ENV_MASTER_ADDR, "")
+        if ENV_RESTART_COUNT in env:
+            kw["attempt"] = _parse_int(ENV_RESTART_COUNT, env[ENV_RESTART_COUNT])
         kw.update(overrides)
         return cls(**kw)  # type: ignore[arg-type]
 

@@ -66,6 +66,7 @@ from .reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind, Reduction
 from .transport import Plan
 from .wire import Algo, OpCode
 
+_xxhash: Any
 try:  # optional dependency (extra "check"); blake2b is the fallback
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - exercised only without the extra
@@ -186,7 +187,7 @@ class _Projection:
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def weights(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block weights (float64, int64), ``_PROJECTIONS`` x >= ``blocks``: a function of the size."""
+        """Block weights (float64, int64) for >= ``blocks`` blocks: a function of the size only."""
         cap = 1 << max(blocks - 1, 0).bit_length()
         w = self._weights.get(cap)
         if w is None:
@@ -198,43 +199,68 @@ class _Projection:
             self._weights[cap] = w
         return w
 
-    def floats(self, x: torch.Tensor, wide: bool = False) -> tuple[list[float], float]:
-        """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows)."""
-        n = x.numel()
+    @staticmethod
+    def _range(n: int, part: tuple[int, int]) -> tuple[int, int, int, bool]:
+        """Blocks [b0, f1) of a ``part = (i, parts)`` split of ``n`` elements, and the tail."""
         full, tail = divmod(n, _BLOCK)
-        wf, _ = self.weights(full + (1 if tail else 0))
+        blocks = full + (1 if tail else 0)
+        i, parts = part
+        if parts == 0:  # no blocks at all (the norm only)
+            return 0, 0, tail, False
+        b0, b1 = blocks * i // parts, blocks * (i + 1) // parts
+        return b0, min(b1, full), tail, bool(tail) and b0 <= full < b1
+
+    def floats(
+        self,
+        x: torch.Tensor,
+        *,
+        wide: bool = False,
+        norm: bool = True,
+        part: tuple[int, int] = (0, 1),
+    ) -> tuple[list[float], float]:
+        """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows).
+
+        ``part = (i, parts)``: the projections over the i-th of ``parts`` block
+        ranges only (summed over i they give the whole; ``parts = 0``: none);
+        the norm is always of the whole tensor, and 0 unless ``norm``.
+        """
+        n = x.numel()
+        b0, f1, tail, with_tail = self._range(n, part)
+        wf, _ = self.weights(n // _BLOCK + (1 if tail else 0))
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = self.r64 if work == torch.float64 else self.r32
         s = torch.zeros(_PROJECTIONS, dtype=torch.float64)
-        if full:
-            rows = x[: full * _BLOCK].view(full, _BLOCK)
+        if f1 > b0:
+            rows = x[b0 * _BLOCK : f1 * _BLOCK].view(f1 - b0, _BLOCK)
             if rows.dtype == work:
                 v = torch.mm(r, rows.t())
             else:
-                v = torch.empty(_PROJECTIONS, full, dtype=work)
-                for a in range(0, full, _SLICE_ROWS):
-                    b = min(a + _SLICE_ROWS, full)
+                v = torch.empty(_PROJECTIONS, f1 - b0, dtype=work)
+                for a in range(0, f1 - b0, _SLICE_ROWS):
+                    b = min(a + _SLICE_ROWS, f1 - b0)
                     torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
-            s += (v.double() * wf[:, :full]).sum(1)
-        if tail:
+            s += (v.double() * wf[:, b0:f1]).sum(1)
+        if with_tail:
+            full = n // _BLOCK
             s += torch.mv(self.r64[:, :tail], x[full * _BLOCK :].double()) * wf[:, full]
-        norm = float(torch.linalg.vector_norm(x, dtype=work)) if n else 0.0
-        return s.tolist(), norm
+        size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
+        return s.tolist(), size
 
-    def ints(self, x: torch.Tensor) -> list[int]:
-        """[r_k . x] over int64 with wrap-around (exact modulo 2^64)."""
+    def ints(self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1)) -> list[int]:
+        """[r_k . x] over int64 with wrap-around (exact modulo 2^64); ``part`` as in floats."""
         n = x.numel()
-        full, tail = divmod(n, _BLOCK)
-        _, wi = self.weights(full + (1 if tail else 0))
+        b0, f1, tail, with_tail = self._range(n, part)
+        _, wi = self.weights(n // _BLOCK + (1 if tail else 0))
         s = torch.zeros(_PROJECTIONS, dtype=torch.int64)
-        if full:
-            rows = x[: full * _BLOCK].view(full, _BLOCK)
-            v = torch.empty(_PROJECTIONS, full, dtype=torch.int64)
-            for a in range(0, full, _SLICE_ROWS):
-                b = min(a + _SLICE_ROWS, full)
+        if f1 > b0:
+            rows = x[b0 * _BLOCK : f1 * _BLOCK].view(f1 - b0, _BLOCK)
+            v = torch.empty(_PROJECTIONS, f1 - b0, dtype=torch.int64)
+            for a in range(0, f1 - b0, _SLICE_ROWS):
+                b = min(a + _SLICE_ROWS, f1 - b0)
                 torch.mm(self.rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
-            s += (v * wi[:, :full]).sum(1)
-        if tail:
+            s += (v * wi[:, b0:f1]).sum(1)
+        if with_tail:
+            full = n // _BLOCK
             s += torch.mv(self.rint[:, :tail], x[full * _BLOCK :].to(torch.int64)) * wi[:, full]
         return [int(v) for v in s.tolist()]
 
@@ -317,7 +343,7 @@ class ContractChecker:
     The group calls ``before_allreduce``/``after_allreduce`` from its job (the
     comm thread) around every allreduce; the optimizer hook calls
     ``after_optimizer_step``. Counters (``allreduces_checked``,
-    ``steps_checked``, ``seconds``) say what it did and what it cost.
+    ``steps_checked``, ``seconds``, ``cpu_seconds``) say what it did and what it cost.
     """
 
     def __init__(
@@ -333,7 +359,8 @@ class ContractChecker:
         self.step = 0  # optimizer steps completed (and checked)
         self.allreduces_checked = 0
         self.steps_checked = 0
-        self.seconds = 0.0  # time spent checking (projection, hashing, exchanges)
+        self.seconds = 0.0  # wall time spent checking (projection, hashing, exchanges)
+        self.cpu_seconds = 0.0  # CPU time of the checking threads in it (excludes waiting)
         self._since_step = 0  # allreduces since the last optimizer step: the bucket index
         self._projection = _Projection()
         self._pending: tuple[int, int, int, int, list[int]] | None = None
@@ -355,21 +382,25 @@ class ContractChecker:
 
     def before_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
         """Project and norm this rank's input (and find its first non-finite element)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._since_step += 1
         flags, norm, bad = 0, 0, -1
         s_in = [0] * _PROJECTIONS
         dtype = flat.dtype
         if dtype in FLOAT_DTYPES:
-            s, nrm = self._projection.floats(flat)
+            # The norm is non-finite iff an element is (or it overflowed): F-DP-003
+            # costs nothing beyond it. Non-linear ops need only that part.
+            linear = red.kind in _LINEAR
+            parts = (0, 1) if linear else (0, 0)
+            s, nrm = self._projection.floats(flat, part=parts)
             if not (_finite(s) and math.isfinite(nrm)):
                 nonfinite = (~torch.isfinite(flat)).nonzero()
                 if nonfinite.numel():
                     flags |= _IN_NONFINITE
                     bad = int(nonfinite[0].item())
                 else:  # finite but overflowed float32: redo wide
-                    s, nrm = self._projection.floats(flat, wide=True)
-            if red.kind in _LINEAR and not flags:
+                    s, nrm = self._projection.floats(flat, wide=True, part=parts)
+            if linear and not flags:
                 flags |= _PROJECTED
             s_in, norm = [_f2i(v) for v in s], _f2i(nrm)
         elif dtype in INT_DTYPES and red.kind in _LINEAR:
@@ -377,10 +408,11 @@ class ContractChecker:
             s_in = self._projection.ints(flat)
         self._pending = (call.seq, flags, norm, bad, s_in)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
 
     def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
         """Hash and project the output, exchange the records, and judge (raises on violation)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != call.seq:
             raise ContractViolation(
@@ -390,17 +422,22 @@ class ContractChecker:
         _, flags, norm, bad, s_in = pending
         s_out = [0] * _PROJECTIONS
         if flags & _PROJECTED:
+            # Each rank projects its 1/N of the output; the parts add up to the
+            # projection of the output when the outputs are identical, which the
+            # hashes prove (when they differ, that is the violation).
+            part = (call.rank, call.world)
             if flat.dtype in FLOAT_DTYPES:
-                s, _nrm = self._projection.floats(flat)
+                s, _ = self._projection.floats(flat, norm=False, part=part)
                 if not _finite(s):
                     flags |= _OUT_NONFINITE
                 s_out = [_f2i(v) for v in s]
             else:
-                s_out = self._projection.ints(flat)
+                s_out = self._projection.ints(flat, part=part)
         fields = [flags, norm, digest([flat]), bad, flat.numel(), int(red.kind), *s_in, *s_out]
         record = torch.tensor(fields, dtype=torch.int64)
         records = exchange_records(call, record, _AUX_ALLREDUCE)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
         self.allreduces_checked += 1
         self._judge_allreduce(call, flat, red, records.tolist())
 
@@ -440,60 +477,52 @@ class ContractChecker:
                 f"ranks hold different outputs (output {HASH_NAME} by ranks: {listing}); "
                 f"rank(s) {minority} differ"
             )
-        if all(rec[_F_FLAGS] & _PROJECTED for rec in recs):
+        elif all(rec[_F_FLAGS] & _PROJECTED for rec in recs):
             wrong, detail = self._judge_checksum(flat.dtype, red, n, recs)
             if wrong:
-                offenders.update(wrong)
+                offenders.update(range(n))
                 problems.append(
-                    f"the output of rank(s) {wrong} is not the {red.kind.name} of the inputs "
-                    f"({detail})"
+                    f"the output, identical on every rank, is not the {red.kind.name} of the "
+                    f"inputs ({detail})"
                 )
         if problems:
             raise ContractViolation(
-                f"rank {call.rank}: C-RING-001 violated at {where}: " + "; ".join(problems)
+                f"rank {call.rank}: C-RING-001 violated at {where}: "
+                + "; ".join(problems)
                 + f" [offending rank(s): {sorted(offenders)}]"
             )
 
     def _judge_checksum(
         self, dtype: torch.dtype, red: Reduction, n: int, recs: list[list[int]]
-    ) -> tuple[list[int], str]:
-        """Ranks whose output projections disagree with the inputs' (any of the projections)."""
+    ) -> tuple[bool, str]:
+        """Whether the output's projections (the sum of every rank's part) miss the inputs'."""
         ks = range(_PROJECTIONS)
         if dtype in INT_DTYPES:
             mask = (1 << _INT_BITS[dtype]) - 1
-            totals = [sum(rec[_F_SIN + k] for rec in recs) for k in ks]
-            wrong = [
-                i
-                for i, rec in enumerate(recs)
-                if any((rec[_F_SOUT + k] - totals[k]) & mask for k in ks)
-            ]
-            return wrong, f"exact checksum modulo 2^{_INT_BITS[dtype]}"
+            diffs = [sum(rec[_F_SOUT + k] - rec[_F_SIN + k] for rec in recs) & mask for k in ks]
+            return any(diffs), f"exact checksums modulo 2^{_INT_BITS[dtype]} differ"
         if any(rec[_F_FLAGS] & _OUT_NONFINITE for rec in recs):
             # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
             # behaviour, e.g. float16); the hash check above still applies.
             if not self._warned_overflow:
                 log.warning("checker: an allreduce output overflowed; checksum skipped")
                 self._warned_overflow = True
-            return [], ""
+            return False, ""
         if red.kind is Kind.AVG:
             f = 1.0 / n
         elif red.kind is Kind.PREMUL_SUM:
             f = red.factor
         else:
             f = 1.0
+        got = [math.fsum(_i2f(rec[_F_SOUT + k]) for rec in recs) for k in ks]
         expected = [f * math.fsum(_i2f(rec[_F_SIN + k]) for rec in recs) for k in ks]
         tau = self.tolerance + (n + 1) * _ROUNDOFF[dtype]
         bound = tau * abs(f) * math.fsum(_i2f(rec[_F_NORM]) for rec in recs)
-        wrong = [
-            i
-            for i, rec in enumerate(recs)
-            if not all(abs(_i2f(rec[_F_SOUT + k]) - expected[k]) <= bound for k in ks)
-        ]
-        got = ", ".join(
-            f"rank {i}: {[round(_i2f(recs[i][_F_SOUT + k]), 6) for k in ks]}" for i in wrong
+        wrong = not all(abs(got[k] - expected[k]) <= bound for k in ks)
+        return wrong, (
+            f"checksums r.y = {[float(f'{g:.6g}') for g in got]}, expected "
+            f"{[float(f'{e:.6g}') for e in expected]} +- {bound:.3g}"
         )
-        want = [round(e, 6) for e in expected]
-        return wrong, f"checksums r.y {got}; expected {want} +- {bound:.3g}"
 
     # ------------------------------------------------------------ parameters
 
@@ -516,7 +545,7 @@ class ContractChecker:
 
         Every rank of the group must call it at the same point (it is a collective).
         """
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self.step += 1
         self._since_step = 0
         step = self.step
@@ -534,6 +563,7 @@ class ContractChecker:
             work.wait()
         finally:
             self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
         self.steps_checked += 1
 
     def _judge_parameters(self, call: Call, step: int, recs: list[list[int]]) -> None:

@@ -53,9 +53,9 @@ _HELLO = struct.Struct("<4sII")  # magic, rank, world size
 _HELLO_MAGIC = b"ENTR"
 _NONCE_BYTES = 16
 _MAC_BYTES = 32
-_SECRET_KEY = "entrenar/secret"
-_ADDR_KEY = "entrenar/addr/{}"
-_ABORT_KEY = "entrenar/abort/{}"
+_SECRET_KEY = "entrenar/a{attempt}/secret"
+_ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
+_ABORT_KEY = "entrenar/a{attempt}/abort/{rank}"
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
@@ -249,9 +249,9 @@ class Mesh:
         port = listener.getsockname()[1]
         try:
             if self.rank == 0:
-                self._store.set(_SECRET_KEY, secrets.token_hex(32))
-            secret = self._store_get(_SECRET_KEY, deadline)
-            self._store.set(_ADDR_KEY.format(self.rank), f"{host}:{port}")
+                self._store.set(self._key(_SECRET_KEY), secrets.token_hex(32))
+            secret = self._store_get(self._key(_SECRET_KEY), deadline)
+            self._store.set(self._key(_ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
             expected = set(range(self.rank + 1, self.world))
             acceptor = threading.Thread(
@@ -284,6 +284,9 @@ class Mesh:
             self._tune(sock)
             sock.setblocking(False)
 
+    def _key(self, template: str, rank: int = 0) -> str:
+        return template.format(attempt=self._options.attempt, rank=rank)
+
     def _store_get(self, key: str, deadline: float) -> bytes:
         """``store.get`` bounded by the group's timeout, not the store's own."""
         left = max(deadline - time.monotonic(), 0.001)
@@ -304,7 +307,7 @@ class Mesh:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._options.socket_buffer_bytes)
 
     def _connect_to(self, peer: int, secret: bytes, deadline: float) -> None:
-        addr = self._store_get(_ADDR_KEY.format(peer), deadline).decode()
+        addr = self._store_get(self._key(_ADDR_KEY, peer), deadline).decode()
         host, port = addr.rsplit(":", 1)
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -597,7 +600,7 @@ class Mesh:
     # ------------------------------------------------------------------ failure
 
     def _abort_record(self, peer: int) -> tuple[str, str] | None:
-        key = _ABORT_KEY.format(peer)
+        key = self._key(_ABORT_KEY, peer)
         try:
             if not self._store.check([key]):
                 return None
@@ -634,7 +637,7 @@ class Mesh:
         else:
             kind, message = "PeerConnectionError", f"rank {self.rank}: {error!r}"
         try:
-            self._store.set(_ABORT_KEY.format(self.rank), f"{kind}|{message}")
+            self._store.set(self._key(_ABORT_KEY, self.rank), f"{kind}|{message}")
         except Exception as e:  # best effort: the close below still wakes the peers
             log.debug("rank %d: could not write abort record: %s", self.rank, e)
         self.close(hard=True)

@@ -26,6 +26,8 @@
 #   RDZV_IS_HOST (auto)           1/0: whether this host runs the rendezvous
 #                                 store; set it when the host's name does not
 #                                 resolve to RDZV_HOST (containers, namespaces)
+#   LOCAL_ADDR                    this host's address as the others reach it
+#                                 (torchrun --local-addr; default: its FQDN)
 # Without ENTRENAR_HOST/IFNAME entrenar listens on the local address that routes
 # to MASTER_ADDR, which is right on most clusters.
 set -euo pipefail
@@ -47,9 +49,12 @@ if [[ -n "${ENTRENAR_HOST:-}" ]]; then
     export ENTRENAR_HOST
 fi
 
-rdzv_conf=()
+extra=()
 if [[ -n "${RDZV_IS_HOST:-}" ]]; then
-    rdzv_conf=(--rdzv-conf="is_host=${RDZV_IS_HOST}")
+    extra+=(--rdzv-conf="is_host=${RDZV_IS_HOST}")
+fi
+if [[ -n "${LOCAL_ADDR:-}" ]]; then
+    extra+=(--local-addr="$LOCAL_ADDR")
 fi
 
 exec torchrun \
@@ -59,6 +64,6 @@ exec torchrun \
     --rdzv-backend=c10d \
     --rdzv-endpoint="$RDZV_HOST:$rdzv_port" \
     --rdzv-id="${RDZV_ID:-entrenar-job}" \
-    "${rdzv_conf[@]}" \
+    "${extra[@]}" \
     --max-restarts="${MAX_RESTARTS:-0}" \
     "$repo/trainer/train.py" "$@"

@@ -107,7 +107,12 @@ def free_port() -> int:
 
 
 def torchrun(
-    script: str | Path, nproc: int, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None
+    script: str | Path,
+    nproc: int,
+    *args: str,
+    timeout_s: float = 240,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under torchrun --standalone with ``nproc`` workers; output captured."""
     full_env = dict(os.environ)
@@ -115,7 +120,7 @@ def torchrun(
     full_env.update(env or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(script), *args,
+        f"--nproc_per_node={nproc}", *(extra or []), str(script), *args,
     ]
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=REPO

@@ -24,6 +24,7 @@ from entrenar_pg import (
     ContractViolation,
     EntrenarProcessGroup,
     Options,
+    contracts,
 )
 from entrenar_pg.algorithms import Call
 from entrenar_pg.reduce_ops import Reduction
@@ -65,7 +66,12 @@ def install(pg: EntrenarProcessGroup, checker: ContractChecker) -> None:
 
 
 def run_until_violation(
-    world: int, k: int, make_input: Any, setup: Any = None, options: Options = CHECK
+    world: int,
+    k: int,
+    make_input: Any,
+    setup: Any = None,
+    options: Options = CHECK,
+    reduce_op: Any = dist.ReduceOp.SUM,
 ) -> list[tuple[int, str]]:
     """Each rank allreduces ``make_input(rank, i)`` for i = 1..k+2; returns (call, message)."""
 
@@ -75,7 +81,7 @@ def run_until_violation(
         for i in range(1, k + 3):
             t = make_input(rank, i)
             try:
-                pg.allreduce([t]).wait()
+                pg.allreduce([t], op(reduce_op)).wait()
             except ContractViolation as e:
                 # The group is broken now: the next call says so, with the same class.
                 with pytest.raises(ContractViolation):
@@ -139,18 +145,81 @@ def test_checker_installed_only_with_check() -> None:
     assert all(isinstance(c, ContractChecker) for c in run_ranks(2, fn, options=CHECK))
 
 
+@pytest.mark.timeout(60)
+def test_install_in_code() -> None:
+    """``ContractChecker.install(group)`` on a group created without ENTRENAR_CHECK."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> int:
+        assert pg.checker is None
+        checker = ContractChecker.install(pg)
+        assert pg.checker is checker
+        t = torch.ones(100)
+        if rank == 1:
+            t[0] = float("nan")
+        with pytest.raises(ContractViolation, match="F-DP-003"):
+            pg.allreduce([t]).wait()
+        return checker.allreduces_checked
+
+    assert run_ranks(2, fn, options=Options()) == [1, 1]
+    with pytest.raises(TypeError):
+        ContractChecker.install(object())
+
+
+# ---------------------------------------------------------------------- the pieces
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096, 100_003])
+def test_projection_parts_add_up(numel: int) -> None:
+    """Each rank projects 1/N of the output: the N parts must add up to the whole."""
+    proj = contracts._Projection()
+    x = torch.randn(numel, dtype=torch.float64)
+    whole, norm = proj.floats(x)
+    assert norm == pytest.approx(float(x.norm()))
+    xi = torch.randint(-1000, 1000, (numel,), dtype=torch.int32)
+    whole_i = proj.ints(xi)
+    for parts in (1, 2, 3, 7):
+        got = [proj.floats(x, part=(i, parts), norm=False)[0] for i in range(parts)]
+        for k in range(len(whole)):
+            assert sum(g[k] for g in got) == pytest.approx(whole[k], rel=1e-12, abs=1e-9)
+        got_i = [proj.ints(xi, part=(i, parts)) for i in range(parts)]
+        assert [sum(g[k] for g in got_i) for k in range(len(whole_i))] == whole_i
+    # the projections see every block: a change anywhere changes them
+    if numel:
+        y = x.clone()
+        y[numel - 1] += 1.0
+        assert proj.floats(y)[0] != whole
+
+
+@pytest.mark.timeout(30)
+def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = torch.arange(1000.0), torch.arange(1000.0)
+    b[500] = 0.5
+    assert contracts.digest([a]) == contracts.digest([a.clone()])
+    assert contracts.digest([a]) != contracts.digest([b])
+    assert contracts.digest([a[:400], a[400:]]) == contracts.digest([a])  # streaming
+    monkeypatch.setattr(contracts, "_xxhash", None)  # xxhash not installed: blake2b
+    assert contracts.digest([a]) == contracts.digest([a.clone()])
+    assert contracts.digest([a]) != contracts.digest([b])
+
+
 # ---------------------------------------------------------------------- C-RING-001
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("world", "how", "victims"), [
-    (3, "bump", {1}),  # one rank's output differs: the hash names it (and the checksum)
-    (2, "bump", {0}),  # two ranks: no majority, both named, still caught
-    (4, "scale", {0, 1, 2, 3}),  # all ranks agree on a wrong output: the checksum
-    (3, "drop", {0, 1, 2}),  # a lost contribution on every rank: the checksum
-])
+@pytest.mark.parametrize(
+    ("world", "how", "victims"),
+    [
+        (3, "bump", {1}),  # one rank's output differs: the hash names it
+        (2, "bump", {0}),  # two ranks: no majority, both named, still caught
+        (4, "scale", {0, 1, 2, 3}),  # all ranks agree on a wrong output: the checksum
+        (3, "drop", {0, 1, 2}),  # a lost contribution on every rank: the checksum
+    ],
+)
 @pytest.mark.parametrize("algorithm", ["ring", "star"])
-def test_corrupt_output_caught_at_k(world: int, how: str, victims: set[int], algorithm: str) -> None:
+def test_corrupt_output_caught_at_k(
+    world: int, how: str, victims: set[int], algorithm: str
+) -> None:
     k = 4
 
     def setup(rank: int, pg: EntrenarProcessGroup) -> None:
@@ -194,9 +263,17 @@ def test_integer_checksum_is_exact() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nonfinite_input_caught_at_k(bad: float, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("bad", "dtype", "reduce_op"),
+    [
+        (float("nan"), torch.float32, dist.ReduceOp.SUM),
+        (float("inf"), torch.float32, dist.ReduceOp.AVG),
+        (-float("inf"), torch.bfloat16, dist.ReduceOp.SUM),
+        (float("nan"), torch.bfloat16, dist.ReduceOp.MAX),  # a non-linear op: still caught
+        (float("inf"), torch.float16, dist.ReduceOp.MIN),
+    ],
+)
+def test_nonfinite_input_caught_at_k(bad: float, dtype: torch.dtype, reduce_op: Any) -> None:
     k, world, victim, index = 3, 3, 2, 4321
 
     def make(rank: int, i: int) -> torch.Tensor:
@@ -205,7 +282,7 @@ def test_nonfinite_input_caught_at_k(bad: float, dtype: torch.dtype) -> None:
             t[index] = bad
         return t
 
-    for rank, (at, msg) in enumerate(run_until_violation(world, k, make)):
+    for rank, (at, msg) in enumerate(run_until_violation(world, k, make, reduce_op=reduce_op)):
         assert at == k, f"rank {rank}: caught at {at}: {msg}"
         assert "F-DP-003" in msg and f"allreduce #{k} " in msg, msg
         assert f"rank(s) [{victim}]" in msg and f"element {index}" in msg, msg
@@ -219,14 +296,17 @@ def _train(
     rank: int, pg: EntrenarProcessGroup, steps: int, perturb: tuple[int, int] | None
 ) -> tuple[int, str]:
     """Data-parallel SGD by hand: grads averaged through ``pg``, the checker watching."""
-    torch.manual_seed(0)  # same init on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    init = torch.Generator().manual_seed(0)  # same init on every rank (not the global RNG,
+    with torch.no_grad():  # which the rank threads share)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = 0
+    current = [0]
     if perturb is not None:
 
         def hook(o: Any, args: Any, kwargs: Any) -> None:  # runs before the checker's hook
-            if rank == perturb[1] and step == perturb[0]:
+            if rank == perturb[1] and current[0] == perturb[0]:
                 with torch.no_grad():
                     model[0].weight[3, 5] += 1e-6
 
@@ -236,6 +316,7 @@ def _train(
     g = torch.Generator().manual_seed(rank)
     try:
         for step in range(1, steps + 1):
+            current[0] = step
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -244,7 +325,7 @@ def _train(
                 pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
             opt.step()
     except ContractViolation as e:
-        return step, str(e)
+        return current[0], str(e)
     assert pg.checker.steps_checked == steps
     return -1, "no violation"
 
@@ -277,6 +358,7 @@ DDP_SCRIPT = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     fault, _, at = sys.argv[1].partition(":")  # clean | perturb:K | nan:K (on rank 1)
+    out_dir = sys.argv[2]
     at = int(at or 0)
     torch.set_num_threads(1)
     dist.init_process_group("entrenar")
@@ -309,12 +391,14 @@ DDP_SCRIPT = textwrap.dedent(
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
     except Exception as e:
-        kind = type(e).__name__
-        print(f"VIOLATION rank={rank} step={step} {kind} {e}".replace(chr(10), " "), flush=True)
+        line = f"VIOLATION rank={rank} step={step} {type(e).__name__} {e}".replace(chr(10), " ")
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(line)
         os._exit(0)  # the test is about the verdict; skip interpreter teardown after a failure
     checker = dist.distributed_c10d._get_default_group().checker
-    print(f"CLEAN rank={rank} steps={checker.steps_checked} "
-          f"allreduces={checker.allreduces_checked}", flush=True)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"CLEAN rank={rank} steps={checker.steps_checked} "
+                f"allreduces={checker.allreduces_checked}")
     dist.destroy_process_group()
     """
 )
@@ -323,15 +407,19 @@ DDP_SCRIPT = textwrap.dedent(
 def _ddp_run(tmp_path: Path, fault: str) -> str:
     script = tmp_path / "ddp_contracts.py"
     script.write_text(DDP_SCRIPT)
-    proc = torchrun(script, 2, fault, env={"ENTRENAR_CHECK": "1"}, timeout_s=70)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = torchrun(script, 2, fault, str(out), env={"ENTRENAR_CHECK": "1"}, timeout_s=70)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return "\n".join(
+        (out / f"rank{r}.txt").read_text() for r in range(2) if (out / f"rank{r}.txt").exists()
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ddp_torchrun_clean(tmp_path: Path) -> None:
-    """Unmodified DDP training with ENTRENAR_CHECK=1: no violation, every step and bucket checked."""
+    """Unmodified DDP training, ENTRENAR_CHECK=1: no violation, every step and bucket checked."""
     out = _ddp_run(tmp_path, "clean")
     lines = re.findall(r"CLEAN rank=(\d) steps=(\d+) allreduces=(\d+)", out)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], out
@@ -343,7 +431,7 @@ def test_ddp_torchrun_clean(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("fault", "contract"), [("perturb", "C-DDP-001"), ("nan", "F-DP-003")])
 def test_ddp_torchrun_fault_caught_at_step_k(tmp_path: Path, fault: str, contract: str) -> None:
-    """Rank 1's weights perturbed after step k / a NaN in its gradient at step k: both ranks stop at k.
+    """Rank 1's weights perturbed after step k / a NaN in its gradient at step k: all stop at k.
 
     C-DDP-001 is raised by the optimizer hook: ContractViolation itself. F-DP-003
     is raised in the allreduce job, which DDP's reducer waits on in C++: the

@@ -348,8 +348,8 @@ def test_intruder_connection_is_refused() -> None:
     t0 = threading.Thread(target=make, args=(0,), daemon=True)
     t0.start()
     prefixed = dist.PrefixStore("x", store)
-    prefixed.wait(["entrenar/addr/0"], timedelta(seconds=10))
-    host, port = prefixed.get("entrenar/addr/0").decode().rsplit(":", 1)
+    prefixed.wait(["entrenar/a0/addr/0"], timedelta(seconds=10))
+    host, port = prefixed.get("entrenar/a0/addr/0").decode().rsplit(":", 1)
     intruder = socket.create_connection((host, int(port)), timeout=5)
     intruder.recv(16)  # the challenge
     intruder.sendall(b"ENTR" + (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + b"x" * 32)

@@ -210,7 +210,9 @@ def test_groups_reused_many_shapes() -> None:
     world = 4
     groups = make_groups(world, det(algorithm="auto", star_max_bytes=2048, segment_bytes=512))
     try:
-        cases = [(n, dt) for n in (5000, 3, 700, 12345, 1) for dt in (torch.float32, torch.bfloat16)]
+        cases = [
+            (n, dt) for n in (5000, 3, 700, 12345, 1) for dt in (torch.float32, torch.bfloat16)
+        ]
         xs = [inputs(world, n, dt, seed=n) for n, dt in cases]
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:

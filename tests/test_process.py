@@ -108,3 +108,12 @@ def test_different_collectives_raise_mismatch_on_both() -> None:
     for r in (0, 1):
         assert results[r][0] == "CollectiveMismatchError", results[r]
         assert "allreduce#" in results[r][2] and "allgather#" in results[r][2], results[r]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restart_forms_a_fresh_group() -> None:
+    """torchrun reuses one store across restart attempts; entrenar namespaces its keys."""
+    proc = torchrun(SCRIPTS / "restart_probe.py", 2, timeout_s=180, extra=["--max-restarts=1"])
+    out = _ok(proc)
+    done = sorted(line.split()[1:3] for line in out.splitlines() if line.startswith("DONE"))
+    assert done == [["1", "0"], ["1", "1"]], out + proc.stderr[-3000:]

@@ -78,8 +78,8 @@ def _exchange(
     n, r = call.world, call.rank
     own = chunks[r]
     dtype, size, numel = own.dtype, own.element_size(), own.numel()
-    for c in chunks:
-        if c.dtype != dtype:
+    for chunk in chunks:
+        if chunk.dtype != dtype:
             raise ValueError(f"rank {r}: reduce-scatter chunks of different dtypes")
     peers = [p for p in range(n) if p != r]
     seg_elems = call.segment_elems(dtype)
