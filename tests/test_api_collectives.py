@@ -328,6 +328,7 @@ def _differential_worker(rank: int, world: int) -> None:
     evens = list(range(0, world, 2))
     gloo_sub = dist.new_group(evens, backend="gloo")
     ent_sub = dist.new_group(evens, backend="entrenar")
+    ent_sub2 = dist.new_group(evens, backend="entrenar")  # a second group, same members
     c = Cases(rank, world)
     gloo_refused: list[str] = []
     for name, fn in _cases(c, full=True):
@@ -353,7 +354,9 @@ def _differential_worker(rank: int, world: int) -> None:
             except (RuntimeError, ValueError):
                 want = None
             got = fn(ent_sub)
-            dist.all_reduce(torch.ones(1), group=groups["entrenar"])  # interleave another group
+            one = torch.ones(1)
+            dist.all_reduce(one, group=ent_sub2)  # interleaved with another live group
+            assert one.item() == len(evens)
             if want is not None:
                 _compare(f"subgroup {name}", "entrenar", got, want)
     for g in groups.values():

