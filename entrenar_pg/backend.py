@@ -71,8 +71,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self.mesh = Mesh(store, rank, size, self.options, timeout, name=group_name)
         # p2p has its own mesh and thread: a recv must never block the collectives.
         self._p2p = P2PChannel(store, rank, size, self.options, timeout, name=group_name)
-        self._engine = Engine(rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort,
-                              self.options.spin_us)
+        self._engine = Engine(
+            rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort, self.options.spin_us
+        )
         log.info(
             "rank %d: entrenar group %r up: world %d, options %s",
             rank,
@@ -94,7 +95,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._group_name = name
 
     def __repr__(self) -> str:
-        return f"EntrenarProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+        return (
+            f"EntrenarProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+        )
 
     def stats(self) -> dict[str, float]:
         """Communication counters: ``<kind>_calls``, ``<kind>_bytes``, ``<kind>_seconds``."""
@@ -198,7 +201,12 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     def _allreduce_algorithm(self, nbytes: int) -> str:
         algo = self.options.algorithm
         if algo == "auto":
-            algo = "star" if nbytes <= self.options.star_max_bytes else "ring"
+            if nbytes <= self.options.direct_max_bytes:
+                algo = "direct"
+            elif nbytes <= self.options.star_max_bytes:
+                algo = "star"
+            else:
+                algo = "ring"
         return algo
 
     def _allreduce_flat(self, call: alg.Call, flat: torch.Tensor, red: Reduction) -> None:
@@ -207,8 +215,10 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             self.checker.before_allreduce(call, flat, red)
         prepare_(flat, red)
         if call.world > 1:
-            nbytes = flat.numel() * flat.element_size()
-            if self._allreduce_algorithm(nbytes) == "star":
+            algo = self._allreduce_algorithm(flat.numel() * flat.element_size())
+            if algo == "direct":
+                alg.allreduce_direct(call, flat, red)  # tree order if deterministic
+            elif algo == "star":
                 alg.allreduce_star(call, flat, red)  # tree order at the root if deterministic
             elif self.options.deterministic:
                 alg.allreduce_tree_ring(call, flat, red)
@@ -274,7 +284,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     # ------------------------------------------------------------ allgather
 
     def allgather(
-        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> Any:
         where = self._where("allgather")
@@ -283,7 +295,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         inp, outs = input_tensors[0], output_tensors[0]
         device = self._validate("allgather", [inp, *outs])
         if len(outs) != self._size:
-            raise ValueError(f"{where}: output list has {len(outs)} tensors, world size is {self._size}")
+            raise ValueError(
+                f"{where}: output list has {len(outs)} tensors, world size is {self._size}"
+            )
         for o in outs:
             if o.numel() != inp.numel():
                 raise ValueError(

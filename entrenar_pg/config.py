@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 ENV_ALGORITHM = "ENTRENAR_ALGO"
 ENV_SEGMENT_BYTES = "ENTRENAR_SEGMENT_BYTES"
 ENV_STAR_MAX_BYTES = "ENTRENAR_STAR_MAX_BYTES"
+ENV_DIRECT_MAX_BYTES = "ENTRENAR_DIRECT_MAX_BYTES"
 ENV_DETERMINISTIC = "ENTRENAR_DETERMINISTIC"
 ENV_CHECK = "ENTRENAR_CHECK"
 ENV_HOST = "ENTRENAR_HOST"
@@ -29,7 +30,7 @@ ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen add
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
-ALGORITHMS = ("auto", "ring", "star")
+ALGORITHMS = ("auto", "ring", "star", "direct")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -41,15 +42,19 @@ class Options:
 
     Attributes:
         algorithm: allreduce algorithm: ``"ring"`` (bandwidth-optimal),
-            ``"star"`` (rank 0 gathers, reduces, broadcasts: fewest hops) or
-            ``"auto"`` (star up to ``star_max_bytes``, ring above).
-            Env ``ENTRENAR_ALGO``.
+            ``"star"`` (rank 0 gathers, reduces, broadcasts: 2 hops),
+            ``"direct"`` (everyone sends to everyone and reduces locally: 1 hop,
+            (N-1) x the bytes) or ``"auto"`` (direct up to ``direct_max_bytes``,
+            star up to ``star_max_bytes``, ring above). Env ``ENTRENAR_ALGO``.
         segment_bytes: pipelining unit of the ring/star/chain algorithms: a
             chunk moves in segments of this many bytes so that receiving,
             reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.
-        star_max_bytes: with ``algorithm="auto"``, messages up to this many
-            bytes use star, larger ones ring (measured crossover, see
-            docs/architecture.md). Env ``ENTRENAR_STAR_MAX_BYTES``.
+        direct_max_bytes: with ``algorithm="auto"``, messages up to this many
+            bytes use direct. Env ``ENTRENAR_DIRECT_MAX_BYTES``.
+        star_max_bytes: with ``algorithm="auto"``, larger messages up to this
+            many bytes use star, larger ones ring; also the size up to which a
+            broadcast goes straight from the root. Measured crossovers: see
+            docs/benchmarks.md. Env ``ENTRENAR_STAR_MAX_BYTES``.
         deterministic: fix the summation order of every reduction to the
             canonical pairwise tree over ranks, so results are bitwise
             reproducible and identical across algorithms.
@@ -83,6 +88,7 @@ class Options:
 
     algorithm: str = "auto"
     segment_bytes: int = 1 << 20
+    direct_max_bytes: int = 64 << 10
     star_max_bytes: int = 64 << 10
     deterministic: bool = False
     check: bool = False
@@ -104,7 +110,13 @@ class Options:
             raise ValueError(
                 f"{ENV_SEGMENT_BYTES}/segment_bytes must be >= 1, got {self.segment_bytes}"
             )
-        for name in ("star_max_bytes", "socket_buffer_bytes", "spin_us", "inline_max_bytes"):
+        for name in (
+            "direct_max_bytes",
+            "star_max_bytes",
+            "socket_buffer_bytes",
+            "spin_us",
+            "inline_max_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (0.0 < self.check_tolerance < 1.0):
@@ -120,6 +132,7 @@ class Options:
         for var, name in (
             (ENV_SEGMENT_BYTES, "segment_bytes"),
             (ENV_STAR_MAX_BYTES, "star_max_bytes"),
+            (ENV_DIRECT_MAX_BYTES, "direct_max_bytes"),
             (ENV_SOCKET_BUFFER_BYTES, "socket_buffer_bytes"),
             (ENV_SPIN_US, "spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),

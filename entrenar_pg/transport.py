@@ -406,6 +406,7 @@ class Mesh:
         """
         if self._closed:
             raise PeerConnectionError(f"rank {self.rank}: {what}: the group's sockets are closed")
+        self._check_aborts(what)
         socks = self._socks
         # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket]
         sending: list[list[Any]] = [
@@ -448,6 +449,10 @@ class Mesh:
                         continue
                 self._wait(want, plan, sending, receiving, what)
                 spin_until = 0.0
+            # All our bytes moved, but a peer may have failed after sending its
+            # part (e.g. it timed out waiting for us): then this collective did
+            # not complete on every rank, and this rank must not think it did.
+            self._check_aborts(what)
         finally:
             for fd, mask in self._masks.items():
                 if mask != _POLLRDHUP:
@@ -598,6 +603,20 @@ class Mesh:
             del masks[fd]
 
     # ------------------------------------------------------------------ failure
+
+    def _check_aborts(self, what: str) -> None:
+        """Raise the abort of any peer that hung up with an abort record (no waiting)."""
+        for fd, ev in self._poller.poll(0):
+            if not ev & _POLLHANG:
+                continue
+            peer = self._fd_peer[fd]
+            record = self._abort_record(peer)
+            if record is not None:
+                raise self._closed_error(peer, what, record)
+            # It left without failing (destroyed its group); whoever needs it
+            # next will read the close itself.
+            self._poller.unregister(fd)
+            del self._masks[fd]
 
     def _abort_record(self, peer: int) -> tuple[str, str] | None:
         key = self._key(_ABORT_KEY, peer)

@@ -185,10 +185,19 @@ class Cases:
 
     def all_to_all(self, g: Any) -> list[torch.Tensor]:
         w, r = dist.get_world_size(g), dist.get_rank(g)
-        ins = [data(self.rank, (r + p) % 4, salt=p) for p in range(w)]
+        ins = [data(r, (r + p) % 4, salt=p) for p in range(w)]
         outs = [torch.empty((p + r) % 4) for p in range(w)]
         dist.all_to_all(outs, ins, group=g)
+        for p in range(w):  # gloo refuses uneven lists: check against the senders' inputs too
+            assert torch.equal(outs[p], data(p, (p + r) % 4, salt=r)), (p, outs[p])
         return outs
+
+    def all_gather_coalesced_lists(self, g: Any) -> list[torch.Tensor]:
+        w = dist.get_world_size(g)
+        ins = [data(self.rank, 3), data(self.rank, 2, salt=1).reshape(1, 2)]
+        outs = [[torch.empty_like(t) for t in ins] for _ in range(w)]
+        dist.all_gather_coalesced(outs, ins, group=g)
+        return [t for lst in outs for t in lst]
 
     def reduce_scatter(self, g: Any, op: Any, n: int) -> list[torch.Tensor]:
         w = dist.get_world_size(g)
@@ -292,6 +301,7 @@ def _cases(c: Cases, full: bool) -> list[tuple[str, Callable[[Any], list[torch.T
         out.append((f"all_to_all_single/uneven={uneven}", lambda g, u=uneven: c.all_to_all_single(g, u)))
     out.append(("all_to_all", c.all_to_all))
     out.append(("all_gather_coalesced", c.all_gather_coalesced))
+    out.append(("all_gather_coalesced_lists", c.all_gather_coalesced_lists))
     out.append(("reduce_scatter_coalesced", c.reduce_scatter_coalesced))
     out.append(("all_reduce_coalesced", c.all_reduce_coalesced))
     out.append(("objects", c.objects))

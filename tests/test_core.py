@@ -26,7 +26,7 @@ from entrenar_pg.wire import Algo, Header, OpCode
 
 pytestmark = pytest.mark.timeout(120)
 
-ALGOS = ["ring", "star"]
+ALGOS = ["ring", "star", "direct"]
 
 
 def allreduce(pg: EntrenarProcessGroup, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:

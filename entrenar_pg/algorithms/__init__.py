@@ -4,6 +4,7 @@ from .alltoall import alltoall, exchange
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, segments
 from .deterministic import allreduce_tree_ring, reduce_scatter_tree
+from .direct import allreduce_direct
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
 from .star import allreduce_star, barrier
@@ -12,6 +13,7 @@ __all__ = [
     "Call",
     "ScratchPool",
     "allgather_ring",
+    "allreduce_direct",
     "allreduce_ring",
     "allreduce_star",
     "allreduce_tree_ring",
