@@ -78,6 +78,7 @@ SWEEP_VARIANTS: dict[str, Variant] = {
     "gloo": Variant(GLOO, "gloo"),
     "ring": Variant("entrenar-ring", "entrenar", {"algorithm": "ring"}),
     "star": Variant("entrenar-star", "entrenar", {"algorithm": "star"}),
+    "direct": Variant("entrenar-direct", "entrenar", {"algorithm": "direct"}),
     "auto": Variant("entrenar-auto", "entrenar", {"algorithm": "auto"}),
     "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
 }

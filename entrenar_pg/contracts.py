@@ -5,12 +5,14 @@ Enabled by ``ENTRENAR_CHECK=1`` (``Options.check``) on a group, or in code with
 
 C-RING-001 (every allreduce): every rank holds the same output, and the
     output is the op applied to the inputs. Before the allreduce each rank
-    projects its input on a random vector ``r`` (``S_i = r.x_i``) and takes
-    its norm; afterwards it projects its output (``S_out = r.y``) and hashes
-    it. One small direct exchange (op CHECK, same sequence number) gives every
-    rank every rank's record, and every rank runs the same verdict on the same
-    records: the output hashes must all be equal, and for the linear ops
-    (SUM, AVG, PREMUL_SUM) ``|S_out - f * sum_i S_i| <= tau * |f| * sum_i ||x_i||``
+    projects its input on two random vectors ``r_k`` (``S_ik = r_k.x_i``) and
+    takes its norm; afterwards it hashes its output and projects its 1/N share
+    of it (the shares add up to ``r_k.y`` once the hashes prove the outputs
+    identical). One small direct exchange (op CHECK, same sequence number)
+    gives every rank every rank's record, and every rank runs the same verdict
+    on the same records: the output hashes must all be equal, and for the
+    linear ops (SUM, AVG, PREMUL_SUM)
+    ``|r_k.y - f * sum_i S_ik| <= tau * |f| * sum_i ||x_i||`` for both k
     (``f`` = 1, 1/N or the PREMUL factor; ``tau`` = ``check_tolerance`` +
     (N + 1) x the dtype's unit roundoff). For integer dtypes the comparison is
     exact (modulo 2^bits, as the reduction itself wraps). Other ops (PRODUCT,
@@ -28,7 +30,7 @@ A violation raises ``ContractViolation`` on every rank: the verdict runs inside
 the group's job, so the engine breaks the group, publishes the error and every
 later call on it fails with the same class; no rank is left waiting.
 
-Float bound: with ``r`` of i.i.d. standard normal entries (a fixed 4096-entry
+Float bound: with ``r`` of standard normal entries (a fixed 4096-entry
 vector, each 4096-element block scaled by its own random weight, all from a
 fixed seed so every rank has the same ``r``), ``r.delta`` for an error vector
 ``delta`` is a zero-mean variable of standard deviation ``||delta||``. The
@@ -37,8 +39,9 @@ reduction's rounding error obeys ``||delta|| <= (N - 1) u sum_i ||x_i||``
 PREMUL's scaling), and block dot products are accumulated in float32 over 4096
 elements then in float64 (relative error well under 1e-4), so the default
 ``check_tolerance`` of 1e-3 never fires on a correct float32 reduction, while
-a corruption whose norm exceeds ~1e-3 of the inputs' is caught; a corruption
-on one rank only is always caught by the hash.
+a corruption whose norm exceeds ~1e-3 of the inputs' is caught unless both
+projections happen to be nearly orthogonal to it; a corruption on one rank
+only is always caught by the hash.
 
 The hash is xxHash's XXH3-64 (``xxhash``, the ``check`` extra): ~26 GB/s here
 against ~1 GB/s for ``hashlib.blake2b``, which is the fallback when xxhash is
@@ -50,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import struct
 import threading
 import time
 import weakref
@@ -138,11 +142,12 @@ def _finite(values: Sequence[float]) -> bool:
 
 
 def _f2i(x: float) -> int:
-    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
+    """A float64 as the int64 with the same bits (records are int64)."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
 
 
 def _i2f(i: int) -> float:
-    return float(torch.tensor([i], dtype=torch.int64).view(torch.float64).item())
+    return float(struct.unpack("<d", struct.pack("<q", i))[0])
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -435,10 +440,12 @@ class ContractChecker:
                 s_out = self._projection.ints(flat, part=part)
         fields = [flags, norm, digest([flat]), bad, flat.numel(), int(red.kind), *s_in, *s_out]
         record = torch.tensor(fields, dtype=torch.int64)
-        records = exchange_records(call, record, _AUX_ALLREDUCE)
-        self.seconds += time.perf_counter() - start
-        self.cpu_seconds += time.thread_time() - cpu
         self.allreduces_checked += 1
+        try:
+            records = exchange_records(call, record, _AUX_ALLREDUCE)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
         self._judge_allreduce(call, flat, red, records.tolist())
 
     def _where(self, call: Call, flat: torch.Tensor) -> str:
@@ -558,13 +565,13 @@ class ContractChecker:
             records = exchange_records(call, record, _AUX_PARAMS).tolist()
             self._judge_parameters(call, step, records)
 
+        self.steps_checked += 1
         work = pg._launch(OpCode.CHECK, pg._staging(torch.device("cpu")), 0, body, [])
         try:
             work.wait()
         finally:
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu
-        self.steps_checked += 1
 
     def _judge_parameters(self, call: Call, step: int, recs: list[list[int]]) -> None:
         steps = [rec[3] for rec in recs]
@@ -590,6 +597,8 @@ class ContractChecker:
 
 def _replicated(p: torch.Tensor) -> torch.Tensor | None:
     """The tensor to hash for parameter ``p``: None for a sharded DTensor (FSDP2)."""
+    if type(p) is torch.Tensor or type(p) is torch.nn.Parameter:
+        return p
     try:
         from torch.distributed.tensor import DTensor, Replicate
     except ImportError:  # pragma: no cover

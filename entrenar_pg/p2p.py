@@ -283,10 +283,9 @@ class P2PChannel:
         *,
         is_recv: bool,
     ) -> _Op:
-        if user.is_cuda:
-            fut = torch.futures.Future(devices=[user.device])
-        else:
-            fut = torch.futures.Future()
+        fut: torch.futures.Future[list[torch.Tensor]] = (
+            torch.futures.Future(devices=[user.device]) if user.is_cuda else torch.futures.Future()
+        )
         src = peer if peer != ANY_SOURCE else -1
         work = P2PWork(fut, what, self.rank, src)
         deadline = time.monotonic() + self.timeout_s

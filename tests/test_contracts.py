@@ -216,7 +216,7 @@ def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
         (3, "drop", {0, 1, 2}),  # a lost contribution on every rank: the checksum
     ],
 )
-@pytest.mark.parametrize("algorithm", ["ring", "star"])
+@pytest.mark.parametrize("algorithm", ["ring", "star", "direct"])
 def test_corrupt_output_caught_at_k(
     world: int, how: str, victims: set[int], algorithm: str
 ) -> None:

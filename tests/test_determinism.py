@@ -77,12 +77,12 @@ def test_repeated_allreduce_identical_bits(world: int, dtype: torch.dtype) -> No
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [3, 4, 6])
-def test_ring_star_auto_identical(world: int) -> None:
-    """The same inputs through ring, star and auto (both of its paths): the same bits."""
-    sizes = [1, 7, 257, 5000]  # auto below/above a 1 KiB threshold
+def test_all_algorithms_identical(world: int) -> None:
+    """The same inputs through ring, star, direct and auto (all its paths): the same bits."""
+    sizes = [1, 7, 200, 5000]  # auto: direct up to 64 B, star up to 1 KiB, then ring
     xs = {n: inputs(world, n, torch.float32, seed=n) for n in sizes}
     results: dict[str, list[list[torch.Tensor]]] = {}
-    for algo in ("ring", "star", "auto"):
+    for algo in ("ring", "star", "direct", "auto"):
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
             outs = []
@@ -94,7 +94,7 @@ def test_ring_star_auto_identical(world: int) -> None:
                 outs += [t, a]
             return outs
 
-        opts = det(algorithm=algo, segment_bytes=256, star_max_bytes=1024)
+        opts = det(algorithm=algo, segment_bytes=256, star_max_bytes=1024, direct_max_bytes=64)
         results[algo] = run_ranks(world, fn, options=opts)
     for i, n in enumerate(sizes):
         ref = tree_sum(xs[n])
@@ -130,6 +130,45 @@ def test_independent_of_segments_and_bucketing(world: int) -> None:
             for rank, outs in enumerate(run_ranks(world, fn, options=opts)):
                 for name, out in zip(("whole", "pieces", "coalesced"), outs, strict=True):
                     assert same_bits(out, ref), f"{algo}, segment {segment}, rank {rank}: {name}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slow_rank", [0, 2])
+def test_flow_control_with_a_slow_rank(slow_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank reduces slowly: the others run ahead only as far as the receive slots allow.
+
+    With many segments per chunk every receive slot is reused many times; a
+    peer that overran its credit would overwrite a slot before it was reduced
+    and the bits would differ from the tree sum.
+    """
+    import threading
+    import time
+
+    from entrenar_pg.algorithms import deterministic
+
+    world, numel = 4, 40_000
+    xs = inputs(world, numel, torch.float32, seed=11)
+    original = deterministic.tree_reduce_into
+    calls = [0]
+
+    def slow(dst: torch.Tensor, parts: list[torch.Tensor], kind: Kind) -> None:
+        if threading.current_thread().name.startswith(f"entrenar-r{slow_rank}-"):
+            calls[0] += 1
+            time.sleep(0.0005 * (calls[0] % 3))
+        original(dst, parts, kind)
+
+    monkeypatch.setattr(deterministic, "tree_reduce_into", slow)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
+        t = xs[rank].clone()
+        pg.allreduce([t]).wait()
+        return t
+
+    outs = run_ranks(world, fn, options=det(algorithm="ring", segment_bytes=256))
+    assert calls[0] > 100, "the slow rank was not slowed"
+    ref = tree_sum(xs)
+    for rank, out in enumerate(outs):
+        assert same_bits(out, ref), f"rank {rank}: a receive slot was overwritten"
 
 
 @pytest.mark.timeout(60)
@@ -208,7 +247,8 @@ def test_default_ring_order_differs() -> None:
 def test_groups_reused_many_shapes() -> None:
     """One set of groups, many sizes and both dtypes in a row: scratch reuse keeps bits right."""
     world = 4
-    groups = make_groups(world, det(algorithm="auto", star_max_bytes=2048, segment_bytes=512))
+    opts = det(algorithm="auto", direct_max_bytes=256, star_max_bytes=2048, segment_bytes=512)
+    groups = make_groups(world, opts)
     try:
         cases = [
             (n, dt) for n in (5000, 3, 700, 12345, 1) for dt in (torch.float32, torch.bfloat16)

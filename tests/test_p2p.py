@@ -14,10 +14,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import make_groups, run_ranks
 
 from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, PeerConnectionError
-
-from conftest import make_groups, run_ranks
 
 
 def _allreduce(pg: EntrenarProcessGroup, t: torch.Tensor) -> torch.Tensor:
@@ -29,8 +28,11 @@ def _allreduce(pg: EntrenarProcessGroup, t: torch.Tensor) -> torch.Tensor:
 def test_tags_match_independently_and_in_order_per_tag() -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
         if rank == 0:
-            works = [pg.send([torch.full((3,), float(10 * tag + i))], 1, tag)
-                     for i in range(3) for tag in (1, 2)]
+            works = [
+                pg.send([torch.full((3,), float(10 * tag + i))], 1, tag)
+                for i in range(3)
+                for tag in (1, 2)
+            ]
             for w in works:
                 w.wait()
             return []
@@ -143,7 +145,9 @@ def test_size_mismatch_fails_that_recv_only() -> None:
             pg.send([torch.ones(5)], 1, 0).wait()
             pg.send([torch.full((2,), 3.0)], 1, 0).wait()
             return ""
-        with pytest.raises(CollectiveMismatchError, match=r"rank 1: recv from rank 0 \(tag 0\).*20 bytes"):
+        with pytest.raises(
+            CollectiveMismatchError, match=r"rank 1: recv from rank 0 \(tag 0\).*20 bytes"
+        ):
             pg.recv([torch.empty(4)], 0, 0).wait()
         t = torch.empty(2)
         pg.recv([t], 0, 0).wait()  # the link is still in step
@@ -175,7 +179,9 @@ def test_unmatched_recv_times_out_with_the_group_timeout() -> None:
     groups = make_groups(2, timeout_s=1.0)
     try:
         start = time.monotonic()
-        with pytest.raises(PeerConnectionError, match=r"rank 1: p2p recv from rank 0 \(tag 6\).*1\.0s"):
+        with pytest.raises(
+            PeerConnectionError, match=r"rank 1: p2p recv from rank 0 \(tag 6\).*1\.0s"
+        ):
             groups[1].recv([torch.empty(1)], 0, 6).wait()
         assert 0.9 < time.monotonic() - start < 5
         # The link itself is fine: a later message still gets through.
@@ -272,3 +278,20 @@ def test_work_timeout_argument() -> None:
         assert isinstance(w, dist.Work)
     finally:
         pg.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_staged_through_the_host() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> bool:
+        peer = 1 - rank
+        src = torch.arange(6.0, device="cuda").reshape(2, 3) + 10 * rank
+        dst = torch.empty(2, 3, device="cuda")
+        w = pg.send([src], peer, 0)
+        pg.recv([dst], peer, 0).wait()
+        w.wait()
+        torch.cuda.synchronize()
+        return torch.equal(dst.cpu(), torch.arange(6.0).reshape(2, 3) + 10 * peer)
+
+    assert run_ranks(2, fn) == [True, True]

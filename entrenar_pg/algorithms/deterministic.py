@@ -31,6 +31,8 @@ from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
 
+CREDIT = 4  # segments a rank sends ahead of its own reduction (receive scratch: 2x this)
+
 
 def _combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
     """``dst = a <op> b``: the same kernel, operand order and rounding as ``combine_(a, b)``."""
@@ -84,18 +86,22 @@ def _exchange(
     peers = [p for p in range(n) if p != r]
     seg_elems = call.segment_elems(dtype)
     segs = segments(0, numel, seg_elems)
+    # Receive scratch: a ring of slots per peer, segment k in slot k mod slots.
+    # One peer: segment k is reduced in the callback of its own receive, so one
+    # slot is enough. More: flow control (below) bounds how far ahead any peer
+    # can be, to 2 x CREDIT segments, provided every chunk has about as many
+    # segments (the credit travels with the data); else every peer's whole
+    # chunk is received first.
+    counts = [len(segments(0, c.numel(), seg_elems)) for c in chunks]
+    flow = len(peers) > 1 and max(counts) - min(counts) <= 1
     if len(peers) == 1:
-        # One peer: segment k is reduced in the callback of its own receive, so
-        # one segment of scratch, reused (and cache-hot), is enough.
-        one = call.scratch.get("tree", min(seg_elems, numel), dtype)
-        parts = {peers[0]: one}
-        slot = [(0, b - a) for a, b in segs]
+        slots = min(1, len(segs))
     else:
-        # Several peers: segment k waits for the slowest one; the others' later
-        # segments keep arriving meanwhile, so every peer needs the whole chunk.
-        scratch = call.scratch.get("tree", numel * len(peers), dtype)
-        parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(peers)}
-        slot = segs
+        slots = min(2 * CREDIT, len(segs)) if flow else len(segs)
+    cap = min(seg_elems, numel)
+    scratch = call.scratch.get("tree", len(peers) * slots * cap, dtype)
+    parts = {p: scratch[i * slots * cap : (i + 1) * slots * cap] for i, p in enumerate(peers)}
+    slot = [((k % slots) * cap, (k % slots) * cap + b - a) for k, (a, b) in enumerate(segs)]
     arrivals = [0] * len(segs)
     reduced = [False] * len(segs)
     kind = red.combine_kind
@@ -115,8 +121,17 @@ def _exchange(
         plan.open(p, header)
         out = chunks[p]
         out_raw = bytes_of(out)
-        for a, b in segments(0, out.numel(), seg_elems):
-            plan.send(p, out_raw[a * size : b * size])
+        for i, (a, b) in enumerate(segments(0, out.numel(), seg_elems)):
+            # Flow control: segment i goes out once this rank has reduced its own
+            # segment i - CREDIT. A peer sending us segment j has thereby reduced
+            # its j - CREDIT, so it had our j - CREDIT, which we sent after
+            # reducing our j - 2 x CREDIT: slot j mod (2 x CREDIT) is free again.
+            # (Indices clamp to the last segment; chunks that differ by at most
+            # one segment keep this true.) Reducing segment k needs only
+            # segments < k of anyone: no deadlock.
+            gated = flow and i >= CREDIT and segs
+            ready = is_set(reduced, min(i - CREDIT, len(segs) - 1)) if gated else None
+            plan.send(p, out_raw[a * size : b * size], ready)
         into = bytes_of(parts[p])
         for k, (c, d) in enumerate(slot):
             plan.recv(p, into[c * size : d * size], partial(arrived, k))
@@ -138,10 +153,12 @@ def reduce_scatter_tree(
     and receives chunk r from every peer, segment by segment, all links at
     once; segment k of chunk r is combined in the canonical tree order as soon
     as every peer's segment k has arrived (the N-1 combines of an element are
-    done by its owner, none on the way). Bytes on the wire per rank: the
-    other chunks out, (N-1) x chunk r in; for equal chunks (N-1)/N x total
-    each way, the ring's. Latency: 1 hop. Scratch: (N-1) x chunk r bytes
-    (one segment when N = 2).
+    done by its owner, none on the way). A rank sends segment i only once it
+    has reduced its own segment i - CREDIT, which bounds the receive scratch
+    to 2 x CREDIT segments per peer (one segment when N = 2; the whole chunk
+    per peer when chunk sizes differ by more than a segment). Bytes on the
+    wire per rank: the other chunks out, (N-1) x chunk r in; for equal chunks
+    (N-1)/N x total each way, the ring's. Latency: 1 hop.
     """
     n = call.world
     if len(chunks) != n:
