@@ -11,8 +11,10 @@ output tensors. One core path (``_launch``) serves every collective.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -74,6 +76,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._engine = Engine(
             rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort, self.options.spin_us
         )
+        _LIVE_GROUPS.add(self)
         log.info(
             "rank %d: entrenar group %r up: world %d, options %s",
             rank,
@@ -186,6 +189,8 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 self._engine.run_inline(job)
             else:
                 self._engine.submit(job)
+        if self._engine.on_comm_thread():
+            self._engine.drain_until(job)  # issued from a future callback: see drain_until
         return work
 
     @staticmethod
@@ -368,6 +373,17 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self.mesh.close()
         self._p2p.close()
 
+    def _close_at_exit(self) -> None:
+        """Interpreter exit with the group still up: drop the links first (that
+        wakes a comm thread blocked in poll), then stop the threads, so no
+        thread of ours is still inside torch when Python finalizes."""
+        if self._closed:
+            return
+        self._closed = True
+        self.mesh.close(hard=True)
+        self._p2p.close(hard=True)
+        self._engine.shutdown(timeout_s=2.0)
+
     def abort(self) -> None:
         self._engine.shutdown(timeout_s=0.1)
         self.mesh.abort(EntrenarError(f"rank {self._rank}: process group aborted by the user"))
@@ -378,6 +394,18 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             self.shutdown()
         except Exception:
             pass
+
+
+_LIVE_GROUPS: weakref.WeakSet[EntrenarProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    for pg in list(_LIVE_GROUPS):
+        try:
+            pg._close_at_exit()
+        except Exception:  # exiting anyway; never mask the program's own exit status
+            log.debug("closing a group at exit failed", exc_info=True)
 
 
 def create_process_group(dist_opts: Any, backend_options: Any = None) -> EntrenarProcessGroup:

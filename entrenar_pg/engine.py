@@ -125,6 +125,29 @@ class Engine:
         finally:
             self._busy = False
 
+    def on_comm_thread(self) -> bool:
+        """True inside a future callback the comm thread is running."""
+        return threading.current_thread() is self._thread
+
+    def drain_until(self, job: Job) -> None:
+        """Run queued jobs, in order, in the calling (comm) thread until ``job`` has run.
+
+        A future callback runs on the comm thread while it completes a job. If
+        that callback issues a collective and waits for it (DDP's PowerSGD hook
+        does), the job would sit in the queue behind a thread that is waiting
+        for it. Running the queue up to it here keeps issue order and cannot
+        deadlock.
+        """
+        assert self.on_comm_thread(), "internal: drain_until off the comm thread"
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return  # already run (or failed with the group)
+                nxt = self._queue.popleft()
+            self.execute(nxt)
+            if nxt is job:
+                return
+
     def _next(self) -> Job | None:
         if self._spin_s and not self._queue:
             end = time.perf_counter() + self._spin_s

@@ -472,7 +472,7 @@ class Mesh:
         moved = False
         st[5] = False
         while i < n_pieces:
-            views = []
+            views: list[memoryview] = []
             j = i
             while j < n_pieces and len(views) < _MAX_IOV:
                 piece = pieces[j]

@@ -278,17 +278,24 @@ def _integration_worker(rank: int, world: int) -> None:
     dist.all_gather_object(got, rank, group=cur)
     assert got == [rank - rank % 2, rank - rank % 2 + 1]
 
-    # DDP communication hooks (default hooks; PowerSGD: see docs/api.md)
+    # DDP communication hooks: default ones and PowerSGD (whose hook waits, in a
+    # future callback on the comm thread, for a second allreduce)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):
+    hooks: list[tuple[Any, Any]] = [
+        (None, default_hooks.allreduce_hook),
+        (None, default_hooks.fp16_compress_hook),
+        (psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2), psgd.powerSGD_hook),
+    ]
+    for state, hook in hooks:
         torch.manual_seed(0)
-        ddp = DDP(nn.Linear(8, 8))
-        ddp.register_comm_hook(None, hook)
-        for _ in range(2):
+        ddp = DDP(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)))
+        ddp.register_comm_hook(state, hook)
+        for _ in range(4):  # PowerSGD compresses from iteration 2 on
             ddp(torch.randn(4, 8) + rank).sum().backward()
-        grad = ddp.module.weight.grad.reshape(-1).clone()
+        grad = ddp.module[0].weight.grad.reshape(-1).clone()
         allg = [torch.empty_like(grad) for _ in range(world)]
         dist.all_gather(allg, grad)
         assert all(torch.equal(a, grad) for a in allg), hook.__name__
