@@ -119,8 +119,14 @@ def torchrun(
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", *(extra or []), str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *(extra or []),
+        str(script),
+        *args,
     ]
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=REPO

@@ -287,7 +287,10 @@ def _integration_worker(rank: int, world: int) -> None:
     hooks: list[tuple[Any, Any]] = [
         (None, default_hooks.allreduce_hook),
         (None, default_hooks.fp16_compress_hook),
-        (psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2), psgd.powerSGD_hook),
+        (
+            psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+            psgd.powerSGD_hook,
+        ),
     ]
     for state, hook in hooks:
         torch.manual_seed(0)

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     return proc.stdout
 
 
@@ -28,8 +30,17 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_matches_gloo_and_ranks_agree(world: int, tmp_path: Path) -> None:
     for backend in ("entrenar", "gloo"):
-        _ok(torchrun(SCRIPTS / "ddp_check.py", world, "--backend", backend,
-                     "--out", str(tmp_path / backend), timeout_s=120))
+        _ok(
+            torchrun(
+                SCRIPTS / "ddp_check.py",
+                world,
+                "--backend",
+                backend,
+                "--out",
+                str(tmp_path / backend),
+                timeout_s=120,
+            )
+        )
     states = {
         b: [torch.load(tmp_path / b / f"rank{r}.pt") for r in range(world)]
         for b in ("entrenar", "gloo")
@@ -69,12 +80,26 @@ def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TIMEOUT_S=str(timeout_s),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "fault.py"), mode], env=env, cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TIMEOUT_S=str(timeout_s),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "fault.py"), mode],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results: dict[int, list[str]] = {}
     for p in procs:
         try:

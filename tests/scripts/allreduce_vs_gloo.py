@@ -27,8 +27,18 @@ ops = {
     "BXOR": dist.ReduceOp.BXOR,
     "AVG": dist.ReduceOp.AVG,
 }
-dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+dtypes = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 checked = failures = unsupported = 0
 for name, op in ops.items():
     for dt in dtypes:
@@ -53,7 +63,9 @@ for name, op in ops.items():
                     dist.all_reduce(got, op=op, group=grp)
                 except ValueError as e:
                     failures += 1
-                    print(f"FAIL {rank} {algo} {name} {dt} n={n}: entrenar refused: {e}", flush=True)
+                    print(
+                        f"FAIL {rank} {algo} {name} {dt} n={n}: entrenar refused: {e}", flush=True
+                    )
                     continue
                 checked += 1
                 if dt.is_floating_point:
@@ -63,6 +75,8 @@ for name, op in ops.items():
                     ok = torch.equal(got, ref)
                 if not ok:
                     failures += 1
-                    print(f"FAIL {rank} {algo} {name} {dt} n={n}: {got[:4]} vs {ref[:4]}", flush=True)
+                    print(
+                        f"FAIL {rank} {algo} {name} {dt} n={n}: {got[:4]} vs {ref[:4]}", flush=True
+                    )
 print(f"DIFF {rank} {checked} {failures} {unsupported}", flush=True)
 dist.destroy_process_group()

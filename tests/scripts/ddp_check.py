@@ -34,7 +34,7 @@ model = torch.nn.Sequential(
 ddp = DDP(model, bucket_cap_mb=0.05)  # ~0.2M params in 0.05 MB buckets: several buckets
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
-for step in range(args.steps):
+for _step in range(args.steps):
     x = torch.randn(8, 4, 32, generator=gen)
     y = torch.randint(0, 10, (8,), generator=gen)
     loss = torch.nn.functional.cross_entropy(ddp(x), y)

@@ -29,8 +29,9 @@ try:
         if rank == 0:
             dist.all_reduce(torch.ones(1000))
         else:
-            dist.all_gather([torch.empty(1000) for _ in range(dist.get_world_size())],
-                            torch.ones(1000))
+            dist.all_gather(
+                [torch.empty(1000) for _ in range(dist.get_world_size())], torch.ones(1000)
+            )
     print(f"RESULT {rank} none {time.monotonic() - start:.2f}", flush=True)
 except Exception as e:
     print(f"RESULT {rank} {type(e).__name__} {time.monotonic() - start:.2f} {e}", flush=True)
