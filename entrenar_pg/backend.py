@@ -204,14 +204,17 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     # ------------------------------------------------------------ allreduce
 
     def _allreduce_algorithm(self, nbytes: int) -> str:
+        """``auto``'s rule, from the crossovers measured on 2 cores (docs/benchmarks.md):
+        with two ranks the direct exchange (1 hop, the same bytes per link as
+        star) wins up to ``direct_max_bytes``; with more, its N(N-1) messages
+        cost more than star's 2(N-1), and star wins up to ``star_max_bytes``.
+        Ring above."""
         algo = self.options.algorithm
         if algo == "auto":
-            if nbytes <= self.options.direct_max_bytes:
-                algo = "direct"
-            elif nbytes <= self.options.star_max_bytes:
-                algo = "star"
+            if self._size == 2:
+                algo = "direct" if nbytes <= self.options.direct_max_bytes else "ring"
             else:
-                algo = "ring"
+                algo = "star" if nbytes <= self.options.star_max_bytes else "ring"
         return algo
 
     def _allreduce_flat(self, call: alg.Call, flat: torch.Tensor, red: Reduction) -> None:

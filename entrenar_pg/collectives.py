@@ -210,6 +210,32 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ gather / scatter
 
+    def _root_list(
+        self,
+        name: str,
+        lists: list[list[torch.Tensor]],
+        single: torch.Tensor,
+        root: int,
+        role: str,
+        other: str,
+    ) -> list[torch.Tensor]:
+        """The root's per-rank tensor list of gather (outputs) or scatter (inputs),
+        checked against this rank's single tensor; empty on the other ranks."""
+        where = self._where(name)
+        if self._rank != root:
+            if lists and any(len(lst) for lst in lists):
+                raise ValueError(f"{where}: only the root (rank {root}) takes {role} tensors")
+            return []
+        if len(lists) != 1 or len(lists[0]) != self._size:
+            raise ValueError(f"{where}: the root needs one {role} list of {self._size} tensors")
+        mine = lists[0][self._rank]
+        if mine.numel() != single.numel():
+            raise ValueError(
+                f"{where}: {role} tensor of {mine.numel()} elements for an "
+                f"{other} of {single.numel()}"
+            )
+        return list(lists[0])
+
     def gather(
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -217,22 +243,10 @@ class CollectivesMixin:
         opts: Any = None,
     ) -> Any:
         name = "gather"
-        where = self._where(name)
         inp = self._one(name, input_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
-        outs: list[torch.Tensor] = []
-        if is_root:
-            if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
-                raise ValueError(f"{where}: the root needs one output list of {self._size} tensors")
-            outs = list(output_tensors[0])
-            if outs[self._rank].numel() != inp.numel():
-                raise ValueError(
-                    f"{where}: output tensor of {outs[self._rank].numel()} elements for an "
-                    f"input of {inp.numel()}"
-                )
-        elif output_tensors and any(len(lst) for lst in output_tensors):
-            raise ValueError(f"{where}: only the root (rank {root}) takes output tensors")
+        outs = self._root_list(name, output_tensors, inp, root, "output", "input")
         device = self._validate(name, [inp, *outs])
         staging = self._staging(device)
         src = staging.add([inp], read=True, write=False)
@@ -251,22 +265,10 @@ class CollectivesMixin:
         opts: Any = None,
     ) -> Any:
         name = "scatter"
-        where = self._where(name)
         out = self._one(name, output_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
-        ins: list[torch.Tensor] = []
-        if is_root:
-            if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
-                raise ValueError(f"{where}: the root needs one input list of {self._size} tensors")
-            ins = list(input_tensors[0])
-            if ins[self._rank].numel() != out.numel():
-                raise ValueError(
-                    f"{where}: input tensor of {ins[self._rank].numel()} elements for an "
-                    f"output of {out.numel()}"
-                )
-        elif input_tensors and any(len(lst) for lst in input_tensors):
-            raise ValueError(f"{where}: only the root (rank {root}) takes input tensors")
+        ins = self._root_list(name, input_tensors, out, root, "input", "output")
         device = self._validate(name, [out, *ins])
         staging = self._staging(device)
         src = staging.add(ins, read=True, write=False)

@@ -44,17 +44,19 @@ class Options:
         algorithm: allreduce algorithm: ``"ring"`` (bandwidth-optimal),
             ``"star"`` (rank 0 gathers, reduces, broadcasts: 2 hops),
             ``"direct"`` (everyone sends to everyone and reduces locally: 1 hop,
-            (N-1) x the bytes) or ``"auto"`` (direct up to ``direct_max_bytes``,
-            star up to ``star_max_bytes``, ring above). Env ``ENTRENAR_ALGO``.
+            (N-1) x the bytes) or ``"auto"`` (two ranks: direct up to
+            ``direct_max_bytes``, ring above; more: star up to
+            ``star_max_bytes``, ring above). Env ``ENTRENAR_ALGO``.
         segment_bytes: pipelining unit of the ring/star/chain algorithms: a
             chunk moves in segments of this many bytes so that receiving,
             reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.
-        direct_max_bytes: with ``algorithm="auto"``, messages up to this many
-            bytes use direct. Env ``ENTRENAR_DIRECT_MAX_BYTES``.
-        star_max_bytes: with ``algorithm="auto"``, larger messages up to this
-            many bytes use star, larger ones ring; also the size up to which a
-            broadcast goes straight from the root. Measured crossovers: see
-            docs/benchmarks.md. Env ``ENTRENAR_STAR_MAX_BYTES``.
+        direct_max_bytes: with ``algorithm="auto"`` and two ranks, messages up
+            to this many bytes use direct, larger ones ring.
+            Env ``ENTRENAR_DIRECT_MAX_BYTES``.
+        star_max_bytes: with ``algorithm="auto"`` and more than two ranks,
+            messages up to this many bytes use star, larger ones ring; also
+            the size up to which a broadcast goes straight from the root.
+            Measured crossovers: docs/benchmarks.md. Env ``ENTRENAR_STAR_MAX_BYTES``.
         deterministic: fix the summation order of every reduction to the
             canonical pairwise tree over ranks, so results are bitwise
             reproducible and identical across algorithms.
@@ -88,8 +90,8 @@ class Options:
 
     algorithm: str = "auto"
     segment_bytes: int = 1 << 20
-    direct_max_bytes: int = 64 << 10
-    star_max_bytes: int = 64 << 10
+    direct_max_bytes: int = 256 << 10
+    star_max_bytes: int = 1 << 20
     deterministic: bool = False
     check: bool = False
     check_tolerance: float = 1e-3

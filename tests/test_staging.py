@@ -403,11 +403,17 @@ def test_group_future_completed_inside_stream_context() -> None:
         t = torch.ones(4)
         work = g.allreduce([t])
         seen: list[Any] = []
-        work.get_future().add_done_callback(
-            lambda _f: seen.append((ops.current(), threading.current_thread().name))
-        )
+        ran = threading.Event()
+
+        def record(_f: Any) -> None:
+            seen.append((ops.current(), threading.current_thread().name))
+            ran.set()
+
+        # get_future() is a chained future: its callbacks run after wait() returns
+        work.get_future().add_done_callback(record)
         gate.set()
         work.wait()
+        assert ran.wait(10), "the future's callback never ran"
         assert len(seen) == 1
         stream, thread = seen[0]
         assert thread.startswith("entrenar-"), thread

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 
-from ..reduce_ops import Reduction, combine_, finish_, tree_reduce_
+from ..reduce_ops import Reduction, finish_
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from .alltoall import exchange
-from .common import Call, bytes_of, chunk_bounds, segments
+from .common import Call, bytes_of, chunk_bounds
 from .deterministic import reduce_scatter_tree
 from .ring import reduce_scatter_ring
+from .star import gather_reduce
 
 
 def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
@@ -52,51 +52,20 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
 def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
     """Every rank sends ``buf`` to the root, which combines segment by segment as they arrive.
 
-    Segment k is combined once every rank's segment k is in, in rank order
-    (the canonical tree order when deterministic), so combining overlaps
-    receiving. Bytes: a leaf sends nbytes; the root receives (N-1) x nbytes.
-    Latency: 1 hop. Scratch at the root: (N-1) x nbytes.
+    The root's side is the star's ``gather_reduce``: segment k is combined
+    once every rank's segment k is in, in rank order (the canonical tree
+    order when deterministic). Bytes: a leaf sends nbytes; the root receives
+    (N-1) x nbytes. Latency: 1 hop. Scratch at the root: (N-1) x nbytes.
     """
-    n, r = call.world, call.rank
     header = call.header(
         OpCode.REDUCE, Algo.STAR, buf.dtype, reduce_op=int(red.kind), numel=buf.numel(), aux=root
     )
-    plan = Plan(r)
-    if r != root:
+    plan = Plan(call.rank)
+    if call.rank != root:
         plan.open(root, header, recv=False)
         plan.send(root, bytes_of(buf))
-        call.mesh.run(plan, call.what(OpCode.REDUCE))
-        return
-    numel, size = buf.numel(), buf.element_size()
-    leaves = [p for p in range(n) if p != root]
-    scratch = call.scratch.get("reduce", numel * len(leaves), buf.dtype)
-    parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(leaves)}
-    segs = segments(0, numel, call.segment_elems(buf.dtype))
-    arrivals = [0] * len(segs)
-    kind = red.combine_kind
-    deterministic = call.options.deterministic
-
-    def arrived(k: int) -> None:
-        arrivals[k] += 1
-        if arrivals[k] < len(leaves):
-            return
-        a, b = segs[k]
-        mine = buf[a:b]
-        if deterministic:
-            ordered = [mine if p == root else parts[p][a:b] for p in range(n)]
-            result = tree_reduce_(ordered, kind)
-            if result is not mine:
-                mine.copy_(result)
-        else:
-            for p in leaves:
-                combine_(mine, parts[p][a:b], kind)
-        finish_(mine, red, n)
-
-    for p in leaves:
-        plan.open(p, header, send=False)
-        view = bytes_of(parts[p])
-        for k, (a, b) in enumerate(segs):
-            plan.recv(p, view[a * size : b * size], partial(arrived, k))
+    else:
+        gather_reduce(call, plan, buf, red, root, header, replies=False)
     call.mesh.run(plan, call.what(OpCode.REDUCE))
 
 

@@ -8,36 +8,33 @@ import torch
 
 from ..reduce_ops import Kind, Reduction, combine_, finish_, tree_reduce_
 from ..transport import Plan
-from ..wire import Algo, OpCode
+from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, is_set, segments
 
 ROOT = 0
 
 
-def allreduce_star(
-    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
-) -> None:
-    """Star allreduce of the flat CPU tensor ``buf``, in place.
-
-    Steps: every other rank sends its input to rank 0 and receives the result
-    into place; rank 0 combines segment k as soon as every rank's segment k
-    has arrived (in rank order; in the canonical tree order when
-    deterministic) and sends it straight back, so large messages pipeline.
-    Bytes on the wire: a leaf sends and receives nbytes; rank 0 sends and
-    receives (N-1) x nbytes. Latency: 2 hops, the fewest possible.
+def gather_reduce(
+    call: Call,
+    plan: Plan,
+    buf: torch.Tensor,
+    red: Reduction,
+    root: int,
+    header: Header,
+    *,
+    replies: bool,
+) -> list[bool]:
+    """Add the root's side of a star to ``plan``: receive every rank's ``buf``
+    and combine segment k into the root's ``buf`` as soon as every rank's
+    segment k is in, in rank order (the canonical tree order when
+    deterministic), so combining overlaps receiving. Returns the per-segment
+    "reduced" flags a send can wait on. ``replies``: the root also opens a
+    frame back to every rank (the star allreduce sends the result; reduce
+    does not). Scratch: (N-1) x nbytes.
     """
-    n, r = call.world, call.rank
-    plan = Plan(r)
-    header = call.header(op, Algo.STAR, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
-    raw = bytes_of(buf)
-    if r != ROOT:
-        plan.open(ROOT, header)
-        plan.send(ROOT, raw)
-        plan.recv(ROOT, raw)
-        call.mesh.run(plan, call.what(op))
-        return
+    n = call.world
     numel, size = buf.numel(), buf.element_size()
-    leaves = list(range(1, n))
+    leaves = [p for p in range(n) if p != root]
     scratch = call.scratch.get("star", numel * len(leaves), buf.dtype)
     parts = {p: scratch[i * numel : (i + 1) * numel] for i, p in enumerate(leaves)}
     segs = segments(0, numel, call.segment_elems(buf.dtype))
@@ -51,22 +48,53 @@ def allreduce_star(
         if arrivals[k] < len(leaves):
             return
         a, b = segs[k]
+        mine = buf[a:b]
         if deterministic:
-            tree_reduce_([buf[a:b]] + [parts[p][a:b] for p in leaves], kind)
+            ordered = [mine if p == root else parts[p][a:b] for p in range(n)]
+            result = tree_reduce_(ordered, kind)
+            if result is not mine:
+                mine.copy_(result)
         else:
             for p in leaves:
-                combine_(buf[a:b], parts[p][a:b], kind)
-        finish_(buf[a:b], red, n)
+                combine_(mine, parts[p][a:b], kind)
+        finish_(mine, red, n)
         reduced[k] = True
 
     for p in leaves:
-        plan.open(p, header)
+        plan.open(p, header, send=replies)
         view = bytes_of(parts[p])
         for k, (a, b) in enumerate(segs):
             plan.recv(p, view[a * size : b * size], partial(arrived, k), chain=True)
-    if not segs:  # nothing to reduce: the headers alone are the barrier
+    if not segs:  # nothing to reduce: the headers alone carry the call
         finish_(buf, red, n)
-    for p in leaves:
+    return reduced
+
+
+def allreduce_star(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Star allreduce of the flat CPU tensor ``buf``, in place.
+
+    Steps: every other rank sends its input to rank 0 and receives the result
+    into place; rank 0 combines segment k as soon as every rank's segment k
+    has arrived (``gather_reduce``) and sends it straight back, so large
+    messages pipeline. Bytes on the wire: a leaf sends and receives nbytes;
+    rank 0 sends and receives (N-1) x nbytes. Latency: 2 hops.
+    """
+    n, r = call.world, call.rank
+    plan = Plan(r)
+    header = call.header(op, Algo.STAR, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
+    raw = bytes_of(buf)
+    if r != ROOT:
+        plan.open(ROOT, header)
+        plan.send(ROOT, raw)
+        plan.recv(ROOT, raw)
+        call.mesh.run(plan, call.what(op))
+        return
+    reduced = gather_reduce(call, plan, buf, red, ROOT, header, replies=True)
+    size = buf.element_size()
+    segs = segments(0, buf.numel(), call.segment_elems(buf.dtype))
+    for p in range(1, n):
         for k, (a, b) in enumerate(segs):
             plan.send(p, raw[a * size : b * size], is_set(reduced, k))
     call.mesh.run(plan, call.what(op))
