@@ -79,6 +79,9 @@ SWEEP_VARIANTS: dict[str, Variant] = {
     "ring": Variant("entrenar-ring", "entrenar", {"algorithm": "ring"}),
     "star": Variant("entrenar-star", "entrenar", {"algorithm": "star"}),
     "direct": Variant("entrenar-direct", "entrenar", {"algorithm": "direct"}),
+    "inline": Variant(
+        "entrenar-auto-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 262144}
+    ),
     "auto": Variant("entrenar-auto", "entrenar", {"algorithm": "auto"}),
     "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
 }
