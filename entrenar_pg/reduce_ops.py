@@ -19,7 +19,7 @@ which is what makes the trainer's results world-size invariant.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -101,24 +101,27 @@ def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
     return Reduction(kind, factor)
 
 
+_KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
+    Kind.SUM: torch.add,
+    Kind.PRODUCT: torch.mul,
+    Kind.MIN: torch.minimum,
+    Kind.MAX: torch.maximum,
+    Kind.BAND: torch.bitwise_and,
+    Kind.BOR: torch.bitwise_or,
+    Kind.BXOR: torch.bitwise_xor,
+}
+
+
+def combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
+    """``dst = a <op> b`` elementwise (``kind`` is a combine kind); ``dst`` may be ``a``."""
+    kernel = _KERNELS.get(kind)
+    assert kernel is not None, f"not a combine kind: {kind}"
+    kernel(a, b, out=dst)
+
+
 def combine_(dst: torch.Tensor, src: torch.Tensor, kind: Kind) -> None:
     """``dst = dst <op> src`` elementwise, in place (``kind`` is a combine kind)."""
-    if kind is Kind.SUM:
-        dst.add_(src)
-    elif kind is Kind.PRODUCT:
-        dst.mul_(src)
-    elif kind is Kind.MIN:
-        torch.minimum(dst, src, out=dst)
-    elif kind is Kind.MAX:
-        torch.maximum(dst, src, out=dst)
-    elif kind is Kind.BAND:
-        dst.bitwise_and_(src)
-    elif kind is Kind.BOR:
-        dst.bitwise_or_(src)
-    elif kind is Kind.BXOR:
-        dst.bitwise_xor_(src)
-    else:
-        raise AssertionError(f"not a combine kind: {kind}")
+    combine_into(dst, dst, src, kind)
 
 
 def prepare_(t: torch.Tensor, red: Reduction) -> None:

@@ -26,32 +26,12 @@ from functools import partial
 
 import torch
 
-from ..reduce_ops import Kind, Reduction, finish_, tree_reduce_
+from ..reduce_ops import Kind, Reduction, combine_into, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
 
 CREDIT = 4  # segments a rank sends ahead of its own reduction (receive scratch: 2x this)
-
-
-def _combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
-    """``dst = a <op> b``: the same kernel, operand order and rounding as ``combine_(a, b)``."""
-    if kind is Kind.SUM:
-        torch.add(a, b, out=dst)
-    elif kind is Kind.PRODUCT:
-        torch.mul(a, b, out=dst)
-    elif kind is Kind.MIN:
-        torch.minimum(a, b, out=dst)
-    elif kind is Kind.MAX:
-        torch.maximum(a, b, out=dst)
-    elif kind is Kind.BAND:
-        torch.bitwise_and(a, b, out=dst)
-    elif kind is Kind.BOR:
-        torch.bitwise_or(a, b, out=dst)
-    elif kind is Kind.BXOR:
-        torch.bitwise_xor(a, b, out=dst)
-    else:
-        raise AssertionError(f"not a combine kind: {kind}")
 
 
 def tree_reduce_into(dst: torch.Tensor, parts: Sequence[torch.Tensor], kind: Kind) -> None:
@@ -66,7 +46,7 @@ def tree_reduce_into(dst: torch.Tensor, parts: Sequence[torch.Tensor], kind: Kin
             dst.copy_(parts[0])
         return
     m = (len(parts) + 1) // 2
-    _combine_into(dst, tree_reduce_(parts[:m], kind), tree_reduce_(parts[m:], kind), kind)
+    combine_into(dst, tree_reduce_(parts[:m], kind), tree_reduce_(parts[m:], kind), kind)
 
 
 def _exchange(
