@@ -825,23 +825,15 @@ def machine_info() -> dict[str, Any]:
 def git_revision() -> str:
     """``<short sha>[+dirty]`` of the checkout this module lives in, or ``""``."""
     repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return ""
     return sha + ("+dirty" if dirty else "")

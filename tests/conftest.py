@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -131,6 +132,44 @@ def torchrun(
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=REPO
     )
+
+
+def run_session(
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session, output captured; a hang or (with ``check``)
+    a non-zero exit fails the test. On timeout the whole session is stopped:
+    SIGTERM first (so a launch script's trap tears down what it built), then
+    SIGKILL, so no process outlives the test."""
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}")
+    if check and p.returncode != 0:
+        pytest.fail(
+            f"exit status {p.returncode}: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 @pytest.fixture(autouse=True)

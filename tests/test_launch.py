@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import run_session
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -28,29 +29,7 @@ TINY = [
 ]  # fmt: skip
 
 
-def run(cmd, *, timeout, env=None, check=True):
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)  # netns_cluster.sh's trap tears down
-        try:
-            out, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        pytest.fail(f"timed out: {cmd}\n{out[-3000:]}\n{err[-5000:]}")
-    if check and p.returncode != 0:
-        pytest.fail(f"exit {p.returncode}: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+run = run_session
 
 
 def end_record(metrics: Path) -> dict:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_session
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
@@ -52,35 +52,7 @@ def torchrun(
         "--backend", backend, *TINY, "--threads", "1", *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return run_group(cmd, timeout=timeout, check=check, env=env)
-
-
-def run_group(
-    cmd: list[str], *, timeout: float, check: bool, env: dict[str, str]
-) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill the whole session (no orphans)."""
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}")
-    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    if check and proc.returncode != 0:
-        pytest.fail(
-            f"exit status {proc.returncode}: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
-        )
-    return proc
+    return run_session(cmd, timeout=timeout, check=check, env=env)
 
 
 def records(metrics: Path) -> list[dict]:

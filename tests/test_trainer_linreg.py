@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_session
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
@@ -25,21 +24,7 @@ def test_linreg_scaling_table_is_bit_identical(tmp_path):
         sys.executable, str(REPO / "trainer" / "linreg.py"), "--backend", BACKEND,
         "--world-sizes", "1", "2", "4", "8", "--steps", "30", "--json", str(out),
     ]  # fmt: skip
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = p.communicate(timeout=140)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail(f"linreg timed out\n{stdout}\n{stderr[-5000:]}")
-    assert p.returncode == 0, stderr[-5000:]
+    stdout = run_session(cmd, timeout=140).stdout  # fails the test on a hang or an error
     results = json.loads(out.read_text())["results"]
     assert [r["world_size"] for r in results] == [1, 2, 4, 8]
     # it learned: the noise variance is 0.01, the untrained model's MSE is ~30
