@@ -38,6 +38,7 @@ from .work import EntrenarWork
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "entrenar"
+_OP_NAMES = {op: op.name.lower() for op in OpCode}  # Enum.name is slow on the hot path
 
 Body = Callable[[alg.Call], None]
 
@@ -161,10 +162,22 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         nbytes: int,
         body: Body,
         result: Any,
+        *,
+        opts: Any = None,
     ) -> Any:
-        """Queue ``body`` as the next job; return a Work completing with ``result``."""
+        """Run ``body`` as the group's next job; return a Work completing with ``result``.
+
+        Where the job runs: a blocking call (torch's ``async_op=False`` sets
+        ``opts.asyncOp = False``; the caller waits on the Work at once) on CPU
+        tensors runs in the caller's thread when the group has nothing queued
+        or running, sparing the two thread wake-ups (~50-100 us each here) a
+        hand-off costs; so does an async call of at most ``inline_max_bytes``.
+        Everything else (async calls, CUDA staging, a busy group) goes to the
+        comm thread's FIFO. Either way jobs run one at a time in issue order.
+        """
         fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
-        name = kind.name.lower()
+        name = _OP_NAMES[kind]
+        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
 
         def run(seq: int) -> Any:
             call = alg.Call(self.mesh, seq, self.options, self._scratch)
@@ -173,24 +186,23 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             staging.store()
             return result
 
-        with self._lock:
+        engine = self._engine
+        with self._lock:  # seq order == queue order
             self._seq += 1
             seq = self._seq
             work = EntrenarWork(fut, f"{name}#{seq}", self._rank)
             job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context(), work)
-            if (
-                nbytes <= self.options.inline_max_bytes
+            inline = (
+                (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
-                and self._engine.idle()
-            ):
-                # Small and nothing queued: run it here, in issue order (we hold
-                # the lock every submission takes), sparing the two thread
-                # wake-ups (~100 us each) a hand-off to the comm thread costs.
-                self._engine.run_inline(job)
-            else:
-                self._engine.submit(job)
-        if self._engine.on_comm_thread():
-            self._engine.drain_until(job)  # issued from a future callback: see drain_until
+                and engine.try_claim()
+            )
+            if not inline:
+                engine.submit(job)
+        if inline:
+            engine.run_claimed(job)
+        elif engine.holds_token():
+            engine.drain_until(job)  # issued from a future callback: see drain_until
         return work
 
     @staticmethod
@@ -249,7 +261,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         red = resolve(op, tensors[0].dtype, where=self._where(call_name))
         staging = self._staging(device)
         items = staging.add(tensors, read=True, write=True)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = 0
+        for t in tensors:
+            nbytes += t.numel() * t.element_size()
 
         def body(call: alg.Call) -> None:
             hosts = self._host(items)
@@ -265,7 +279,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 h.copy_(flat[offset : offset + h.numel()])
                 offset += h.numel()
 
-        return self._launch(OpCode.ALLREDUCE, staging, nbytes, body, list(tensors))
+        return self._launch(OpCode.ALLREDUCE, staging, nbytes, body, list(tensors), opts=opts)
 
     # ------------------------------------------------------------ broadcast
 
@@ -283,7 +297,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 for h in self._host(items):
                     alg.broadcast(call, h, root)
 
-        return self._launch(OpCode.BROADCAST, staging, nbytes, body, list(tensors))
+        return self._launch(OpCode.BROADCAST, staging, nbytes, body, list(tensors), opts=opts)
 
     def _check_root(self, call: str, root: int) -> None:
         if not 0 <= root < self._size:
@@ -322,9 +336,11 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 alg.allgather_ring(call, chunks)
 
         nbytes = inp.numel() * inp.element_size() * self._size
-        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, output_tensors)
+        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, output_tensors, opts=opts)
 
-    def _allgather_into(self, call_name: str, output: torch.Tensor, inp: torch.Tensor) -> Any:
+    def _allgather_into(
+        self, call_name: str, output: torch.Tensor, inp: torch.Tensor, opts: Any
+    ) -> Any:
         where = self._where(call_name)
         device = self._validate(call_name, [output, inp])
         if output.numel() != inp.numel() * self._size:
@@ -345,13 +361,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 alg.allgather_ring(call, chunks)
 
         nbytes = output.numel() * output.element_size()
-        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, [output])
+        return self._launch(OpCode.ALLGATHER, staging, nbytes, body, [output], opts=opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("all_gather_single", output, input)
+        return self._allgather_into("all_gather_single", output, input, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("_allgather_base", output, input)
+        return self._allgather_into("_allgather_base", output, input, opts)
 
     # ------------------------------------------------------------ barrier
 
@@ -363,7 +379,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             if call.world > 1:
                 alg.barrier(call)
 
-        return self._launch(OpCode.BARRIER, staging, 0, body, [])
+        return self._launch(OpCode.BARRIER, staging, 0, body, [], opts=opts)
 
     # ------------------------------------------------------------ lifecycle
 

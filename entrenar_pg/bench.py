@@ -86,11 +86,17 @@ SWEEP_VARIANTS: dict[str, Variant] = {
     "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
 }
 
-# DDP step variants (always these three when entrenar is available).
+FLOOR = "floor (no comm)"
+
+# DDP step variants (the entrenar ones when entrenar is available). The floor
+# is a reference, not a contestant: a backend that moves nothing
+# (entrenar_pg/_bench_floor.py), so a step's distance above it is what
+# communication costs.
 DDP_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant("entrenar", "entrenar", {"algorithm": "auto"}),
     Variant("entrenar-check", "entrenar", {"algorithm": "auto", "check": True}),
+    Variant(FLOOR, "bench_floor"),
 )
 
 DEFAULT_SIZES = "4K:256M:x4"
@@ -372,6 +378,11 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
     ranks = list(range(world))
     if variant.backend == "gloo":
         return dist.new_group(ranks, backend="gloo")
+    if variant.backend == "bench_floor":
+        from entrenar_pg import _bench_floor
+
+        _bench_floor.register()
+        return dist.new_group(ranks, backend=_bench_floor.BACKEND)
     from entrenar_pg.config import Options
 
     return dist.new_group(ranks, backend="entrenar", pg_options=Options(**variant.options))
@@ -621,7 +632,7 @@ def _worker(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path
         ddp_times: dict[str, list[float]] = {}
         ddp_info: dict[str, Any] = {}
         if cfg.ddp:
-            ddp_variants = [v for v in DDP_VARIANTS if v.backend == "gloo" or cfg.entrenar]
+            ddp_variants = [v for v in DDP_VARIANTS if v.backend != "entrenar" or cfg.entrenar]
             ddp_times, ddp_info = _ddp(rank, world, cfg, ctrl, ddp_variants)
         dist.barrier(group=ctrl)
         result = {
@@ -797,8 +808,11 @@ def combine_world(
         row["tokens_per_s"] = info["tokens_per_step"] / row["median_s"]
         ddp_rows.append(row)
     g = next((r for r in ddp_rows if r["variant"] == GLOO), None)
+    floor = next((r for r in ddp_rows if r["variant"] == FLOOR), None)
     for row in ddp_rows:
         row["step_vs_gloo"] = row["median_s"] / g["median_s"] if g else None
+        # What communication adds to a step (the floor moves nothing).
+        row["above_floor_s"] = row["median_s"] - floor["median_s"] if floor else None
     return {"allreduce": rows, "raw_tcp": raw_rows, "ddp": ddp_rows}
 
 
@@ -1023,7 +1037,7 @@ def summary_tables(result: dict[str, Any], world: int, markdown: bool = False) -
 
 def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     """DDP step rows as text lines."""
-    header = ["N", "variant", "step median", "min", "max", "n", "tokens/s", "step/gloo"]
+    header = ["N", "variant", "step median", "min", "max", "n", "tokens/s", "step/gloo", "- floor"]
     body = [
         [
             str(r["world_size"]),
@@ -1034,6 +1048,7 @@ def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
             str(r["n"]),
             f"{r['tokens_per_s']:.0f}",
             _fmt_ratio(r["step_vs_gloo"]),
+            "-" if r.get("above_floor_s") is None else _fmt_time(r["above_floor_s"]),
         ]
         for r in result["ddp"]
     ]

@@ -60,7 +60,14 @@ class CollectivesMixin:
         ) -> torch.device: ...
         def _staging(self, device: torch.device) -> Staging: ...
         def _launch(
-            self, kind: OpCode, staging: Staging, nbytes: int, body: Body, result: Any
+            self,
+            kind: OpCode,
+            staging: Staging,
+            nbytes: int,
+            body: Body,
+            result: Any,
+            *,
+            opts: Any = None,
         ) -> Any: ...
         @staticmethod
         def _host(items: Sequence[Staged]) -> list[torch.Tensor]: ...
@@ -206,7 +213,7 @@ class CollectivesMixin:
             prepare_(buf, red)
             alg.reduce(call, buf, red, root)
 
-        return self._launch(OpCode.REDUCE, staging, _nbytes([t]), body, [t])
+        return self._launch(OpCode.REDUCE, staging, _nbytes([t]), body, [t], opts=opts)
 
     # ------------------------------------------------------------ gather / scatter
 
@@ -256,7 +263,7 @@ class CollectivesMixin:
             alg.gather(call, self._host(src)[0], self._host(dst) if is_root else None, root)
 
         nbytes = _nbytes(outs) if is_root else _nbytes([inp])
-        return self._launch(OpCode.GATHER, staging, nbytes, body, output_tensors)
+        return self._launch(OpCode.GATHER, staging, nbytes, body, output_tensors, opts=opts)
 
     def scatter(
         self,
@@ -278,7 +285,7 @@ class CollectivesMixin:
             alg.scatter(call, self._host(src) if is_root else None, self._host(dst)[0], root)
 
         nbytes = _nbytes(ins) if is_root else _nbytes([out])
-        return self._launch(OpCode.SCATTER, staging, nbytes, body, [out])
+        return self._launch(OpCode.SCATTER, staging, nbytes, body, [out], opts=opts)
 
     # ------------------------------------------------------------ all-to-all
 
@@ -291,7 +298,7 @@ class CollectivesMixin:
         opts: Any = None,
     ) -> Any:
         return self._alltoall_single(
-            "alltoall_base", output, input, output_split_sizes, input_split_sizes
+            "alltoall_base", output, input, output_split_sizes, input_split_sizes, opts
         )
 
     def all_to_all_single(
@@ -303,7 +310,7 @@ class CollectivesMixin:
         opts: Any = None,
     ) -> Any:
         return self._alltoall_single(
-            "all_to_all_single", output, input, output_split_sizes, input_split_sizes
+            "all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts
         )
 
     def _split_bounds(
@@ -339,6 +346,7 @@ class CollectivesMixin:
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
+        opts: Any,
     ) -> Any:
         device = self._validate(name, [output, input])
         out_bounds = self._split_bounds(name, "the output", output, output_split_sizes)
@@ -361,7 +369,7 @@ class CollectivesMixin:
                 inp = copy
             alg.alltoall(call, [inp[a:b] for a, b in in_bounds], [out[a:b] for a, b in out_bounds])
 
-        return self._launch(OpCode.ALLTOALL, staging, _nbytes([input]), body, [output])
+        return self._launch(OpCode.ALLTOALL, staging, _nbytes([input]), body, [output], opts=opts)
 
     def alltoall(
         self,
@@ -391,7 +399,7 @@ class CollectivesMixin:
             alg.alltoall(call, self._host(src), self._host(dst))
 
         nbytes = _nbytes(input_tensors)
-        return self._launch(OpCode.ALLTOALL, staging, nbytes, body, output_tensors)
+        return self._launch(OpCode.ALLTOALL, staging, nbytes, body, output_tensors, opts=opts)
 
     # ------------------------------------------------------------ reduce-scatter
 
@@ -421,7 +429,7 @@ class CollectivesMixin:
         def body(call: alg.Call) -> None:
             self._reduce_scatter_packed(call, [[h] for h in self._host(src)], self._host(dst), red)
 
-        return self._launch(OpCode.REDUCE_SCATTER, staging, _nbytes(ins), body, [out])
+        return self._launch(OpCode.REDUCE_SCATTER, staging, _nbytes(ins), body, [out], opts=opts)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -475,7 +483,9 @@ class CollectivesMixin:
             ]
             self._reduce_scatter_packed(call, pieces, self._host(dst), red)
 
-        return self._launch(OpCode.REDUCE_SCATTER, staging, _nbytes(inputs), body, list(outputs))
+        return self._launch(
+            OpCode.REDUCE_SCATTER, staging, _nbytes(inputs), body, list(outputs), opts=opts
+        )
 
     # ------------------------------------------------------------ all-gather, coalesced
 
@@ -506,20 +516,22 @@ class CollectivesMixin:
         def body(call: alg.Call) -> None:
             self._allgather_packed(call, self._host(src), [self._host(d) for d in dst])
 
-        return self._launch(OpCode.ALLGATHER, staging, _nbytes(flat_outs), body, output_lists)
+        return self._launch(
+            OpCode.ALLGATHER, staging, _nbytes(flat_outs), body, output_lists, opts=opts
+        )
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        return self._allgather_tensors("allgather_into_tensor_coalesced", outputs, inputs)
+        return self._allgather_tensors("allgather_into_tensor_coalesced", outputs, inputs, opts)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        return self._allgather_tensors("all_gather_single_coalesced", outputs, inputs)
+        return self._allgather_tensors("all_gather_single_coalesced", outputs, inputs, opts)
 
     def _allgather_tensors(
-        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
+        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
         """Each ``outputs[i]`` (N x ``inputs[i]``) gets every rank's ``inputs[i]``, one pass."""
         where = self._where(name)
@@ -544,7 +556,9 @@ class CollectivesMixin:
             ]
             self._allgather_packed(call, self._host(src), dests)
 
-        return self._launch(OpCode.ALLGATHER, staging, _nbytes(outputs), body, list(outputs))
+        return self._launch(
+            OpCode.ALLGATHER, staging, _nbytes(outputs), body, list(outputs), opts=opts
+        )
 
     # ------------------------------------------------------------ barrier
 

@@ -76,9 +76,14 @@ class Options:
         spin_us: how long the comm thread and ``Work.wait`` poll before
             blocking on a condition (a blocked thread costs ~100 us to wake on
             these machines). Env ``ENTRENAR_SPIN_US``.
-        inline_max_bytes: a collective of at most this many bytes issued while
-            the group is idle runs in the caller's thread instead of the comm
-            thread (saves two thread wake-ups); 0 disables.
+        inline_max_bytes: an *async* collective (``async_op=True``, DDP's
+            buckets) of at most this many bytes issued while the group is idle
+            runs in the caller's thread instead of the comm thread (saves two
+            thread wake-ups, but the call returns only once every peer took
+            part, and a program that issues async collectives on two groups
+            in a different order on different ranks deadlocks); 0 disables.
+            Blocking calls on CPU tensors always run in the caller's thread
+            when the group is idle: the caller waits anyway.
             Env ``ENTRENAR_INLINE_MAX_BYTES``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
         attempt: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).

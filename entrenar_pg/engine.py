@@ -85,7 +85,8 @@ class Engine:
         self._stopping = False
         self._error: EntrenarError | None = None
         self._failed_at = ""
-        self._busy = False
+        self._busy = False  # the executor token: someone is running a job
+        self._owner: int | None = None  # the thread holding it
         self._thread = threading.Thread(target=self._loop, name=f"entrenar-{name}", daemon=True)
         self._thread.start()
 
@@ -111,34 +112,49 @@ class Engine:
             self._queue.append(job)
             self._cv.notify()
 
-    def idle(self) -> bool:
-        """No job queued or running (so a job may run in the caller's thread)."""
-        return not self._queue and not self._busy
+    def try_claim(self) -> bool:
+        """Take the executor token for the calling thread if nothing is queued or running.
 
-    def run_inline(self, job: Job) -> None:
-        """Run ``job`` in the calling thread. The caller guarantees ``idle()`` and
-        holds the lock that every ``submit`` of this group takes."""
-        assert self.idle(), "internal: inline run on a busy engine"
-        self._busy = True
+        Whoever holds the token is the only thread running this group's jobs;
+        a caller that gets it runs its job itself (``run_claimed``), in issue
+        order, since any later job is queued behind the token.
+        """
+        with self._cv:
+            if self._queue or self._busy or self._stopping or self._error is not None:
+                return False
+            self._busy = True
+            self._owner = threading.get_ident()
+            return True
+
+    def run_claimed(self, job: Job) -> None:
+        """Run ``job`` in the calling thread, which holds the token (``try_claim``)."""
+        assert self._owner == threading.get_ident(), "internal: run without the token"
         try:
             self.execute(job)
         finally:
-            self._busy = False
+            self._release()
 
-    def on_comm_thread(self) -> bool:
-        """True inside a future callback the comm thread is running."""
-        return threading.current_thread() is self._thread
+    def _release(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._owner = None
+            if self._queue:
+                self._cv.notify()
+
+    def holds_token(self) -> bool:
+        """True in the thread running this group's jobs (the comm thread, or a
+        caller running its own job), e.g. inside a future callback it runs."""
+        return self._owner == threading.get_ident()
 
     def drain_until(self, job: Job) -> None:
-        """Run queued jobs, in order, in the calling (comm) thread until ``job`` has run.
+        """Run queued jobs, in order, in the token-holding thread until ``job`` has run.
 
-        A future callback runs on the comm thread while it completes a job. If
-        that callback issues a collective and waits for it (DDP's PowerSGD hook
-        does), the job would sit in the queue behind a thread that is waiting
-        for it. Running the queue up to it here keeps issue order and cannot
-        deadlock.
+        A future callback runs in the thread completing a job. If that callback
+        issues a collective and waits for it (DDP's PowerSGD hook does), the
+        job would sit in the queue behind a thread that is waiting for it.
+        Running the queue up to it here keeps issue order and cannot deadlock.
         """
-        assert self.on_comm_thread(), "internal: drain_until off the comm thread"
+        assert self.holds_token(), "internal: drain_until without the token"
         while True:
             with self._cv:
                 if not self._queue:
@@ -154,11 +170,13 @@ class Engine:
             while not self._queue and not self._stopping and time.perf_counter() < end:
                 pass
         with self._cv:
-            while not self._queue and not self._stopping:
+            # A caller running its own job holds the token: wait for it too.
+            while (not self._queue or self._busy) and not self._stopping:
                 self._cv.wait()
-            if not self._queue:
+            if not self._queue or self._busy:
                 return None
             self._busy = True
+            self._owner = threading.get_ident()
             return self._queue.popleft()
 
     def _loop(self) -> None:
@@ -169,7 +187,7 @@ class Engine:
             try:
                 self.execute(job)
             finally:
-                self._busy = False
+                self._release()
 
     def execute(self, job: Job) -> None:
         what = f"{job.kind}#{job.seq}"
@@ -181,6 +199,8 @@ class Engine:
             value = job.run()
         except BaseException as e:
             self._fail(job, e)
+            if not isinstance(e, Exception) and self._owner != self._thread.ident:
+                raise  # Ctrl-C in a caller running its own job: the group is broken, stop
             return
         self.stats.record(job.kind, job.nbytes, time.perf_counter() - start)
         if job.completion_context is None:

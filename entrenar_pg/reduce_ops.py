@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,24 @@ class Reduction(NamedTuple):
 
 def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
     """Validate ``op`` for ``dtype``; ValueError naming ``where`` (rank and call) if not."""
+    # Every call resolves its op: remember the plain ops (all but PREMUL_SUM,
+    # whose factor varies) per dtype, once they were found valid.
+    inner = getattr(op, "op", op)
+    key = (inner, dtype) if isinstance(inner, dist.ReduceOp.RedOpType) else None
+    if key is not None:
+        hit = _RESOLVED.get(key)
+        if hit is not None:
+            return hit
+    red = _resolve(op, dtype, where)
+    if key is not None and red.kind is not Kind.PREMUL_SUM:
+        _RESOLVED[key] = red
+    return red
+
+
+_RESOLVED: dict[tuple[Any, torch.dtype], Reduction] = {}
+
+
+def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
     factor = 1.0
     if isinstance(op, dist.ReduceOp.RedOpType):
         kind = Kind(op.value)

@@ -239,9 +239,11 @@ class Staging:
         """Comm thread: make every ``host`` tensor, holding the input data where read."""
         if self._ops is None:
             for it in self._items:
-                user = it.user.detach()
+                user = it.user
+                if user.requires_grad:
+                    user = user.detach()
                 if user.is_contiguous():
-                    it.host = user.view(-1)
+                    it.host = user if user.dim() == 1 else user.view(-1)
                 else:
                     it.host = torch.empty(user.numel(), dtype=user.dtype)
                     if it.read:

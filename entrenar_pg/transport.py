@@ -85,6 +85,14 @@ class Recv:
     chain: bool = False
 
 
+@dataclass(slots=True)
+class _Stamp:
+    """A header as this rank sends it and expects it back, packed once."""
+
+    header: Header
+    packed: bytearray
+
+
 @dataclass
 class Plan:
     """Per-peer ordered sends and receives of one collective on one rank."""
@@ -92,6 +100,7 @@ class Plan:
     rank: int
     sends: dict[int, list[Send]] = field(default_factory=dict)
     recvs: dict[int, list[Recv]] = field(default_factory=dict)
+    _stamps: list[_Stamp] = field(default_factory=list)
 
     def open(self, peer: int, header: Header, *, send: bool = True, recv: bool = True) -> None:
         """Start this collective's frame on the link(s) with ``peer``.
@@ -101,12 +110,25 @@ class Plan:
         CollectiveMismatchError.
         """
         assert peer != self.rank
+        stamps = self._stamps
+        if stamps and (stamps[-1].header is header or stamps[-1].header == header):
+            stamp = stamps[-1]  # the same header on several links: pack it once
+        else:
+            stamp = _Stamp(header, bytearray(header.pack()))
+            stamps.append(stamp)
         if send:
-            self.send(peer, memoryview(header.pack()))
+            self.send(peer, memoryview(stamp.packed))
         if recv:
             raw = bytearray(HEADER_BYTES)
-            check = _header_check(self.rank, peer, header, raw)
-            self.recv(peer, memoryview(raw), check, chain=True)
+            self.recv(peer, memoryview(raw), _header_check(self.rank, peer, stamp, raw), chain=True)
+
+    def restamp(self, header: Header) -> None:
+        """Re-arm a cached plan (one header on every link) for the next call:
+        same shape, new header (its sequence number)."""
+        assert len(self._stamps) == 1, "internal: restamp needs a one-header plan"
+        stamp = self._stamps[0]
+        stamp.header = header
+        stamp.packed[:] = header.pack()
 
     def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
         self.sends.setdefault(peer, []).append(Send(view, ready))
@@ -121,8 +143,11 @@ class Plan:
         self.recvs.setdefault(peer, []).append(Recv(view, done, chain))
 
 
-def _header_check(rank: int, peer: int, mine: Header, raw: bytearray) -> Callable[[], None]:
+def _header_check(rank: int, peer: int, stamp: _Stamp, raw: bytearray) -> Callable[[], None]:
     def check() -> None:
+        if raw == stamp.packed:  # the common case: byte-equal headers are equal headers
+            return
+        mine = stamp.header
         try:
             theirs = Header.unpack(raw)
         except ValueError as e:
@@ -406,7 +431,9 @@ class Mesh:
         """
         if self._closed:
             raise PeerConnectionError(f"rank {self.rank}: {what}: the group's sockets are closed")
-        self._check_aborts(what)
+        # No abort check up front: a peer that aborted earlier has closed its
+        # links, which this exchange reads as a close (and then its record),
+        # and the check at the end covers peers this plan does not talk to.
         socks = self._socks
         # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket]
         sending: list[list[Any]] = [
@@ -415,28 +442,34 @@ class Mesh:
         receiving: list[list[Any]] = [
             [p, socks[p], lst, 0, 0, False] for p, lst in plan.recvs.items()
         ]
-        want: dict[int, int] = {}
         spin_until = 0.0
+        waited = False
         try:
             while sending or receiving:
+                # Pump every link not known to be blocked on its socket (a
+                # blocked one only moves once poll() says so: sparing the
+                # syscall that would say EAGAIN again is most of a small
+                # message's cost).
                 moved = False
-                want.clear()
                 for st in sending:
-                    if self._pump_send(st, what):
+                    if not st[5] and self._pump_send(st, what):
                         moved = True
-                    if st[5]:
-                        want[st[1].fileno()] = _POLLOUT
                 for st in receiving:
-                    if self._pump_recv(st, what):
+                    if not st[5] and self._pump_recv(st, what):
                         moved = True
-                    if st[5]:
-                        fd = st[1].fileno()
-                        want[fd] = want.get(fd, 0) | _POLLIN
                 if moved:
                     sending = [st for st in sending if st[3] < len(st[2])]
                     receiving = [st for st in receiving if st[3] < len(st[2])]
                     spin_until = 0.0
                     continue
+                want: dict[int, int] = {}
+                for st in sending:
+                    if st[5]:
+                        want[st[1].fileno()] = _POLLOUT
+                for st in receiving:
+                    if st[5]:
+                        fd = st[1].fileno()
+                        want[fd] = want.get(fd, 0) | _POLLIN
                 assert want, f"rank {self.rank}: {what}: a send waits on nothing"
                 if self._spin_s:
                     # Busy-poll a little before sleeping in poll(): a small
@@ -446,18 +479,28 @@ class Mesh:
                     if spin_until == 0.0:
                         spin_until = now + self._spin_s
                     if now < spin_until:
+                        for st in sending:
+                            st[5] = False
+                        for st in receiving:
+                            st[5] = False
                         continue
                 self._wait(want, plan, sending, receiving, what)
+                waited = True
                 spin_until = 0.0
+                for st in sending:
+                    st[5] = False
+                for st in receiving:
+                    st[5] = False
             # All our bytes moved, but a peer may have failed after sending its
             # part (e.g. it timed out waiting for us): then this collective did
             # not complete on every rank, and this rank must not think it did.
             self._check_aborts(what)
         finally:
-            for fd, mask in self._masks.items():
-                if mask != _POLLRDHUP:
-                    self._poller.modify(fd, _POLLRDHUP)
-                    self._masks[fd] = _POLLRDHUP
+            if waited:
+                for fd, mask in self._masks.items():
+                    if mask != _POLLRDHUP:
+                        self._poller.modify(fd, _POLLRDHUP)
+                        self._masks[fd] = _POLLRDHUP
 
     def _pump_send(self, st: list[Any], what: str) -> bool:
         """Send what the kernel takes on one link; True if anything moved.

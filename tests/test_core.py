@@ -30,8 +30,11 @@ ALGOS = ["ring", "star", "direct"]
 
 
 def allreduce(pg: EntrenarProcessGroup, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """As ``dist.all_reduce(t, op)`` calls it: blocking (runs in this thread when the
+    group is idle); test_execution.py covers async and blocking side by side."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
+    opts.asyncOp = False
     pg.allreduce([t], opts).wait()
 
 

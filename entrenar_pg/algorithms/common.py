@@ -7,6 +7,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -23,18 +24,46 @@ class ScratchPool:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
+        self._plans: dict[tuple[Any, ...], Any] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of ``numel`` ``dtype`` elements (contents undefined)."""
+        key = (name, numel, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view  # same request as last time: reuse the view (no tensor ops)
         nbytes = numel * _itemsize(dtype)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
             self._buffers[name] = buf
-        return buf[:nbytes].view(dtype)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        view = buf[:nbytes].view(dtype)
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[key] = view
+        return view
+
+    def plan(self, key: tuple[Any, ...]) -> Any | None:
+        """A plan kept by ``keep_plan`` under ``key``, or None."""
+        return self._plans.get(key)
+
+    def keep_plan(self, key: tuple[Any, ...], plan: Any) -> None:
+        """Keep a plan (and whatever its views point into) for reuse.
+
+        A plan's views address memory directly, so the key must pin down what
+        they cover (the buffer's address and size); scratch tensors the plan
+        uses must be kept with it (so the memory stays allocated).
+        """
+        if len(self._plans) >= _MAX_CACHED_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._views.clear()
+        self._plans.clear()
 
 
 @dataclass
@@ -75,7 +104,7 @@ class Call:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def bytes_of(t: torch.Tensor) -> memoryview:
@@ -90,7 +119,23 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    key = (t.data_ptr(), n)
+    view = _VIEWS.get(key)
+    if view is None:
+        # Keyed by address and length, a cached view is exactly the memory
+        # asked for, whichever tensor owns it now.
+        if len(_VIEWS) >= _MAX_CACHED_VIEWS:
+            _VIEWS.clear()
+        view = _VIEWS[key] = memoryview((ctypes.c_char * n).from_address(key[0])).cast("B")
+    return view
+
+
+_MAX_CACHED_VIEWS = 256
+_MAX_CACHED_PLANS = 64
+# Plans of messages up to this size are cached (above it, building the plan is
+# noise next to moving the bytes, and a cached plan would pin scratch memory).
+PLAN_CACHE_MAX_BYTES = 1 << 20
+_VIEWS: dict[tuple[int, int], memoryview] = {}
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

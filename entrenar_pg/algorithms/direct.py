@@ -7,7 +7,7 @@ import torch
 from ..reduce_ops import Reduction, combine_, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, OpCode
-from .common import Call, bytes_of
+from .common import PLAN_CACHE_MAX_BYTES, Call, bytes_of
 
 
 def allreduce_direct(
@@ -25,23 +25,32 @@ def allreduce_direct(
     """
     n, r = call.world, call.rank
     numel = buf.numel()
-    plan = Plan(r)
     header = call.header(op, Algo.DIRECT, buf.dtype, reduce_op=int(red.kind), numel=numel)
-    scratch = call.scratch.get("direct", numel * (n - 1), buf.dtype)
-    contributions: list[torch.Tensor] = []
-    raw = bytes_of(buf)
-    slot = 0
-    for p in range(n):
-        if p == r:
-            contributions.append(buf)
-            continue
-        part = scratch[slot * numel : (slot + 1) * numel]
-        slot += 1
-        contributions.append(part)
-        plan.open(p, header)
-        plan.send(p, raw)
-        plan.recv(p, bytes_of(part))
+    # Small messages are dominated by building the plan: keep it per buffer
+    # address and shape (DDP's buckets and a training loop's tensors reuse
+    # theirs), and only restamp the header.
+    key = ("direct", buf.data_ptr(), numel, buf.dtype, n)
+    cached = call.scratch.plan(key) if numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES else None
+    if cached is not None:
+        plan, parts = cached
+        plan.restamp(header)
+    else:
+        plan = Plan(r)
+        scratch = call.scratch.get("direct", numel * (n - 1), buf.dtype)
+        raw = bytes_of(buf)
+        parts = []
+        for p in range(n):
+            if p == r:
+                continue
+            part = scratch[len(parts) * numel : (len(parts) + 1) * numel]
+            parts.append(part)
+            plan.open(p, header)
+            plan.send(p, raw)
+            plan.recv(p, bytes_of(part))
+        if numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES:
+            call.scratch.keep_plan(key, (plan, parts))
     call.mesh.run(plan, call.what(op))
+    contributions = parts[:r] + [buf] + parts[r:]
     kind = red.combine_kind
     if call.options.deterministic:
         result = tree_reduce_(contributions, kind)
