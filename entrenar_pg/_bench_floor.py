@@ -1,3 +1,5 @@
+# mypy: disable-error-code="override,misc"
+# (torch's stubs type ProcessGroup's methods as overloads no Python override can match.)
 """A process group that moves nothing: the floor under the bench's DDP step.
 
 DDP over it does all of its own work (gradient hooks, bucket copies, the
