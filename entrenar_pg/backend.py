@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -203,6 +204,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             engine.run_claimed(job)
         elif engine.holds_token():
             engine.drain_until(job)  # issued from a future callback: see drain_until
+        else:
+            # Let the comm thread start now. It was just woken, but when every
+            # core is busy computing (a DDP backward on each rank) the
+            # scheduler may leave it waiting for our time slice to end:
+            # measured here, the hand-off's 90th percentile fell from 2.5-3.7 ms
+            # to 0.2-0.7 ms with this yield. It costs one syscall.
+            os.sched_yield()
         return work
 
     @staticmethod

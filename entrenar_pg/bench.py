@@ -96,6 +96,9 @@ DDP_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant("entrenar", "entrenar", {"algorithm": "auto"}),
     Variant("entrenar-check", "entrenar", {"algorithm": "auto", "check": True}),
+    # The opt-in that runs DDP's async bucket allreduces in the autograd thread
+    # (no comm-thread hand-off; see Options.inline_max_bytes for its hazard).
+    Variant("entrenar-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 64 << 20}),
     Variant(FLOOR, "bench_floor"),
 )
 
@@ -118,8 +121,8 @@ class BenchConfig:
     raw_min_bytes: int = 1 * MiB
     mpi: bool = True
     ddp: bool = True
-    ddp_steps: int = 20
-    ddp_rounds: int = 4
+    ddp_steps: int = 40
+    ddp_rounds: int = 8
     timeout_s: float = 900.0
     op_timeout_s: float = 120.0
     quick: bool = False
@@ -1232,8 +1235,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         raw=not a.no_raw,
         mpi=not a.no_mpi,
         ddp=not a.no_ddp,
-        ddp_steps=a.ddp_steps or (4 if q else 20),
-        ddp_rounds=2 if q else 4,
+        ddp_steps=a.ddp_steps or (4 if q else 40),
+        ddp_rounds=2 if q else 8,
         timeout_s=a.timeout or (100.0 if q else 900.0),
         op_timeout_s=60.0 if q else 120.0,
         quick=q,

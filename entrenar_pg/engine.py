@@ -190,9 +190,8 @@ class Engine:
                 self._release()
 
     def execute(self, job: Job) -> None:
-        what = f"{job.kind}#{job.seq}"
         if self._error is not None:
-            job.future.set_exception(self.broken_error(what))
+            job.future.set_exception(self.broken_error(f"{job.kind}#{job.seq}"))
             return
         start = time.perf_counter()
         try:
