@@ -39,7 +39,7 @@ from .work import EntrenarWork
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "entrenar"
-_OP_NAMES = {op: op.name.lower() for op in OpCode}  # Enum.name is slow on the hot path
+_CPU = torch.device("cpu")
 
 Body = Callable[[alg.Call], None]
 
@@ -116,34 +116,51 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     def _validate(
         self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
     ) -> torch.device:
-        """Check a call's tensors; returns their common device. Raises before anything is sent."""
-        where = self._where(call)
+        """Check a call's tensors; returns their common device. Raises before anything is sent.
+
+        Written for the hot path (every collective runs it): cheap checks
+        first, the message built only when raising.
+        """
         if self._closed:
-            raise ValueError(f"{where}: the process group was destroyed")
+            raise ValueError(f"{self._where(call)}: the process group was destroyed")
         if self._engine.error is not None:
             raise self._engine.broken_error(call)
         if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
+            raise TypeError(
+                f"{self._where(call)}: expected a list of tensors, got {type(tensors).__name__}"
+            )
         device: torch.device | None = None
         dtype: torch.dtype | None = None
         for t in tensors:
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where}: expected tensors, got {type(t).__name__}")
-            if t.layout != torch.strided:
-                raise ValueError(f"{where}: only dense tensors are supported, got {t.layout}")
-            if t.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{where}: device {t.device} is not supported (cpu, cuda)")
+                raise TypeError(f"{self._where(call)}: expected tensors, got {type(t).__name__}")
+            if t.layout is not torch.strided:
+                raise ValueError(
+                    f"{self._where(call)}: only dense tensors are supported, got {t.layout}"
+                )
+            if not (t.is_cpu or t.is_cuda):
+                raise ValueError(
+                    f"{self._where(call)}: device {t.device} is not supported (cpu, cuda)"
+                )
             if t.dtype not in SUPPORTED_DTYPES:
-                raise ValueError(f"{where}: dtype {t.dtype} is not supported by entrenar")
+                raise ValueError(
+                    f"{self._where(call)}: dtype {t.dtype} is not supported by entrenar"
+                )
             if device is None:
                 device, dtype = t.device, t.dtype
             elif t.device != device:
-                raise ValueError(f"{where}: tensors on different devices ({device} and {t.device})")
+                raise ValueError(
+                    f"{self._where(call)}: tensors on different devices ({device} and {t.device})"
+                )
             elif same_dtype and t.dtype != dtype:
-                raise ValueError(f"{where}: tensors of different dtypes ({dtype} and {t.dtype})")
-        return device if device is not None else torch.device("cpu")
+                raise ValueError(
+                    f"{self._where(call)}: tensors of different dtypes ({dtype} and {t.dtype})"
+                )
+        return device if device is not None else _CPU
 
     def _staging(self, device: torch.device) -> Staging:
+        if device == _CPU:
+            return Staging(device, None, None)
         if device.type != "cuda":
             return Staging(device, None, None)
         if self._pinned is None:
@@ -177,7 +194,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         comm thread's FIFO. Either way jobs run one at a time in issue order.
         """
         fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
-        name = _OP_NAMES[kind]
+        name = alg.op_name(kind)
         blocking = opts is not None and getattr(opts, "asyncOp", True) is False
 
         def run(seq: int) -> Any:

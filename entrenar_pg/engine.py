@@ -81,7 +81,11 @@ class Engine:
         self._on_failure = on_failure
         self._spin_s = spin_us / 1e6
         self._queue: collections.deque[Job] = collections.deque()
-        self._cv = threading.Condition()
+        # A plain Lock under the Condition: `with self._mutex` is a C-level
+        # context manager (Condition's own __enter__ is Python, and its default
+        # lock an RLock), and the hot path takes it twice per collective.
+        self._mutex = threading.Lock()
+        self._cv = threading.Condition(self._mutex)
         self._stopping = False
         self._error: EntrenarError | None = None
         self._failed_at = ""
@@ -104,7 +108,7 @@ class Engine:
         )
 
     def submit(self, job: Job) -> None:
-        with self._cv:
+        with self._mutex:
             if self._stopping:
                 raise PeerConnectionError(
                     f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed"
@@ -119,7 +123,7 @@ class Engine:
         a caller that gets it runs its job itself (``run_claimed``), in issue
         order, since any later job is queued behind the token.
         """
-        with self._cv:
+        with self._mutex:
             if self._queue or self._busy or self._stopping or self._error is not None:
                 return False
             self._busy = True
@@ -135,7 +139,7 @@ class Engine:
             self._release()
 
     def _release(self) -> None:
-        with self._cv:
+        with self._mutex:
             self._busy = False
             self._owner = None
             if self._queue:
@@ -156,7 +160,7 @@ class Engine:
         """
         assert self.holds_token(), "internal: drain_until without the token"
         while True:
-            with self._cv:
+            with self._mutex:
                 if not self._queue:
                     return  # already run (or failed with the group)
                 nxt = self._queue.popleft()
@@ -169,7 +173,7 @@ class Engine:
             end = time.perf_counter() + self._spin_s
             while not self._queue and not self._stopping and time.perf_counter() < end:
                 pass
-        with self._cv:
+        with self._mutex:
             # A caller running its own job holds the token: wait for it too.
             while (not self._queue or self._busy) and not self._stopping:
                 self._cv.wait()
@@ -223,7 +227,7 @@ class Engine:
         except Exception:  # the error itself is what matters; keep going
             log.exception("rank %d: abort after %s failed", self.rank, what)
         job.future.set_exception(err)
-        with self._cv:
+        with self._mutex:
             queued = list(self._queue)
             self._queue.clear()
         for other in queued:
@@ -231,7 +235,7 @@ class Engine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop after the running job; queued jobs fail. Idempotent."""
-        with self._cv:
+        with self._mutex:
             self._stopping = True
             queued = list(self._queue)
             self._queue.clear()

@@ -193,7 +193,8 @@ class Staging:
         stream: Any | None = None,
         ops: StreamOps | None = None,
     ) -> None:
-        if device.type == "cuda":
+        self._cuda = device.type == "cuda"  # once: device.type builds a new str each time
+        if self._cuda:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             if ops is None:
@@ -212,7 +213,7 @@ class Staging:
 
     @property
     def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self._cuda
 
     @property
     def uses_streams(self) -> bool:

@@ -435,31 +435,33 @@ class Mesh:
         # links, which this exchange reads as a close (and then its record),
         # and the check at the end covers peers this plan does not talk to.
         socks = self._socks
-        # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket]
+        # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket, n_pieces]
         sending: list[list[Any]] = [
-            [p, socks[p], lst, 0, 0, False] for p, lst in plan.sends.items()
+            [p, socks[p], lst, 0, 0, False, len(lst)] for p, lst in plan.sends.items()
         ]
         receiving: list[list[Any]] = [
-            [p, socks[p], lst, 0, 0, False] for p, lst in plan.recvs.items()
+            [p, socks[p], lst, 0, 0, False, len(lst)] for p, lst in plan.recvs.items()
         ]
         spin_until = 0.0
         waited = False
         try:
             while sending or receiving:
                 # Pump every link not known to be blocked on its socket (a
-                # blocked one only moves once poll() says so: sparing the
-                # syscall that would say EAGAIN again is most of a small
-                # message's cost).
-                moved = False
+                # blocked one only moves once poll() says so: no syscall just
+                # to hear EAGAIN again).
+                moved = finished = False
                 for st in sending:
                     if not st[5] and self._pump_send(st, what):
                         moved = True
+                        finished = finished or st[3] == st[6]
                 for st in receiving:
                     if not st[5] and self._pump_recv(st, what):
                         moved = True
+                        finished = finished or st[3] == st[6]
                 if moved:
-                    sending = [st for st in sending if st[3] < len(st[2])]
-                    receiving = [st for st in receiving if st[3] < len(st[2])]
+                    if finished:
+                        sending = [st for st in sending if st[3] < st[6]]
+                        receiving = [st for st in receiving if st[3] < st[6]]
                     spin_until = 0.0
                     continue
                 want: dict[int, int] = {}
@@ -510,18 +512,21 @@ class Mesh:
         socket is full (wait for POLLOUT); a piece that is not ready yet waits
         on a receive, not on this socket.
         """
-        peer, sock, pieces, i, off = st[0], st[1], st[2], st[3], st[4]
-        n_pieces = len(pieces)
+        peer, sock, pieces, i, off, _, n_pieces = st
         moved = False
         st[5] = False
         while i < n_pieces:
             views: list[memoryview] = []
+            total = 0
             j = i
-            while j < n_pieces and len(views) < _MAX_IOV:
+            stop = min(n_pieces, i + _MAX_IOV)
+            while j < stop:
                 piece = pieces[j]
                 if (j > i or off == 0) and piece.ready is not None and not piece.ready():
                     break
-                views.append(piece.view[off:] if j == i and off else piece.view)
+                v = piece.view[off:] if j == i and off else piece.view
+                views.append(v)
+                total += len(v)
                 j += 1
             if not views:
                 break
@@ -533,9 +538,6 @@ class Mesh:
             except OSError as e:
                 raise self._link_error(peer, what, e) from e
             moved = True
-            total = 0
-            for v in views:
-                total += len(v)
             full = n == total
             while i < j:  # advance over what went out
                 left = len(pieces[i].view) - off
@@ -560,8 +562,7 @@ class Mesh:
         a header and its payload cost one syscall. Sets ``st[5]`` when the
         socket is drained (wait for POLLIN).
         """
-        peer, sock, pieces, i, off = st[0], st[1], st[2], st[3], st[4]
-        n_pieces = len(pieces)
+        peer, sock, pieces, i, off, _, n_pieces = st
         moved = False
         st[5] = False
         while i < n_pieces:

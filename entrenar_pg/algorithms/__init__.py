@@ -2,7 +2,7 @@
 
 from .alltoall import alltoall, exchange
 from .broadcast import broadcast
-from .common import Call, ScratchPool, bytes_of, chunk_bounds, segments
+from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments
 from .deterministic import allreduce_tree_ring, reduce_scatter_tree
 from .direct import allreduce_direct
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
@@ -24,6 +24,7 @@ __all__ = [
     "chunk_bounds",
     "exchange",
     "gather",
+    "op_name",
     "reduce",
     "reduce_scatter_ring",
     "reduce_scatter_tree",

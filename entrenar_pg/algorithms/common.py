@@ -100,7 +100,12 @@ class Call:
         return max(1, self.options.segment_bytes // _itemsize(dtype))
 
     def what(self, op: OpCode) -> str:
-        return f"{op.name.lower()}#{self.seq}"
+        return f"{_OP_NAMES[op]}#{self.seq}"
+
+
+def op_name(op: OpCode) -> str:
+    """``allreduce`` for OpCode.ALLREDUCE (from a table: Enum.name is slow on the hot path)."""
+    return _OP_NAMES[op]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -130,6 +135,7 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return view
 
 
+_OP_NAMES = {op: op.name.lower() for op in OpCode}
 _MAX_CACHED_VIEWS = 256
 _MAX_CACHED_PLANS = 64
 # Plans of messages up to this size are cached (above it, building the plan is
