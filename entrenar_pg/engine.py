@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,25 +44,28 @@ class Job:
     work: Any = None
 
 
-@dataclass
 class Stats:
-    """Per-kind counters: calls, payload bytes, seconds spent in the comm thread."""
+    """Per-kind counters: calls, payload bytes, seconds spent running the jobs."""
 
-    calls: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
-    nbytes: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
-    seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    def __init__(self) -> None:
+        # kind -> [calls, bytes, seconds]: one dict lookup per job on the hot path
+        self._rows: dict[str, list[float]] = {}
 
     def record(self, kind: str, nbytes: int, seconds: float) -> None:
-        self.calls[kind] += 1
-        self.nbytes[kind] += nbytes
-        self.seconds[kind] += seconds
+        row = self._rows.get(kind)
+        if row is None:
+            row = self._rows[kind] = [0, 0, 0.0]
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += seconds
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for kind in sorted(self.calls):
-            out[f"{kind}_calls"] = self.calls[kind]
-            out[f"{kind}_bytes"] = self.nbytes[kind]
-            out[f"{kind}_seconds"] = self.seconds[kind]
+        for kind in sorted(self._rows):
+            calls, nbytes, seconds = self._rows[kind]
+            out[f"{kind}_calls"] = int(calls)
+            out[f"{kind}_bytes"] = int(nbytes)
+            out[f"{kind}_seconds"] = seconds
         return out
 
 

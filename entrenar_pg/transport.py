@@ -114,7 +114,8 @@ class Plan:
         if stamps and (stamps[-1].header is header or stamps[-1].header == header):
             stamp = stamps[-1]  # the same header on several links: pack it once
         else:
-            stamp = _Stamp(header, bytearray(header.pack()))
+            stamp = _Stamp(header, bytearray(HEADER_BYTES))
+            header.pack_into(stamp.packed)
             stamps.append(stamp)
         if send:
             self.send(peer, memoryview(stamp.packed))
@@ -128,7 +129,7 @@ class Plan:
         assert len(self._stamps) == 1, "internal: restamp needs a one-header plan"
         stamp = self._stamps[0]
         stamp.header = header
-        stamp.packed[:] = header.pack()
+        header.pack_into(stamp.packed)
 
     def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
         self.sends.setdefault(peer, []).append(Send(view, ready))

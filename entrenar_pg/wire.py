@@ -93,9 +93,15 @@ class Header(NamedTuple):
     flags: Flags = Flags.NONE
 
     def pack(self) -> bytes:
+        out = bytearray(HEADER_BYTES)
+        self.pack_into(out)
+        return bytes(out)
+
+    def pack_into(self, buf: bytearray) -> None:
+        """Write the 32 wire bytes into ``buf`` (a plan's reusable header buffer)."""
         code = 0 if self.dtype is None else DTYPE_CODE[self.dtype]
         seq, op, algo, _, reduce_op, numel, aux, flags = self
-        return _HEADER.pack(MAGIC, VERSION, op, algo, code, reduce_op, flags, seq, numel, aux)
+        _HEADER.pack_into(buf, 0, MAGIC, VERSION, op, algo, code, reduce_op, flags, seq, numel, aux)
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Header:
