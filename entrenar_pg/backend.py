@@ -159,9 +159,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         return device if device is not None else _CPU
 
     def _staging(self, device: torch.device) -> Staging:
-        if device == _CPU:
-            return Staging(device, None, None)
-        if device.type != "cuda":
+        if device == _CPU or device.type != "cuda":  # the first test spares a str per call
             return Staging(device, None, None)
         if self._pinned is None:
             self._pinned = PinnedPool()

@@ -92,8 +92,8 @@ class Engine:
         self._stopping = False
         self._error: EntrenarError | None = None
         self._failed_at = ""
-        self._busy = False  # the executor token: someone is running a job
-        self._owner: int | None = None  # the thread holding it
+        # The executor token: the thread running this group's jobs, if any.
+        self._owner: int | None = None
         self._thread = threading.Thread(target=self._loop, name=f"entrenar-{name}", daemon=True)
         self._thread.start()
 
@@ -127,9 +127,8 @@ class Engine:
         order, since any later job is queued behind the token.
         """
         with self._mutex:
-            if self._queue or self._busy or self._stopping or self._error is not None:
+            if self._queue or self._owner is not None or self._stopping or self._error is not None:
                 return False
-            self._busy = True
             self._owner = threading.get_ident()
             return True
 
@@ -143,7 +142,6 @@ class Engine:
 
     def _release(self) -> None:
         with self._mutex:
-            self._busy = False
             self._owner = None
             if self._queue:
                 self._cv.notify()
@@ -178,11 +176,10 @@ class Engine:
                 pass
         with self._mutex:
             # A caller running its own job holds the token: wait for it too.
-            while (not self._queue or self._busy) and not self._stopping:
+            while (not self._queue or self._owner is not None) and not self._stopping:
                 self._cv.wait()
-            if not self._queue or self._busy:
+            if not self._queue or self._owner is not None:
                 return None
-            self._busy = True
             self._owner = threading.get_ident()
             return self._queue.popleft()
 

@@ -474,6 +474,7 @@ class Mesh:
                         fd = st[1].fileno()
                         want[fd] = want.get(fd, 0) | _POLLIN
                 assert want, f"rank {self.rank}: {what}: a send waits on nothing"
+                spinning = False
                 if self._spin_s:
                     # Busy-poll a little before sleeping in poll(): a small
                     # message's answer usually comes within tens of us, and a
@@ -481,16 +482,12 @@ class Mesh:
                     now = time.perf_counter()
                     if spin_until == 0.0:
                         spin_until = now + self._spin_s
-                    if now < spin_until:
-                        for st in sending:
-                            st[5] = False
-                        for st in receiving:
-                            st[5] = False
-                        continue
-                self._wait(want, plan, sending, receiving, what)
-                waited = True
-                spin_until = 0.0
-                for st in sending:
+                    spinning = now < spin_until
+                if not spinning:
+                    self._wait(want, plan, sending, receiving, what)
+                    waited = True
+                    spin_until = 0.0
+                for st in sending:  # after a spin or a wait, try every link again
                     st[5] = False
                 for st in receiving:
                     st[5] = False

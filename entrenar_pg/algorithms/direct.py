@@ -30,7 +30,8 @@ def allreduce_direct(
     # address and shape (DDP's buckets and a training loop's tensors reuse
     # theirs), and only restamp the header.
     key = ("direct", buf.data_ptr(), numel, buf.dtype, n)
-    cached = call.scratch.plan(key) if numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES else None
+    cacheable = numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES
+    cached = call.scratch.plan(key) if cacheable else None
     if cached is not None:
         plan, parts = cached
         plan.restamp(header)
@@ -47,7 +48,7 @@ def allreduce_direct(
             plan.open(p, header)
             plan.send(p, raw)
             plan.recv(p, bytes_of(part))
-        if numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES:
+        if cacheable:
             call.scratch.keep_plan(key, (plan, parts))
     call.mesh.run(plan, call.what(op))
     contributions = parts[:r] + [buf] + parts[r:]
