@@ -374,3 +374,21 @@ def test_intruder_connection_is_refused() -> None:
     finally:
         for g in groups:
             g.shutdown()  # type: ignore[attr-defined]
+
+
+def test_busy_poll_option_gives_the_same_results() -> None:
+    """``spin_us`` busy-polls before sleeping in poll(): with a peer that is
+    late by more than the spin, both the spin and the sleep after it run."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
+        out = []
+        for i in range(3):
+            if rank == 1:
+                time.sleep(0.05)  # longer than the 1 ms spin
+            t = torch.full((70_000,), float(rank + 1 + i))
+            allreduce(pg, t)
+            out.append(float(t[-1]))
+        return out
+
+    res = run_ranks(2, fn, options=Options(spin_us=1000))
+    assert res == [[3.0, 5.0, 7.0]] * 2
