@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from .contracts import ContractChecker
 from .engine import Engine, Job
 from .errors import EntrenarError
 from .p2p import P2PChannel
-from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_, resolve
+from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .transport import Mesh
 from .wire import OpCode
@@ -71,6 +72,8 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._pinned: PinnedPool | None = None
         self._cuda_streams: dict[int, Any] = {}
         self._closed = False
+        self._comm_spin_s = self.options.spin_us / 1e6
+        self._caller_spin_s = self.options.caller_spin_us / 1e6
         self.checker: Any | None = ContractChecker(self) if self.options.check else None
         self.mesh = Mesh(store, rank, size, self.options, timeout, name=group_name)
         # p2p has its own mesh and thread: a recv must never block the collectives.
@@ -193,21 +196,21 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         """
         fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
         name = alg.op_name(kind)
-        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
-
-        def run(seq: int) -> Any:
-            call = alg.Call(self.mesh, seq, self.options, self._scratch)
-            staging.load()
-            body(call)
-            staging.store()
-            return result
-
         engine = self._engine
+        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
         with self._lock:  # seq order == queue order
             self._seq += 1
             seq = self._seq
-            work = EntrenarWork(fut, f"{name}#{seq}", self._rank)
-            job = Job(seq, name, nbytes, lambda: run(seq), fut, staging.completion_context(), work)
+            work = EntrenarWork(fut, name, self._rank, seq)
+            job = Job(
+                seq,
+                name,
+                nbytes,
+                partial(self._run_job, seq, staging, body, result),
+                fut,
+                staging.completion_context(),
+                work,
+            )
             inline = (
                 (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
@@ -227,6 +230,16 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             # to 0.2-0.7 ms with this yield. It costs one syscall.
             os.sched_yield()
         return work
+
+    def _run_job(self, seq: int, staging: Staging, body: Body, result: Any) -> Any:
+        """A job's work, in whichever thread holds the engine's token."""
+        self.mesh.spin_s = (
+            self._comm_spin_s if self._engine.in_comm_thread() else self._caller_spin_s
+        )
+        staging.load()
+        body(alg.Call(self.mesh, seq, self.options, self._scratch))
+        staging.store()
+        return result
 
     @staticmethod
     def _host(items: Sequence[Staged]) -> list[torch.Tensor]:
@@ -280,8 +293,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         device = self._validate(call_name, tensors)
         if not tensors:
             raise ValueError(f"{self._where(call_name)}: no tensors given")
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        red = resolve(op, tensors[0].dtype, where=self._where(call_name))
+        red = self._reduction(call_name, opts, tensors[0].dtype)
         staging = self._staging(device)
         items = staging.add(tensors, read=True, write=True)
         nbytes = 0

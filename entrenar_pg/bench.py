@@ -388,7 +388,7 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
         return dist.new_group(ranks, backend=_bench_floor.BACKEND)
     from entrenar_pg.config import Options
 
-    return dist.new_group(ranks, backend="entrenar", pg_options=Options(**variant.options))
+    return dist.new_group(ranks, backend="entrenar", pg_options=Options.from_env(**variant.options))
 
 
 class _RawPair:

@@ -110,7 +110,7 @@ class CollectivesMixin:
 
     def _reduction(self, call: str, opts: Any, dtype: torch.dtype) -> Reduction:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return resolve(op, dtype, where=self._where(call))
+        return resolve(op, dtype, where=lambda: self._where(call))
 
     def _root(self, call: str, opts: Any) -> int:
         root = int(opts.rootRank) if opts is not None else 0

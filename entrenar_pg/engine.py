@@ -96,6 +96,7 @@ class Engine:
         self._owner: int | None = None
         self._thread = threading.Thread(target=self._loop, name=f"entrenar-{name}", daemon=True)
         self._thread.start()
+        self._comm_ident = self._thread.ident
 
     @property
     def error(self) -> EntrenarError | None:
@@ -145,6 +146,10 @@ class Engine:
             self._owner = None
             if self._queue:
                 self._cv.notify()
+
+    def in_comm_thread(self) -> bool:
+        """True in this group's comm thread."""
+        return threading.get_ident() == self._comm_ident
 
     def holds_token(self) -> bool:
         """True in the thread running this group's jobs (the comm thread, or a

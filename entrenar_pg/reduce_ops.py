@@ -69,8 +69,12 @@ class Reduction(NamedTuple):
         return Kind.SUM if self.kind in (Kind.AVG, Kind.PREMUL_SUM) else self.kind
 
 
-def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
-    """Validate ``op`` for ``dtype``; ValueError naming ``where`` (rank and call) if not."""
+def resolve(op: object, dtype: torch.dtype, *, where: str | Callable[[], str]) -> Reduction:
+    """Validate ``op`` for ``dtype``; ValueError naming ``where`` (rank and call) if not.
+
+    ``where`` may be a function giving that label, so a call whose op is
+    already known valid never builds it.
+    """
     # Every call resolves its op: remember the plain ops (all but PREMUL_SUM,
     # whose factor varies) per dtype, once they were found valid.
     inner = getattr(op, "op", op)
@@ -79,7 +83,7 @@ def resolve(op: object, dtype: torch.dtype, *, where: str) -> Reduction:
         hit = _RESOLVED.get(key)
         if hit is not None:
             return hit
-    red = _resolve(op, dtype, where)
+    red = _resolve(op, dtype, where if isinstance(where, str) else where())
     if key is not None and red.kind is not Kind.PREMUL_SUM:
         _RESOLVED[key] = red
     return red
@@ -119,7 +123,7 @@ def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
     return Reduction(kind, factor)
 
 
-_KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
+KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
     Kind.SUM: torch.add,
     Kind.PRODUCT: torch.mul,
     Kind.MIN: torch.minimum,
@@ -132,7 +136,7 @@ _KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
 
 def combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
     """``dst = a <op> b`` elementwise (``kind`` is a combine kind); ``dst`` may be ``a``."""
-    kernel = _KERNELS.get(kind)
+    kernel = KERNELS.get(kind)
     assert kernel is not None, f"not a combine kind: {kind}"
     kernel(a, b, out=dst)
 

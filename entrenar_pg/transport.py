@@ -45,7 +45,7 @@ from typing import Any
 
 from .config import Options
 from .errors import ERROR_TYPES, CollectiveMismatchError, EntrenarError, PeerConnectionError
-from .wire import HEADER_BYTES, Header
+from .wire import HEADER_BYTES, Header, stamp_seq
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,31 @@ class Recv:
 
 @dataclass(slots=True)
 class _Stamp:
-    """A header as this rank sends it and expects it back, packed once."""
+    """A header as this rank sends it and expects it back, packed once.
+
+    ``packed`` is the truth: ``Plan.restamp`` rewrites its sequence number in
+    place, so ``header`` (what the plan was built with) may carry an older one.
+    """
 
     header: Header
     packed: bytearray
+
+
+@dataclass(slots=True)
+class _Link:
+    """One direction of one link in a plan, as ``Mesh.run`` drives it.
+
+    ``whole``: every piece's view, when the link can go in one syscall from
+    the start (sends: no piece waits on a receive; receives: every piece but
+    the last is ``chain``), else None. Computed once per plan (cached plans
+    reuse it), so a small collective's first attempt on a link is one
+    ``sendmsg`` / ``recvmsg_into`` with no per-piece work.
+    """
+
+    peer: int
+    pieces: list[Any]
+    whole: list[memoryview] | None
+    total: int
 
 
 @dataclass
@@ -101,6 +122,7 @@ class Plan:
     sends: dict[int, list[Send]] = field(default_factory=dict)
     recvs: dict[int, list[Recv]] = field(default_factory=dict)
     _stamps: list[_Stamp] = field(default_factory=list)
+    _links: tuple[list[_Link], list[_Link]] | None = None
 
     def open(self, peer: int, header: Header, *, send: bool = True, recv: bool = True) -> None:
         """Start this collective's frame on the link(s) with ``peer``.
@@ -123,15 +145,28 @@ class Plan:
             raw = bytearray(HEADER_BYTES)
             self.recv(peer, memoryview(raw), _header_check(self.rank, peer, stamp, raw), chain=True)
 
-    def restamp(self, header: Header) -> None:
-        """Re-arm a cached plan (one header on every link) for the next call:
-        same shape, new header (its sequence number)."""
+    def restamp(self, seq: int) -> None:
+        """Re-arm a cached plan (one header on every link) for its next call:
+        the same collective on the same buffers, only the sequence number new."""
         assert len(self._stamps) == 1, "internal: restamp needs a one-header plan"
-        stamp = self._stamps[0]
-        stamp.header = header
-        header.pack_into(stamp.packed)
+        stamp_seq(self._stamps[0].packed, seq)
+
+    def links(self) -> tuple[list[_Link], list[_Link]]:
+        """The plan's send and receive links, for ``Mesh.run`` (built on first use)."""
+        if self._links is None:
+            sends = [
+                _Link(p, lst, _whole(lst, all(s.ready is None for s in lst)), _total(lst))
+                for p, lst in self.sends.items()
+            ]
+            recvs = [
+                _Link(p, lst, _whole(lst, all(r.chain for r in lst[:-1])), _total(lst))
+                for p, lst in self.recvs.items()
+            ]
+            self._links = (sends, recvs)
+        return self._links
 
     def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
+        assert self._links is None, "internal: plan changed after it ran"
         self.sends.setdefault(peer, []).append(Send(view, ready))
 
     def recv(
@@ -141,14 +176,46 @@ class Plan:
         done: Callable[[], None] | None = None,
         chain: bool = False,
     ) -> None:
+        assert self._links is None, "internal: plan changed after it ran"
         self.recvs.setdefault(peer, []).append(Recv(view, done, chain))
+
+
+def _whole(pieces: list[Any], one_go: bool) -> list[memoryview] | None:
+    if not one_go or len(pieces) > _MAX_IOV:
+        return None
+    return [p.view for p in pieces]
+
+
+def _total(pieces: list[Any]) -> int:
+    return sum(len(p.view) for p in pieces)
+
+
+def _consume(st: list[Any], n: int, complete: bool) -> None:
+    """Advance link state ``st`` (see ``Mesh._first_attempt``) over ``n`` bytes just
+    moved; on a receiving link (``complete``) run each piece's ``done`` as it fills."""
+    pieces = st[2]
+    i = st[3]
+    off = st[4]
+    while n > 0:
+        piece = pieces[i]
+        left = len(piece.view) - off
+        if n < left:
+            off += n
+            break
+        n -= left
+        i += 1
+        off = 0
+        if complete and piece.done is not None:
+            piece.done()
+    st[3] = i
+    st[4] = off
 
 
 def _header_check(rank: int, peer: int, stamp: _Stamp, raw: bytearray) -> Callable[[], None]:
     def check() -> None:
         if raw == stamp.packed:  # the common case: byte-equal headers are equal headers
             return
-        mine = stamp.header
+        mine = Header.unpack(stamp.packed)  # with the current seq (see _Stamp)
         try:
             theirs = Header.unpack(raw)
         except ValueError as e:
@@ -238,7 +305,9 @@ class Mesh:
         self._socks: dict[int, socket.socket] = {}
         self._closed = False
         self._close_lock = threading.Lock()
-        self._spin_s = options.spin_us / 1e6
+        # How long run() busy-polls before sleeping in poll(); whoever runs a
+        # job sets it (the comm thread and a caller's thread differ).
+        self.spin_s = options.spin_us / 1e6
         if world > 1:
             self._connect_all()
         self._poller = select.poll()
@@ -435,14 +504,7 @@ class Mesh:
         # No abort check up front: a peer that aborted earlier has closed its
         # links, which this exchange reads as a close (and then its record),
         # and the check at the end covers peers this plan does not talk to.
-        socks = self._socks
-        # Per link state: [peer, sock, pieces, index, offset, blocked-on-the-socket, n_pieces]
-        sending: list[list[Any]] = [
-            [p, socks[p], lst, 0, 0, False, len(lst)] for p, lst in plan.sends.items()
-        ]
-        receiving: list[list[Any]] = [
-            [p, socks[p], lst, 0, 0, False, len(lst)] for p, lst in plan.recvs.items()
-        ]
+        sending, receiving = self._first_attempt(plan, what)
         spin_until = 0.0
         waited = False
         try:
@@ -475,14 +537,18 @@ class Mesh:
                         want[fd] = want.get(fd, 0) | _POLLIN
                 assert want, f"rank {self.rank}: {what}: a send waits on nothing"
                 spinning = False
-                if self._spin_s:
+                if self.spin_s:
                     # Busy-poll a little before sleeping in poll(): a small
                     # message's answer usually comes within tens of us, and a
-                    # blocked thread costs ~100 us to wake on these machines.
+                    # sleeping thread costs tens of us to wake on these
+                    # machines. Each turn yields the core, so a peer (or a
+                    # thread of ours) waiting for it runs first.
                     now = time.perf_counter()
                     if spin_until == 0.0:
-                        spin_until = now + self._spin_s
+                        spin_until = now + self.spin_s
                     spinning = now < spin_until
+                    if spinning:
+                        os.sched_yield()
                 if not spinning:
                     self._wait(want, plan, sending, receiving, what)
                     waited = True
@@ -501,6 +567,57 @@ class Mesh:
                     if mask != _POLLRDHUP:
                         self._poller.modify(fd, _POLLRDHUP)
                         self._masks[fd] = _POLLRDHUP
+
+    def _first_attempt(self, plan: Plan, what: str) -> tuple[list[list[Any]], list[list[Any]]]:
+        """One syscall per link whose pieces can go together; the state of the rest.
+
+        A small collective's frame usually leaves in this one ``sendmsg`` and,
+        when the peer was first, arrives in this one ``recvmsg_into``, so such
+        a link never enters the progress loop. A link that did not finish is
+        returned as loop state, marked blocked (the kernel took or had less
+        than asked: wait for poll). Link state is
+        ``[peer, sock, pieces, index, offset, blocked-on-the-socket, n_pieces]``.
+        """
+        socks = self._socks
+        send_links, recv_links = plan.links()
+        sending: list[list[Any]] = []
+        receiving: list[list[Any]] = []
+        for link in send_links:
+            sock = socks[link.peer]
+            n = 0
+            if link.whole is not None:
+                try:
+                    n = sock.sendmsg(link.whole)
+                except BlockingIOError:
+                    pass
+                except OSError as e:
+                    raise self._link_error(link.peer, what, e) from e
+                if n == link.total:
+                    continue
+            st = [link.peer, sock, link.pieces, 0, 0, link.whole is not None, len(link.pieces)]
+            _consume(st, n, False)
+            sending.append(st)
+        for link in recv_links:
+            sock = socks[link.peer]
+            n = 0
+            if link.whole is not None and link.total:
+                try:
+                    n = sock.recvmsg_into(link.whole)[0]
+                except BlockingIOError:
+                    n = -1
+                except OSError as e:
+                    raise self._link_error(link.peer, what, e) from e
+                if n == 0:
+                    raise self._closed_error(link.peer, what)
+                if n == link.total:
+                    for piece in link.pieces:  # all full: their callbacks, in order
+                        if piece.done is not None:
+                            piece.done()
+                    continue
+            st = [link.peer, sock, link.pieces, 0, 0, n != 0, len(link.pieces)]
+            _consume(st, n, True)
+            receiving.append(st)
+        return sending, receiving
 
     def _pump_send(self, st: list[Any], what: str) -> bool:
         """Send what the kernel takes on one link; True if anything moved.
@@ -536,20 +653,11 @@ class Mesh:
             except OSError as e:
                 raise self._link_error(peer, what, e) from e
             moved = True
-            full = n == total
-            while i < j:  # advance over what went out
-                left = len(pieces[i].view) - off
-                if n < left:
-                    off += n
-                    break
-                n -= left
-                i += 1
-                off = 0
-            if not full:
+            _consume(st, n, False)
+            i, off = st[3], st[4]
+            if n != total:
                 st[5] = True
                 break
-        st[3] = i
-        st[4] = off
         return moved
 
     def _pump_recv(self, st: list[Any], what: str) -> bool:
@@ -571,6 +679,7 @@ class Mesh:
                     piece.done()
                 moved = True
                 i += 1
+                st[3] = i
                 continue
             views = [piece.view[off:] if off else piece.view]
             j = i + 1
@@ -590,17 +699,8 @@ class Mesh:
             if n == 0:
                 raise self._closed_error(peer, what)
             moved = True
-            while i < j:  # complete, in order, every piece now full
-                left = len(pieces[i].view) - off
-                if n < left:
-                    off += n
-                    break
-                n -= left
-                done = pieces[i].done
-                i += 1
-                off = 0
-                if done is not None:
-                    done()
+            _consume(st, n, True)  # completes, in order, every piece now full
+            i, off = st[3], st[4]
             if i < j:  # the kernel had no more for now
                 st[5] = True
                 break

@@ -25,6 +25,13 @@ VERSION = 1
 _HEADER = struct.Struct("<HBBBBBBQQq")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 32
+_SEQ = struct.Struct("<Q")
+_SEQ_OFFSET = 8  # after magic, version and the six one-byte fields
+
+
+def stamp_seq(packed: bytearray, seq: int) -> None:
+    """Rewrite only the sequence number of a packed header (a cached plan's next call)."""
+    _SEQ.pack_into(packed, _SEQ_OFFSET, seq)
 
 
 class OpCode(enum.IntEnum):

@@ -22,11 +22,20 @@ from .errors import PeerConnectionError
 
 
 class EntrenarWork(dist.Work):
-    def __init__(self, future: torch.futures.Future, what: str, rank: int) -> None:
+    def __init__(
+        self, future: torch.futures.Future, what: str, rank: int, seq: int | None = None
+    ) -> None:
         super().__init__()
         self._future = future
-        self._what = what
+        # "allreduce#12": the label is only read on errors and in repr, so it is
+        # joined there, not on the hot path.
+        self._kind = what
+        self._seq = seq
         self._rank = rank
+
+    @property
+    def _what(self) -> str:
+        return self._kind if self._seq is None else f"{self._kind}#{self._seq}"
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until done; raise the collective's error. ``timedelta(0)`` means no timeout."""

@@ -50,6 +50,10 @@ def test_options_from_env_and_validation() -> None:
         Options.from_env({ENV_SEGMENT_BYTES: "lots"})
     with pytest.raises(ValueError, match="ENTRENAR_DETERMINISTIC"):
         Options.from_env({"ENTRENAR_DETERMINISTIC": "maybe"})
+    o = Options.from_env({"ENTRENAR_CALLER_SPIN_US": "0", "ENTRENAR_SPIN_US": "20"})
+    assert (o.caller_spin_us, o.spin_us) == (0, 20)
+    with pytest.raises(ValueError, match="caller_spin_us"):
+        Options(caller_spin_us=-1)
     with pytest.raises(TypeError):
         Options("ring")  # type: ignore[misc]  # keyword-only
 
@@ -377,8 +381,9 @@ def test_intruder_connection_is_refused() -> None:
 
 
 def test_busy_poll_option_gives_the_same_results() -> None:
-    """``spin_us`` busy-polls before sleeping in poll(): with a peer that is
-    late by more than the spin, both the spin and the sleep after it run."""
+    """Busy-polling before sleeping in poll() (``caller_spin_us`` for these
+    blocking calls, ``spin_us`` on the comm thread): with a peer that is late
+    by more than the spin, both the spin and the sleep after it run."""
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
         out = []
@@ -390,5 +395,5 @@ def test_busy_poll_option_gives_the_same_results() -> None:
             out.append(float(t[-1]))
         return out
 
-    res = run_ranks(2, fn, options=Options(spin_us=1000))
+    res = run_ranks(2, fn, options=Options(spin_us=1000, caller_spin_us=1000))
     assert res == [[3.0, 5.0, 7.0]] * 2

@@ -138,18 +138,67 @@ def test_mismatch_is_caught_on_a_cached_plan() -> None:
     """The header is restamped on a cached plan: a different op on the same
     buffer (a warm cache) is still a collective mismatch on both ranks."""
 
-    def fn(rank: int, pg: EntrenarProcessGroup) -> str:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[str, int]:
         t = torch.ones(256)
         for _ in range(3):
             pg.allreduce([t], _opts(blocking=True)).wait()  # warm the plan cache
         op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
         with pytest.raises(CollectiveMismatchError) as info:
             pg.allreduce([t], _opts(blocking=True, op=op)).wait()
-        return str(info.value)
+        return str(info.value), pg._seq
 
-    msgs = run_ranks(2, fn, timeout_s=30)
-    for m in msgs:
+    results = run_ranks(2, fn, timeout_s=30)
+    for m, seq in results:
         assert "reduce_op=0" in m and "reduce_op=4" in m, m  # SUM, MAX
+        # Both sides' descriptions carry this call's sequence number (a reused
+        # plan is restamped with it), not the one the plan was built for.
+        assert m.count(f"allreduce#{seq}(") == 2, m
+
+
+def test_direct_sums_in_rank_order_on_every_rank() -> None:
+    """The direct allreduce accumulates ((c0 + c1) + c2) whichever rank runs it
+    (in a scratch part until its own input is read, then in place): every rank
+    gets the bits of that one order, on a fresh and on a cached plan."""
+    world = 3
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    expected = (inputs[0] + inputs[1]) + inputs[2]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        t = torch.empty(1000)
+        for _ in range(2):  # the second call reuses the cached plan
+            t.copy_(inputs[rank])
+            pg.allreduce([t], _opts(blocking=True)).wait()
+            out.append(t.clone())
+        return out
+
+    for rank, outs in enumerate(run_ranks(world, fn, options=Options(algorithm="direct"))):
+        for got in outs:
+            assert torch.equal(got, expected), f"rank {rank}"
+
+
+def test_spin_is_set_by_who_runs_the_job() -> None:
+    """A job in the caller's thread busy-polls for ``caller_spin_us``; one on
+    the comm thread for ``spin_us`` (off by default: it would take the core
+    the caller computes on)."""
+    seen: dict[str, float] = {}
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+        real = pg.mesh.run
+
+        def spy(plan, what):  # type: ignore[no-untyped-def]
+            where = "comm" if threading.current_thread().name.startswith("entrenar-") else "caller"
+            if rank == 0:
+                seen[where] = pg.mesh.spin_s
+            real(plan, what)
+
+        pg.mesh.run = spy  # type: ignore[method-assign]
+        t = torch.ones(64)
+        pg.allreduce([t], _opts(blocking=True)).wait()
+        pg.allreduce([t], _opts(blocking=False)).wait()  # type: ignore[attr-defined]
+
+    run_ranks(2, fn, options=Options(caller_spin_us=123, spin_us=7), timeout_s=30)
+    assert seen == {"caller": pytest.approx(123e-6), "comm": pytest.approx(7e-6)}, seen
 
 
 def test_ctrl_c_in_a_callers_thread_collective_breaks_the_group_everywhere() -> None:

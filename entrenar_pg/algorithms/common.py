@@ -66,7 +66,7 @@ class ScratchPool:
         self._plans.clear()
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One collective as seen by one rank: where it runs and how it is tuned."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reduce_ops import Reduction, combine_, finish_, tree_reduce_
+from ..reduce_ops import KERNELS, Reduction, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from .common import PLAN_CACHE_MAX_BYTES, Call, bytes_of
@@ -25,17 +25,18 @@ def allreduce_direct(
     """
     n, r = call.world, call.rank
     numel = buf.numel()
-    header = call.header(op, Algo.DIRECT, buf.dtype, reduce_op=int(red.kind), numel=numel)
     # Small messages are dominated by building the plan: keep it per buffer
     # address and shape (DDP's buckets and a training loop's tensors reuse
-    # theirs), and only restamp the header.
-    key = ("direct", buf.data_ptr(), numel, buf.dtype, n)
+    # theirs) and per everything its header says (the flags are the group's),
+    # so a reuse only has to restamp the sequence number.
+    key = (op, buf.data_ptr(), numel, buf.dtype, n, red.kind)
     cacheable = numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES
     cached = call.scratch.plan(key) if cacheable else None
     if cached is not None:
         plan, parts = cached
-        plan.restamp(header)
+        plan.restamp(call.seq)
     else:
+        header = call.header(op, Algo.DIRECT, buf.dtype, reduce_op=int(red.kind), numel=numel)
         plan = Plan(r)
         scratch = call.scratch.get("direct", numel * (n - 1), buf.dtype)
         raw = bytes_of(buf)
@@ -52,13 +53,18 @@ def allreduce_direct(
             call.scratch.keep_plan(key, (plan, parts))
     call.mesh.run(plan, call.what(op))
     contributions = parts[:r] + [buf] + parts[r:]
-    kind = red.combine_kind
     if call.options.deterministic:
-        result = tree_reduce_(contributions, kind)
+        result = tree_reduce_(contributions, red.combine_kind)
+        if result is not buf:
+            buf.copy_(result)
     else:
-        result = contributions[0]
-        for other in contributions[1:]:
-            combine_(result, other, kind)
-    if result is not buf:
-        buf.copy_(result)
+        # Left to right, in rank order: ((c0 op c1) op c2) ... The running
+        # result lives in a scratch part until our own input (c_r) has been
+        # read, and in ``buf`` from then on, so no final copy is needed.
+        kernel = KERNELS[red.combine_kind]
+        acc = contributions[0]
+        for k in range(1, n):
+            dst = buf if k >= r else acc
+            kernel(acc, contributions[k], out=dst)
+            acc = dst
     finish_(buf, red, n)
