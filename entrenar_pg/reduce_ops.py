@@ -123,7 +123,7 @@ def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
     return Reduction(kind, factor)
 
 
-KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
+_KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
     Kind.SUM: torch.add,
     Kind.PRODUCT: torch.mul,
     Kind.MIN: torch.minimum,
@@ -135,8 +135,11 @@ KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {
 
 
 def combine_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
-    """``dst = a <op> b`` elementwise (``kind`` is a combine kind); ``dst`` may be ``a``."""
-    kernel = KERNELS.get(kind)
+    """``dst = a <op> b`` elementwise (``kind`` is a combine kind).
+
+    ``dst`` may be ``a`` or ``b`` itself (elementwise kernels allow exact aliasing).
+    """
+    kernel = _KERNELS.get(kind)
     assert kernel is not None, f"not a combine kind: {kind}"
     kernel(a, b, out=dst)
 

@@ -704,9 +704,7 @@ class Mesh:
             if i < j:  # the kernel had no more for now
                 st[5] = True
                 break
-        st[3] = i
-        st[4] = off
-        return moved
+        return moved  # st[3], st[4] are kept current by _consume and the empty-piece branch
 
     def _wait(
         self,

@@ -26,7 +26,7 @@ _HEADER = struct.Struct("<HBBBBBBQQq")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 32
 _SEQ = struct.Struct("<Q")
-_SEQ_OFFSET = 8  # after magic, version and the six one-byte fields
+_SEQ_OFFSET = struct.calcsize("<HBBBBBB")  # after magic, version and the six one-byte fields
 
 
 def stamp_seq(packed: bytearray, seq: int) -> None:

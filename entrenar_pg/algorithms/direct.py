@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reduce_ops import KERNELS, Reduction, finish_, tree_reduce_
+from ..reduce_ops import Reduction, combine_into, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from .common import PLAN_CACHE_MAX_BYTES, Call, bytes_of
@@ -61,10 +61,10 @@ def allreduce_direct(
         # Left to right, in rank order: ((c0 op c1) op c2) ... The running
         # result lives in a scratch part until our own input (c_r) has been
         # read, and in ``buf`` from then on, so no final copy is needed.
-        kernel = KERNELS[red.combine_kind]
+        kind = red.combine_kind
         acc = contributions[0]
         for k in range(1, n):
             dst = buf if k >= r else acc
-            kernel(acc, contributions[k], out=dst)
+            combine_into(dst, acc, contributions[k], kind)
             acc = dst
     finish_(buf, red, n)
