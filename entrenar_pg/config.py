@@ -76,9 +76,11 @@ class Options:
             0 keeps the kernel's autotuning. Env ``ENTRENAR_SOCKET_BUFFER_BYTES``.
         spin_us: how long the comm thread busy-polls, for a new job and for a
             peer's bytes, before sleeping (a sleeping thread costs tens of us
-            to wake on these machines). Off by default: the comm thread runs
-            while the caller computes (DDP's backward), and its spinning would
-            take that core. Env ``ENTRENAR_SPIN_US``.
+            to wake on these machines, and DDP waits for its last bucket with
+            nothing else to do). Each turn yields the core and the GIL
+            (``sched_yield``), so a thread that is computing on that core, or
+            that needs the GIL, runs first. 0 turns it off.
+            Env ``ENTRENAR_SPIN_US``.
         caller_spin_us: the same, for a collective running in the caller's
             thread (a blocking call on an idle group): the caller waits anyway,
             so polling costs no work, and a 4 KiB allreduce's median halved
@@ -111,7 +113,7 @@ class Options:
     host: str = ""
     ifname: str = ""
     socket_buffer_bytes: int = 0
-    spin_us: int = 0
+    spin_us: int = 200
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
     master_addr: str = field(default="", repr=False)

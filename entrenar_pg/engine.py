@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -176,9 +177,13 @@ class Engine:
 
     def _next(self) -> Job | None:
         if self._spin_s and not self._queue:
+            # Busy-poll for the next job before sleeping on the condition.
+            # Each turn yields the core and, with it, the GIL: a caller that
+            # is about to issue that job (or to run Python after the last one
+            # completed) must not wait for this loop.
             end = time.perf_counter() + self._spin_s
             while not self._queue and not self._stopping and time.perf_counter() < end:
-                pass
+                os.sched_yield()
         with self._mutex:
             # A caller running its own job holds the token: wait for it too.
             while (not self._queue or self._owner is not None) and not self._stopping:

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_ranks
+from conftest import make_groups, run_ranks
 
 from entrenar_pg import CollectiveMismatchError, EntrenarError, EntrenarProcessGroup, Options
 
@@ -179,8 +179,8 @@ def test_direct_sums_in_rank_order_on_every_rank() -> None:
 
 def test_spin_is_set_by_who_runs_the_job() -> None:
     """A job in the caller's thread busy-polls for ``caller_spin_us``; one on
-    the comm thread for ``spin_us`` (off by default: it would take the core
-    the caller computes on)."""
+    the comm thread for ``spin_us`` (two options: the caller waits anyway,
+    while the comm thread may share its core with a caller that computes)."""
     seen: dict[str, float] = {}
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> None:
@@ -199,6 +199,31 @@ def test_spin_is_set_by_who_runs_the_job() -> None:
 
     run_ranks(2, fn, options=Options(caller_spin_us=123, spin_us=7), timeout_s=30)
     assert seen == {"caller": pytest.approx(123e-6), "comm": pytest.approx(7e-6)}, seen
+
+
+def test_comm_thread_spin_takes_new_jobs_and_ends_on_shutdown() -> None:
+    """The comm thread busy-polls for its next job (``spin_us``): a job issued
+    while it spins runs, and destroying the group ends the spin at once
+    rather than when it runs out (5 s here)."""
+    groups = make_groups(2, Options(spin_us=5_000_000))
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
+        outs = []
+        for i in range(3):
+            t = torch.full((16,), float(rank + i))
+            pg.allreduce([t], _opts(blocking=False)).wait()  # type: ignore[attr-defined]
+            outs.append(float(t[0]))
+            time.sleep(0.02)  # the comm thread is spinning for the next job now
+        return outs
+
+    try:
+        assert run_ranks(2, fn, groups=groups, timeout_s=30) == [[1.0, 3.0, 5.0]] * 2
+    finally:
+        start = time.perf_counter()
+        for g in groups:
+            g.shutdown()
+        elapsed = time.perf_counter() - start
+    assert elapsed < 2.5, f"shutdown waited {elapsed:.2f} s for the spin to run out"
 
 
 def test_ctrl_c_in_a_callers_thread_collective_breaks_the_group_everywhere() -> None:
