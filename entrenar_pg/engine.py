@@ -212,7 +212,7 @@ class Engine:
             value = job.run()
         except BaseException as e:
             self._fail(job, e)
-            if not isinstance(e, Exception) and self._owner != self._thread.ident:
+            if not isinstance(e, Exception) and not self.in_comm_thread():
                 raise  # Ctrl-C in a caller running its own job: the group is broken, stop
             return
         self.stats.record(job.kind, job.nbytes, time.perf_counter() - start)

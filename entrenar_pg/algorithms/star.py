@@ -23,14 +23,14 @@ def gather_reduce(
     header: Header,
     *,
     replies: bool,
-) -> list[bool]:
+) -> tuple[list[tuple[int, int]], list[bool]]:
     """Add the root's side of a star to ``plan``: receive every rank's ``buf``
     and combine segment k into the root's ``buf`` as soon as every rank's
     segment k is in, in rank order (the canonical tree order when
-    deterministic), so combining overlaps receiving. Returns the per-segment
-    "reduced" flags a send can wait on. ``replies``: the root also opens a
-    frame back to every rank (the star allreduce sends the result; reduce
-    does not). Scratch: (N-1) x nbytes.
+    deterministic), so combining overlaps receiving. Returns the segments
+    (element bounds) and their "reduced" flags, which a send can wait on.
+    ``replies``: the root also opens a frame back to every rank (the star
+    allreduce sends the result; reduce does not). Scratch: (N-1) x nbytes.
     """
     n = call.world
     numel, size = buf.numel(), buf.element_size()
@@ -67,7 +67,7 @@ def gather_reduce(
             plan.recv(p, view[a * size : b * size], partial(arrived, k), chain=True)
     if not segs:  # nothing to reduce: the headers alone carry the call
         finish_(buf, red, n)
-    return reduced
+    return segs, reduced
 
 
 def allreduce_star(
@@ -91,9 +91,8 @@ def allreduce_star(
         plan.recv(ROOT, raw)
         call.mesh.run(plan, call.what(op))
         return
-    reduced = gather_reduce(call, plan, buf, red, ROOT, header, replies=True)
+    segs, reduced = gather_reduce(call, plan, buf, red, ROOT, header, replies=True)
     size = buf.element_size()
-    segs = segments(0, buf.numel(), call.segment_elems(buf.dtype))
     for p in range(1, n):
         for k, (a, b) in enumerate(segs):
             plan.send(p, raw[a * size : b * size], is_set(reduced, k))
