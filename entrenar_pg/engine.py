@@ -109,7 +109,8 @@ class Engine:
         return type(self._error)(
             f"rank {self.rank}: {what} refused: this process group failed at "
             f"{self._failed_at} and cannot be used any more (recreate it). "
-            f"First error: {self._error}"
+            f"First error: {self._error}",
+            culprit=self._error.culprit,
         )
 
     def submit(self, job: Job) -> None:

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 
 class EntrenarError(RuntimeError):
-    """Base of every error entrenar raises for a failed collective."""
+    """Base of every error entrenar raises for a failed collective.
+
+    ``culprit``: the rank that caused the failure, where it is known (the rank
+    that died, stopped, left, or that every other rank was waiting on); the
+    same on every rank, since aborting ranks pass it on with their cause.
+    """
+
+    def __init__(self, message: str = "", *, culprit: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep ``culprit`` through pickling
+        return (_rebuild, (type(self), str(self), self.culprit))
 
 
 class PeerConnectionError(EntrenarError):
@@ -19,7 +31,11 @@ class ContractViolation(EntrenarError):
     """A contract (C-RING-001, C-DDP-001, F-DP-003) failed on some rank."""
 
 
-# Errors that may cross the wire (through the store's abort record) by name.
+def _rebuild(cls: type[EntrenarError], message: str, culprit: int | None) -> EntrenarError:
+    return cls(message, culprit=culprit)
+
+
+# Errors that may cross the wire (in a control link's ABORT frame) by name.
 ERROR_TYPES: dict[str, type[EntrenarError]] = {
     cls.__name__: cls
     for cls in (EntrenarError, PeerConnectionError, CollectiveMismatchError, ContractViolation)

@@ -165,7 +165,13 @@ class P2PChannel:
         self._links: dict[int, _Link] = {}
         if world > 1:
             self._mesh = Mesh(
-                dist.PrefixStore("p2p", store), rank, world, options, timeout, name=f"{name}/p2p"
+                dist.PrefixStore("p2p", store),
+                rank,
+                world,
+                options,
+                timeout,
+                name=f"{name}/p2p",
+                control=False,
             )
             for peer, sock in self._mesh.sockets.items():
                 self._links[peer] = _Link(peer, sock)

@@ -1,13 +1,8 @@
-"""TCP mesh: listen, publish the address in the store, connect, authenticate, exchange.
+"""TCP mesh: the plan model and the one progress loop every collective runs on.
 
-Set-up: every rank listens on one port and publishes ``host:port`` in the
-group's store; rank 0 puts a random per-group secret there. Rank i connects to
-every rank j < i and accepts from every rank j > i, so each pair shares exactly
-one socket. The handshake is a challenge-response: the acceptor sends a nonce,
-the connector answers with its rank, the world size and an HMAC of the nonce
-under the secret, the acceptor answers with its own HMAC. Anything else is
-refused and closed, so a stray connection (or a process of another job) never
-becomes a peer.
+Set-up (``entrenar_pg.rendezvous``): every rank listens on one port, publishes
+it in the group's store, and each pair of ranks shares one authenticated data
+socket and, beside it, one control socket (``entrenar_pg.control``).
 
 Data: after set-up the sockets are non-blocking and driven by ``Mesh.run``, a
 single progress loop that executes a ``Plan``: for each peer, an ordered list
@@ -18,24 +13,24 @@ That is all an algorithm needs; algorithms live in ``entrenar_pg.algorithms``
 and never touch a socket. Sending never waits on the peer's receive (the loop
 sends what the kernel takes and keeps receiving), so no size deadlocks.
 
-Failure: a rank that fails writes ``abort/<rank>`` (error class and message)
-into the store *before* closing its sockets. A peer that sees the connection
-close reads that record and raises the same error class, so the root cause
-reaches every rank. Every peer socket is watched for a hang-up (POLLRDHUP)
-during every exchange, so a rank blocked on another link still learns at once.
+Failure: a rank that fails sends an ABORT frame (error class, culprit rank,
+message) on every control link *before* closing its sockets. A peer that sees
+a link close reads that frame and raises the same error class naming the
+same culprit, so the root cause reaches every rank without the store (which
+may have died with its host rank). Every peer socket is watched for a hang-up
+(POLLRDHUP) and every control socket for frames during every exchange, so a
+rank blocked on another link still learns at once. A rank that sees no
+progress for the timeout asks the peers it waits on what they wait on, and
+blames the rank at the end of that walk.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import logging
 import os
-import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -44,18 +39,17 @@ from datetime import timedelta
 from typing import Any
 
 from .config import Options
+from .control import LEFT, AbortRecord, ControlChannel
 from .errors import ERROR_TYPES, CollectiveMismatchError, EntrenarError, PeerConnectionError
+from .rendezvous import CONTROL, DATA, Rendezvous
 from .wire import HEADER_BYTES, Header, stamp_seq
 
 log = logging.getLogger(__name__)
 
-_HELLO = struct.Struct("<4sII")  # magic, rank, world size
-_HELLO_MAGIC = b"ENTR"
-_NONCE_BYTES = 16
-_MAC_BYTES = 32
-_SECRET_KEY = "entrenar/a{attempt}/secret"
-_ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
-_ABORT_KEY = "entrenar/a{attempt}/abort/{rank}"
+# How long a rank that saw a peer's data link close waits for that peer's
+# control frame (or its control link's close) to learn why: the two sockets'
+# events are not ordered, but they come from one close, microseconds apart.
+_CAUSE_WAIT_S = 1.0
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
@@ -232,60 +226,9 @@ def _header_check(rank: int, peer: int, stamp: _Stamp, raw: bytearray) -> Callab
     return check
 
 
-def _mac(secret: bytes, nonce: bytes, role: bytes, rank: int, world: int) -> bytes:
-    msg = nonce + role + struct.pack("<II", rank, world)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed during handshake")
-        got += k
-    return bytes(buf)
-
-
-def choose_host(options: Options) -> str:
-    """The address to listen on and publish (see ``Options.host``)."""
-    if options.host:
-        return options.host
-    if options.ifname:
-        return _ifname_address(options.ifname)
-    if options.master_addr:
-        try:
-            # Connecting a UDP socket sends nothing; it only asks the kernel for
-            # the route, whose source address is the one peers can reach us on.
-            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                probe.connect((options.master_addr, 9))
-                return str(probe.getsockname()[0])
-            finally:
-                probe.close()
-        except OSError:
-            log.debug("no route to MASTER_ADDR=%s; listening on 127.0.0.1", options.master_addr)
-    return "127.0.0.1"
-
-
-def _ifname_address(ifname: str) -> str:
-    import fcntl
-
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = struct.pack("256s", ifname.encode()[:15])
-        raw = fcntl.ioctl(s.fileno(), 0x8915, packed)  # SIOCGIFADDR
-        return socket.inet_ntoa(raw[20:24])
-    except OSError as e:
-        raise ValueError(f"ENTRENAR_IFNAME={ifname!r}: no IPv4 address ({e})") from None
-    finally:
-        s.close()
-
-
 class Mesh:
-    """One authenticated TCP socket to every other rank of a group."""
+    """One authenticated TCP socket to every other rank of a group (and, with
+    ``control``, a control socket beside each: see ``entrenar_pg.control``)."""
 
     def __init__(
         self,
@@ -295,6 +238,8 @@ class Mesh:
         options: Options,
         timeout: timedelta,
         name: str = "",
+        *,
+        control: bool = True,
     ) -> None:
         self.rank = rank
         self.world = world
@@ -308,8 +253,15 @@ class Mesh:
         # How long run() busy-polls before sleeping in poll(); whoever runs a
         # job sets it (the comm thread and a caller's thread differ).
         self.spin_s = options.spin_us / 1e6
+        ctrl_socks: dict[int, socket.socket] = {}
         if world > 1:
-            self._connect_all()
+            channels = (DATA, CONTROL) if control else (DATA,)
+            links = Rendezvous(store, rank, world, options, self.timeout_s, channels).connect_all()
+            self._socks = {p: s for (p, ch), s in links.items() if ch == DATA}
+            ctrl_socks = {p: s for (p, ch), s in links.items() if ch == CONTROL}
+        self.control: ControlChannel | None = (
+            ControlChannel(rank, ctrl_socks) if ctrl_socks else None
+        )
         self._poller = select.poll()
         self._masks: dict[int, int] = {}
         self._fd_peer: dict[int, int] = {}
@@ -318,6 +270,9 @@ class Mesh:
             self._poller.register(fd, _POLLRDHUP)
             self._masks[fd] = _POLLRDHUP
             self._fd_peer[fd] = peer
+        if self.control is not None:
+            for fd in self.control.fds:
+                self._poller.register(fd, _POLLIN)  # constant: never in _masks
 
     @property
     def sockets(self) -> dict[int, socket.socket]:
@@ -327,169 +282,6 @@ class Mesh:
     @property
     def store(self) -> Any:
         return self._store
-
-    # ------------------------------------------------------------------ set-up
-
-    def _connect_all(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        host = choose_host(self._options)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((host, 0))
-        except OSError as e:
-            listener.close()
-            raise PeerConnectionError(f"rank {self.rank}: cannot listen on {host}: {e}") from e
-        listener.listen(self.world)
-        port = listener.getsockname()[1]
-        try:
-            if self.rank == 0:
-                self._store.set(self._key(_SECRET_KEY), secrets.token_hex(32))
-            secret = self._store_get(self._key(_SECRET_KEY), deadline)
-            self._store.set(self._key(_ADDR_KEY, self.rank), f"{host}:{port}")
-            log.debug("rank %d listening on %s:%d", self.rank, host, port)
-            expected = set(range(self.rank + 1, self.world))
-            acceptor = threading.Thread(
-                target=self._accept_loop,
-                args=(listener, secret, expected, deadline),
-                name=f"entrenar-accept-r{self.rank}",
-                daemon=True,
-            )
-            acceptor.start()
-            accept_error: list[BaseException] = []
-            self._accept_error = accept_error
-            for peer in range(self.rank):
-                self._connect_to(peer, secret, deadline)
-            acceptor.join(max(deadline - time.monotonic(), 0) + 1.0)
-            if accept_error:
-                raise accept_error[0]
-            missing = sorted(set(range(self.world)) - set(self._socks) - {self.rank})
-            if missing:
-                raise PeerConnectionError(
-                    f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
-                    f"rank(s) {missing} to connect"
-                )
-        except BaseException:
-            for s in self._socks.values():
-                s.close()
-            raise
-        finally:
-            listener.close()
-        for sock in self._socks.values():
-            self._tune(sock)
-            sock.setblocking(False)
-
-    def _key(self, template: str, rank: int = 0) -> str:
-        return template.format(attempt=self._options.attempt, rank=rank)
-
-    def _store_get(self, key: str, deadline: float) -> bytes:
-        """``store.get`` bounded by the group's timeout, not the store's own."""
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            self._store.wait([key], timedelta(seconds=left))
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            raise PeerConnectionError(
-                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for {key!r} "
-                f"in the store (a rank of this group did not start or crashed): {e}"
-            ) from e
-        return bytes(self._store.get(key))
-
-    def _tune(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if self._options.socket_buffer_bytes:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._options.socket_buffer_bytes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._options.socket_buffer_bytes)
-
-    def _connect_to(self, peer: int, secret: bytes, deadline: float) -> None:
-        addr = self._store_get(self._key(_ADDR_KEY, peer), deadline).decode()
-        host, port = addr.rsplit(":", 1)
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.01))
-            try:
-                sock.connect((host, int(port)))
-                nonce = _recv_exact(sock, _NONCE_BYTES)
-                sock.sendall(
-                    _HELLO.pack(_HELLO_MAGIC, self.rank, self.world)
-                    + _mac(secret, nonce, b"C", self.rank, self.world)
-                )
-                answer = _recv_exact(sock, _MAC_BYTES)
-                if not hmac.compare_digest(answer, _mac(secret, nonce, b"A", peer, self.world)):
-                    raise PeerConnectionError(
-                        f"rank {self.rank}: {addr} (rank {peer}'s published address) failed "
-                        "authentication: another job's process?"
-                    )
-                self._socks[peer] = sock
-                return
-            except PeerConnectionError:
-                sock.close()
-                raise
-            except OSError as e:
-                sock.close()
-                last = e
-                time.sleep(0.05)
-        raise PeerConnectionError(
-            f"rank {self.rank}: could not connect to rank {peer} at {addr} "
-            f"within {self.timeout_s:.0f}s: {last}"
-        )
-
-    def _accept_loop(
-        self, listener: socket.socket, secret: bytes, expected: set[int], deadline: float
-    ) -> None:
-        try:
-            while expected:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                listener.settimeout(left)
-                try:
-                    sock, addr = listener.accept()
-                except TimeoutError:
-                    return
-                peer = self._authenticate(sock, addr, secret, expected, deadline)
-                if peer is None:
-                    sock.close()
-                    continue
-                expected.discard(peer)
-                self._socks[peer] = sock
-        except BaseException as e:  # surfaced by the connecting thread
-            self._accept_error.append(e)
-
-    def _authenticate(
-        self, sock: socket.socket, addr: Any, secret: bytes, expected: set[int], deadline: float
-    ) -> int | None:
-        sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.01))
-        try:
-            nonce = os.urandom(_NONCE_BYTES)
-            sock.sendall(nonce)
-            magic, peer, world = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
-            mac = _recv_exact(sock, _MAC_BYTES)
-        except (OSError, struct.error) as e:
-            log.warning(
-                "rank %d: dropped connection from %s during handshake: %s", self.rank, addr, e
-            )
-            return None
-        if (
-            magic != _HELLO_MAGIC
-            or world != self.world
-            or peer not in expected
-            or not hmac.compare_digest(mac, _mac(secret, nonce, b"C", peer, world))
-        ):
-            log.warning(
-                "rank %d: refused connection from %s (claims rank %s of %s)",
-                self.rank,
-                addr,
-                peer,
-                world,
-            )
-            return None
-        try:
-            sock.sendall(_mac(secret, nonce, b"A", self.rank, self.world))
-        except OSError:
-            return None
-        return int(peer)
 
     # ------------------------------------------------------------------ data
 
@@ -567,6 +359,8 @@ class Mesh:
                     if mask != _POLLRDHUP:
                         self._poller.modify(fd, _POLLRDHUP)
                         self._masks[fd] = _POLLRDHUP
+                if self.control is not None:
+                    self.control.waiting = None  # a QUERY now hears "not in a collective"
 
     def _first_attempt(self, plan: Plan, what: str) -> tuple[list[list[Any]], list[list[Any]]]:
         """One syscall per link whose pieces can go together; the state of the rest.
@@ -714,71 +508,123 @@ class Mesh:
         receiving: list[list[Any]],
         what: str,
     ) -> None:
+        """Sleep in poll() until a link in ``want`` is ready, a peer hangs up or
+        aborts, or nothing has moved for the timeout (then find whom to blame)."""
         masks = self._masks
         for fd in masks:
             mask = want.get(fd, 0) | _POLLRDHUP
             if masks[fd] != mask:
                 self._poller.modify(fd, mask)
                 masks[fd] = mask
-        events = self._poller.poll(self.timeout_s * 1000.0)
-        if not events:
-            raise PeerConnectionError(
-                f"rank {self.rank}: {what}: no progress for {self.timeout_s:.1f}s "
-                f"(waiting to receive from rank(s) {sorted(st[0] for st in receiving)}, "
-                f"to send to rank(s) {sorted(st[0] for st in sending)}): "
-                "a peer stalled, died, or issued a different collective"
-            )
-        for fd, ev in events:
-            if not ev & _POLLHANG:
-                continue
-            peer = self._fd_peer[fd]
-            if want.get(fd, 0) & _POLLIN:
-                continue  # recv drains what is left, then reports the close itself
-            record = self._abort_record(peer)
-            if record is not None or fd in want:
-                raise self._closed_error(peer, what, record)
-            # A peer not in this collective left (it finished and destroyed the
-            # group, or died: whoever talks to it next will say so).
-            self._poller.unregister(fd)
-            del masks[fd]
+        control = self.control
+        if control is not None:
+            control.waiting = (what, [st[0] for st in receiving], [st[0] for st in sending])
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            events = self._poller.poll(max(deadline - time.monotonic(), 0.0) * 1000.0)
+            if not events and time.monotonic() >= deadline:
+                raise self._stalled_error(receiving, sending, what)
+            data_event = False
+            for fd, ev in events:
+                peer = self._fd_peer.get(fd)
+                if peer is None:  # a control frame (or a control link's close)
+                    self._on_control(fd, what)
+                    continue
+                data_event = True
+                if not ev & _POLLHANG or want.get(fd, 0) & _POLLIN:
+                    continue  # recv drains what is left, then reports the close itself
+                ended = self._how_ended(peer)
+                if isinstance(ended, AbortRecord) or fd in want:
+                    raise self._closed_error(peer, what, ended)
+                # A peer not in this collective left (it finished and destroyed the
+                # group, or died: whoever talks to it next will say so).
+                self._poller.unregister(fd)
+                del masks[fd]
+                del self._fd_peer[fd]
+            if data_event:
+                return
 
     # ------------------------------------------------------------------ failure
 
+    def _on_control(self, fd: int, what: str) -> None:
+        """A control socket is readable: answer queries; raise a peer's abort."""
+        assert self.control is not None
+        record = self.control.service(fd)
+        peer = self.control.peer_of(fd)
+        if record is not None and peer is not None:
+            raise self._closed_error(peer, what, record)
+        if peer is not None and self.control.how_ended(peer, 0.0) is not None:
+            self._poller.unregister(fd)  # its end is closed: it says no more
+
+    def _stalled_error(
+        self, receiving: list[list[Any]], sending: list[list[Any]], what: str
+    ) -> PeerConnectionError:
+        """No byte moved for the timeout: ask the peers we wait on what they wait on,
+        and blame the rank at the end of that walk (see ``control.find_stalled``)."""
+        recv_from = sorted(st[0] for st in receiving)
+        send_to = sorted(st[0] for st in sending)
+        head = (
+            f"rank {self.rank}: {what}: no progress for {self.timeout_s:.1f}s "
+            f"(waiting to receive from rank(s) {recv_from}, to send to rank(s) {send_to})"
+        )
+        if self.control is None:
+            return PeerConnectionError(
+                f"{head}: a peer stalled, died, or issued a different collective"
+            )
+        answer_s = min(2.0, max(0.25, self.timeout_s / 4))
+        blame = self.control.find_stalled([*recv_from, *send_to], what, answer_s)
+        if blame.culprit is None:
+            return PeerConnectionError(f"{head}: {blame.story}")
+        return PeerConnectionError(
+            f"{head}: {blame.story}; culprit: rank {blame.culprit}", culprit=blame.culprit
+        )
+
     def _check_aborts(self, what: str) -> None:
-        """Raise the abort of any peer that hung up with an abort record (no waiting)."""
+        """Raise the abort of any peer that aborted or hung up with one (no waiting)."""
         for fd, ev in self._poller.poll(0):
+            peer = self._fd_peer.get(fd)
+            if peer is None:
+                self._on_control(fd, what)
+                continue
             if not ev & _POLLHANG:
                 continue
-            peer = self._fd_peer[fd]
-            record = self._abort_record(peer)
-            if record is not None:
-                raise self._closed_error(peer, what, record)
+            ended = self._how_ended(peer)
+            if isinstance(ended, AbortRecord):
+                raise self._closed_error(peer, what, ended)
             # It left without failing (destroyed its group); whoever needs it
             # next will read the close itself.
             self._poller.unregister(fd)
             del self._masks[fd]
+            del self._fd_peer[fd]
 
-    def _abort_record(self, peer: int) -> tuple[str, str] | None:
-        key = self._key(_ABORT_KEY, peer)
-        try:
-            if not self._store.check([key]):
-                return None
-            kind, _, message = bytes(self._store.get(key)).decode().partition("|")
-            return kind, message
-        except Exception:  # the store itself may be gone with the job
+    def _how_ended(self, peer: int) -> AbortRecord | str | None:
+        """Why ``peer``'s data link closed, from its control link (see ``control``)."""
+        if self.control is None:
             return None
+        return self.control.how_ended(peer, _CAUSE_WAIT_S)
 
     def _closed_error(
-        self, peer: int, what: str, record: tuple[str, str] | None = None
+        self, peer: int, what: str, ended: AbortRecord | str | None = None
     ) -> EntrenarError:
-        record = record or self._abort_record(peer)
-        if record is not None:
-            kind, message = record
-            cls = ERROR_TYPES.get(kind, PeerConnectionError)
-            return cls(f"rank {self.rank}: {what} aborted because rank {peer} failed: {message}")
+        if ended is None:
+            ended = self._how_ended(peer)
+        if isinstance(ended, AbortRecord):
+            cls = ERROR_TYPES.get(ended.kind, PeerConnectionError)
+            culprit = ended.culprit if ended.culprit is not None else peer
+            return cls(
+                f"rank {self.rank}: {what} aborted because rank {peer} failed: {ended.message}",
+                culprit=culprit,
+            )
+        if ended == LEFT:
+            return PeerConnectionError(
+                f"rank {self.rank}: {what}: rank {peer} left the group mid-collective "
+                f"(it called destroy_process_group or exited); culprit: rank {peer}",
+                culprit=peer,
+            )
         return PeerConnectionError(
-            f"rank {self.rank}: {what}: rank {peer} closed the connection "
-            "(its process died, or it destroyed the group mid-collective)"
+            f"rank {self.rank}: {what}: rank {peer} closed the connection without a word "
+            f"(its process died or was killed); culprit: rank {peer}",
+            culprit=peer,
         )
 
     def _link_error(self, peer: int, what: str, e: OSError) -> EntrenarError:
@@ -787,25 +633,26 @@ class Mesh:
         return PeerConnectionError(f"rank {self.rank}: {what}: link to rank {peer} failed: {e}")
 
     def abort(self, error: BaseException) -> None:
-        """Publish ``error`` as this rank's abort record, then drop every link.
-
-        The record is written first, so a peer that sees the close can read it.
-        """
+        """Tell every peer why this rank fails (an ABORT frame on each control
+        link), then drop every link. The frame goes first, so a peer that sees
+        a link close can name the cause, even when the store is gone."""
         if isinstance(error, EntrenarError):
-            kind, message = type(error).__name__, str(error)
+            record = AbortRecord(type(error).__name__, error.culprit, str(error))
         else:
-            kind, message = "PeerConnectionError", f"rank {self.rank}: {error!r}"
-        try:
-            self._store.set(self._key(_ABORT_KEY, self.rank), f"{kind}|{message}")
-        except Exception as e:  # best effort: the close below still wakes the peers
-            log.debug("rank %d: could not write abort record: %s", self.rank, e)
-        self.close(hard=True)
+            record = AbortRecord("PeerConnectionError", None, f"rank {self.rank}: {error!r}")
+        self._close(hard=True, abort=record)
 
     def close(self, hard: bool = False) -> None:
+        """Close every link, saying goodbye on the control links first."""
+        self._close(hard=hard, abort=None)
+
+    def _close(self, *, hard: bool, abort: AbortRecord | None) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+            if self.control is not None:
+                self.control.close(abort)
             for sock in self._socks.values():
                 try:
                     if hard:

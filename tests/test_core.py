@@ -359,7 +359,9 @@ def test_intruder_connection_is_refused() -> None:
     host, port = prefixed.get("entrenar/a0/addr/0").decode().rsplit(":", 1)
     intruder = socket.create_connection((host, int(port)), timeout=5)
     intruder.recv(16)  # the challenge
-    intruder.sendall(b"ENTR" + (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + b"x" * 32)
+    # A well-formed hello (rank 1 of 2, data channel) with a MAC it cannot know.
+    hello = b"ENTR" + b"".join(v.to_bytes(4, "little") for v in (1, 2, 0))
+    intruder.sendall(hello + b"x" * 32)
     assert intruder.recv(32) == b""  # refused and closed
     intruder.close()
     t1 = threading.Thread(target=make, args=(1,), daemon=True)

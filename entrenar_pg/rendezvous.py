@@ -1,0 +1,391 @@
+"""Set-up of a group's links: address choice, listen, publish, connect, authenticate.
+
+Every rank listens on one port and publishes ``host:port`` in the group's
+store; rank 0 puts a random per-group secret there. Rank i connects to every
+rank j < i and accepts from every rank j > i, once per *channel*: the data
+channel carries collectives, the control channel carries the small frames of
+``entrenar_pg.control`` (abort causes, goodbyes, wait-for queries), so that
+they can be sent whatever state a data stream is in.
+
+The handshake is a challenge-response: the acceptor sends a nonce, the
+connector answers with its rank, the world size, the channel and an HMAC of
+all of it under the secret, the acceptor answers with its own HMAC. Anything
+else is refused and closed, so a stray connection (or a process of another
+job) never becomes a peer.
+
+Strangers cannot hold set-up hostage: the acceptor runs every handshake at
+once on one selector, each with its own short deadline, so a connection that
+connects and then says nothing (or a flood of connect-and-close) costs a
+socket for a few seconds, never a peer's turn.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .config import Options
+from .errors import PeerConnectionError
+
+log = logging.getLogger(__name__)
+
+DATA = 0
+CONTROL = 1
+CHANNEL_NAMES = {DATA: "data", CONTROL: "control"}
+
+_HELLO = struct.Struct("<4sIII")  # magic, rank, world size, channel
+_HELLO_MAGIC = b"ENTR"
+_NONCE_BYTES = 16
+_MAC_BYTES = 32
+_HELLO_AND_MAC = _HELLO.size + _MAC_BYTES
+SECRET_KEY = "entrenar/a{attempt}/secret"
+ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
+# One handshake may take this long at most (a legitimate peer answers in
+# microseconds; the bound only limits what a silent stranger costs).
+HANDSHAKE_S = 5.0
+# Handshakes in progress at once; beyond this the oldest is dropped (a flood).
+_MAX_PENDING = 1024
+# The listen backlog: a flood of strangers must not fill the kernel's queue
+# and make a peer's connect wait for a SYN retransmission (1 s and more).
+_BACKLOG = 1024
+
+
+def mac(secret: bytes, nonce: bytes, role: bytes, rank: int, world: int, channel: int) -> bytes:
+    msg = nonce + role + struct.pack("<III", rank, world, channel)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed during handshake")
+        got += k
+    return bytes(buf)
+
+
+def choose_host(options: Options) -> str:
+    """The address to listen on and publish (see ``Options.host``)."""
+    if options.host:
+        return options.host
+    if options.ifname:
+        return _ifname_address(options.ifname)
+    if options.master_addr:
+        try:
+            # Connecting a UDP socket sends nothing; it only asks the kernel for
+            # the route, whose source address is the one peers can reach us on.
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                probe.connect((options.master_addr, 9))
+                return str(probe.getsockname()[0])
+            finally:
+                probe.close()
+        except OSError:
+            log.debug("no route to MASTER_ADDR=%s; listening on 127.0.0.1", options.master_addr)
+    return "127.0.0.1"
+
+
+def _ifname_address(ifname: str) -> str:
+    import fcntl
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = struct.pack("256s", ifname.encode()[:15])
+        raw = fcntl.ioctl(s.fileno(), 0x8915, packed)  # SIOCGIFADDR
+        return socket.inet_ntoa(raw[20:24])
+    except OSError as e:
+        raise ValueError(f"ENTRENAR_IFNAME={ifname!r}: no IPv4 address ({e})") from None
+    finally:
+        s.close()
+
+
+@dataclass(slots=True)
+class _Handshake:
+    """One accepted connection, not yet authenticated."""
+
+    sock: socket.socket
+    addr: Any
+    nonce: bytes
+    deadline: float
+    got: bytearray = field(default_factory=bytearray)
+
+
+class Rendezvous:
+    """Forms one authenticated socket per (peer, channel); see the module docstring."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        options: Options,
+        timeout_s: float,
+        channels: tuple[int, ...],
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+        self._store = store
+        self._options = options
+        self._channels = channels
+        self.links: dict[tuple[int, int], socket.socket] = {}
+        self._accept_error: list[BaseException] = []
+
+    def key(self, template: str, rank: int = 0) -> str:
+        return template.format(attempt=self._options.attempt, rank=rank)
+
+    def store_get(self, key: str, deadline: float) -> bytes:
+        """``store.get`` bounded by the group's timeout, not the store's own."""
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            self._store.wait([key], timedelta(seconds=left))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            raise PeerConnectionError(
+                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for {key!r} "
+                f"in the store (a rank of this group did not start or crashed): {e}"
+            ) from e
+        return bytes(self._store.get(key))
+
+    def connect_all(self) -> dict[tuple[int, int], socket.socket]:
+        """Every (peer, channel) socket, tuned and non-blocking; raises on timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        host = choose_host(self._options)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, 0))
+        except OSError as e:
+            listener.close()
+            raise PeerConnectionError(f"rank {self.rank}: cannot listen on {host}: {e}") from e
+        listener.listen(_BACKLOG)
+        port = listener.getsockname()[1]
+        acceptor: threading.Thread | None = None
+        try:
+            if self.rank == 0:
+                self._store.set(self.key(SECRET_KEY), secrets.token_hex(32))
+            secret = self.store_get(self.key(SECRET_KEY), deadline)
+            self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
+            log.debug("rank %d listening on %s:%d", self.rank, host, port)
+            expected = {(p, ch) for p in range(self.rank + 1, self.world) for ch in self._channels}
+            acceptor = threading.Thread(
+                target=self._accept_loop,
+                args=(listener, secret, expected, deadline),
+                name=f"entrenar-accept-r{self.rank}",
+                daemon=True,
+            )
+            acceptor.start()
+            for peer in range(self.rank):
+                addr = self.store_get(self.key(ADDR_KEY, peer), deadline).decode()
+                for ch in self._channels:
+                    self.links[(peer, ch)] = self._connect_to(peer, ch, addr, secret, deadline)
+            acceptor.join(max(deadline - time.monotonic(), 0) + 1.0)
+            if self._accept_error:
+                raise self._accept_error[0]
+            want = {(p, ch) for p in range(self.world) if p != self.rank for ch in self._channels}
+            missing = sorted({p for (p, ch) in want - set(self.links)})
+            if missing:
+                raise PeerConnectionError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
+                    f"rank(s) {missing} to connect"
+                )
+        except BaseException:
+            if acceptor is not None:
+                acceptor.join(2.0)
+            for s in self.links.values():
+                s.close()
+            raise
+        finally:
+            listener.close()
+        for sock in self.links.values():
+            self._tune(sock)
+            sock.setblocking(False)
+        return self.links
+
+    def _tune(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if self._options.socket_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._options.socket_buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._options.socket_buffer_bytes)
+
+    # ------------------------------------------------------------------ connector
+
+    def _connect_to(
+        self, peer: int, channel: int, addr: str, secret: bytes, deadline: float
+    ) -> socket.socket:
+        host, port = addr.rsplit(":", 1)
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(max(min(deadline - time.monotonic(), HANDSHAKE_S * 2), 0.01))
+            try:
+                sock.connect((host, int(port)))
+                nonce = _recv_exact(sock, _NONCE_BYTES)
+                sock.sendall(
+                    _HELLO.pack(_HELLO_MAGIC, self.rank, self.world, channel)
+                    + mac(secret, nonce, b"C", self.rank, self.world, channel)
+                )
+                answer = _recv_exact(sock, _MAC_BYTES)
+                if not hmac.compare_digest(
+                    answer, mac(secret, nonce, b"A", peer, self.world, channel)
+                ):
+                    raise PeerConnectionError(
+                        f"rank {self.rank}: {addr} (rank {peer}'s published address) failed "
+                        "authentication: another job's process?"
+                    )
+                return sock
+            except PeerConnectionError:
+                sock.close()
+                raise
+            except OSError as e:
+                sock.close()
+                last = e
+                time.sleep(0.05)
+        raise PeerConnectionError(
+            f"rank {self.rank}: could not connect to rank {peer} at {addr} "
+            f"within {self.timeout_s:.0f}s: {last}"
+        )
+
+    # ------------------------------------------------------------------ acceptor
+
+    def _accept_loop(
+        self,
+        listener: socket.socket,
+        secret: bytes,
+        expected: set[tuple[int, int]],
+        deadline: float,
+    ) -> None:
+        """Accept and authenticate every connection at once, until ``expected`` is empty."""
+        sel = selectors.DefaultSelector()
+        pending: dict[int, _Handshake] = {}
+        try:
+            listener.setblocking(False)
+            sel.register(listener, selectors.EVENT_READ)
+            while expected:
+                now = time.monotonic()
+                if now >= deadline:
+                    return
+                soonest = min((h.deadline for h in pending.values()), default=deadline)
+                for key, _ in sel.select(max(min(soonest, deadline) - now, 0.0)):
+                    if key.fileobj is listener:
+                        self._accept_ready(listener, sel, pending)
+                    else:
+                        self._advance(pending[key.fd], sel, pending, secret, expected)
+                now = time.monotonic()
+                for h in list(pending.values()):
+                    if now >= h.deadline:
+                        log.warning(
+                            "rank %d: dropped connection from %s: no handshake within %.0fs",
+                            self.rank,
+                            h.addr,
+                            HANDSHAKE_S,
+                        )
+                        self._drop(h, sel, pending)
+        except BaseException as e:  # surfaced by the connecting thread
+            self._accept_error.append(e)
+        finally:
+            for h in list(pending.values()):
+                self._drop(h, sel, pending)
+            sel.close()
+
+    def _accept_ready(
+        self, listener: socket.socket, sel: selectors.BaseSelector, pending: dict[int, _Handshake]
+    ) -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue  # the stranger left before we got to it
+                raise
+            sock.setblocking(False)
+            nonce = os.urandom(_NONCE_BYTES)
+            try:
+                sock.send(nonce)  # 16 bytes into a fresh socket's buffer: never partial
+            except OSError:
+                sock.close()
+                continue
+            if len(pending) >= _MAX_PENDING:
+                oldest = min(pending.values(), key=lambda h: h.deadline)
+                self._drop(oldest, sel, pending)
+            h = _Handshake(sock, addr, nonce, time.monotonic() + HANDSHAKE_S)
+            pending[sock.fileno()] = h
+            sel.register(sock, selectors.EVENT_READ)
+
+    def _advance(
+        self,
+        h: _Handshake,
+        sel: selectors.BaseSelector,
+        pending: dict[int, _Handshake],
+        secret: bytes,
+        expected: set[tuple[int, int]],
+    ) -> None:
+        """Read what the connector sent; once hello and MAC are in, admit or refuse it."""
+        try:
+            chunk = h.sock.recv(_HELLO_AND_MAC - len(h.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(h, sel, pending)
+            return
+        h.got += chunk
+        if len(h.got) < _HELLO_AND_MAC:
+            return
+        magic, peer, world, channel = _HELLO.unpack(bytes(h.got[: _HELLO.size]))
+        their_mac = bytes(h.got[_HELLO.size :])
+        if (
+            magic != _HELLO_MAGIC
+            or world != self.world
+            or (peer, channel) not in expected
+            or not hmac.compare_digest(their_mac, mac(secret, h.nonce, b"C", peer, world, channel))
+        ):
+            log.warning(
+                "rank %d: refused connection from %s (claims rank %s of %s, channel %s)",
+                self.rank,
+                h.addr,
+                peer,
+                world,
+                channel,
+            )
+            self._drop(h, sel, pending)
+            return
+        sel.unregister(h.sock)
+        del pending[h.sock.fileno()]
+        try:
+            h.sock.setblocking(True)
+            h.sock.settimeout(HANDSHAKE_S)
+            h.sock.sendall(mac(secret, h.nonce, b"A", self.rank, self.world, channel))
+        except OSError:
+            h.sock.close()
+            return
+        expected.discard((peer, channel))
+        self.links[(int(peer), int(channel))] = h.sock
+
+    @staticmethod
+    def _drop(h: _Handshake, sel: selectors.BaseSelector, pending: dict[int, _Handshake]) -> None:
+        fd = h.sock.fileno()
+        if pending.pop(fd, None) is not None:
+            try:
+                sel.unregister(h.sock)
+            except (KeyError, ValueError):
+                pass
+        h.sock.close()

@@ -1,0 +1,37 @@
+"""Blame scenarios at N ranks, one process per rank under env:// (rank 0 hosts the store).
+
+``stall``: star allreduces in a loop; the victim rank SIGSTOPs itself mid-loop.
+``kill``: allreduces in a loop; the victim rank SIGKILLs itself mid-loop, and
+every survivor exits right after its own error (rank 0 takes the store with it).
+
+Each survivor prints one line ``RESULT <rank> <ErrorClass> <culprit> <message>``
+(culprit: the error's ``culprit`` attribute, or ``-`` when it has none).
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+mode, victim = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("entrenar", timeout=timedelta(seconds=float(os.environ["TIMEOUT_S"])))
+rank = dist.get_rank()
+dist.barrier()
+sig = signal.SIGSTOP if mode == "stall" else signal.SIGKILL
+if rank == victim:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), sig)).start()
+try:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        dist.all_reduce(torch.ones(1024))
+    print(f"RESULT {rank} none - no error", flush=True)
+except Exception as e:
+    culprit = getattr(e, "culprit", None)
+    text = " ".join(str(e).split())
+    print(f"RESULT {rank} {type(e).__name__} {'-' if culprit is None else culprit} {text}", flush=True)
+os._exit(0)
