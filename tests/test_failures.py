@@ -105,28 +105,38 @@ def test_killed_rank_is_blamed_even_when_the_store_host_exits(victim: int) -> No
         assert f"culprit: rank {victim}" in message, message
 
 
+def allreduce_on(
+    groups: list[EntrenarProcessGroup], ranks: list[int], numel: int, meanwhile=None
+) -> dict[int, BaseException]:
+    """Start an allreduce on ``ranks`` only (threads), run ``meanwhile()``, and
+    return the error each rank raised; a rank still blocked after 30 s fails."""
+    errors: dict[int, BaseException] = {}
+
+    def rank_fn(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(numel)]).wait()
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    if meanwhile is not None:
+        meanwhile()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return errors
+
+
 @pytest.mark.timeout(60)
 def test_rank_that_never_joins_is_blamed_not_the_root() -> None:
     """Threads, N=3, star: rank 2 never issues the allreduce. Rank 1 waits on
     root 0, which waits on rank 2; both name rank 2 (rank 0 answers rank 1's
     query with whom it waits on; rank 2's comm thread is idle and does not)."""
     groups = make_groups(3, Options(algorithm="star"), timeout_s=2.0)
-    errors: dict[int, BaseException] = {}
-
-    def rank_fn(rank: int) -> None:
-        try:
-            t = torch.ones(100)
-            groups[rank].allreduce([t]).wait()
-        except BaseException as e:
-            errors[rank] = e
-
-    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in (0, 1)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        errors = allreduce_on(groups, [0, 1], 100)
         assert sorted(errors) == [0, 1]
         for rank, e in errors.items():
             assert isinstance(e, PeerConnectionError), (rank, e)
@@ -143,23 +153,13 @@ def test_abort_cause_and_culprit_reach_every_rank() -> None:
     from entrenar_pg.errors import CollectiveMismatchError
 
     groups = make_groups(3, Options(algorithm="ring"), timeout_s=20.0)
-    errors: dict[int, BaseException] = {}
 
-    def rank_fn(rank: int) -> None:
-        try:
-            groups[rank].allreduce([torch.ones(1000)]).wait()
-        except BaseException as e:
-            errors[rank] = e
-
-    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in (0, 2)]
-    try:
-        for t in threads:
-            t.start()
+    def abort_rank_1() -> None:
         time.sleep(0.3)
         groups[1].mesh.abort(CollectiveMismatchError("rank 1: injected", culprit=2))
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+
+    try:
+        errors = allreduce_on(groups, [0, 2], 1000, abort_rank_1)
         for rank in (0, 2):
             e = errors[rank]
             assert isinstance(e, CollectiveMismatchError), (rank, e)
