@@ -323,6 +323,10 @@ def test_bad_sparse_calls_raise_in_the_caller_and_leave_the_group_usable() -> No
                 allreduce(pg, t.clone(), premul)
             with pytest.raises(ValueError, match=r"rank 0: allreduce: .*exactly one tensor"):
                 pg.allreduce([t.clone(), t.clone()], dist.AllreduceOptions())
+            with pytest.raises(TypeError, match=r"rank 0: allreduce: expected a list of tensors"):
+                pg.allreduce(t.clone(), dist.AllreduceOptions())  # a bare sparse tensor
+            with pytest.raises(TypeError, match=r"rank 0: allreduce: expected a list"):
+                pg.allreduce(torch.ones(3), dist.AllreduceOptions())  # the dense path's check
             meta = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1), (3,), device="meta")
             with pytest.raises(ValueError, match=r"rank 0: allreduce: .*not supported \(CPU only"):
                 allreduce(pg, meta)
