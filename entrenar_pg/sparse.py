@@ -316,8 +316,7 @@ def _sum(parts: Sequence[Part], shape: tuple[int, ...], *, tree: bool) -> torch.
     """Per index, the sum of the values of the ranks that have it, as a coalesced tensor.
 
     ``tree``: in the canonical tree over ranks; else left to right in rank
-    order, ``((x0 + x1) + x2) + ...``, which is what gloo computes (its sparse
-    ``+=`` per rank merges coalesced tensors).
+    order, as gloo.
     """
     sparse_dim = parts[0].indices.size(0)
     indices = torch.cat([p.indices for p in parts], dim=1)
@@ -328,7 +327,7 @@ def _sum(parts: Sequence[Part], shape: tuple[int, ...], *, tree: bool) -> torch.
         nnz = p.values.size(0)
         leaves.append(_Partial(slot_of[at : at + nnz], p.values))
         at += nnz
-    total = _tree(leaves) if tree else _rank_order(leaves)
+    total = _tree(leaves) if tree else _rank_order(leaves, union.numel())
     out_indices = indices.new_empty((sparse_dim, union.numel()))
     out_indices[:, slot_of] = indices  # every copy of an index writes the same column
     return torch.sparse_coo_tensor(
@@ -336,22 +335,25 @@ def _sum(parts: Sequence[Part], shape: tuple[int, ...], *, tree: bool) -> torch.
     )
 
 
-def _rank_order(leaves: Sequence[_Partial]) -> _Partial:
-    """gloo's fold, bit for bit: ``((x0 + x1) + x2) + ...``.
+def _rank_order(leaves: Sequence[_Partial], slots: int) -> _Partial:
+    """gloo's fold, bit for bit: ``((x0 + x1) + x2) + ...`` per index.
 
     gloo's sparse ``+=`` (torch's ``add_out_sparse_contiguous``) accumulates
-    into zeroed values, ``(0 + a) + b``, which equals ``a + b`` except that a
-    ``-0.0`` comes out ``+0.0``; when one side is empty it copies the other
-    unchanged. Adding ``+0.0`` after each merge of two non-empty sums does
-    exactly that.
+    into zero-filled values, ``(0 + a) + b``, whenever both sides have
+    entries, and copies the other side when one is empty. So with two or more
+    non-empty ranks every index gets ``0 + x_first + x_next + ...`` (this is
+    ``a + b`` except that a ``-0.0`` comes out ``+0.0``), which is exactly
+    what adding each rank's values in turn into a zero-filled buffer computes;
+    a single non-empty rank's values come out unchanged.
     """
-    total = leaves[0]
-    for leaf in leaves[1:]:
-        both = total.slots.numel() > 0 and leaf.slots.numel() > 0
-        total = _merge(total, leaf)
-        if both and total.values.is_floating_point():
-            total.values.add_(0.0)
-    return total
+    present = [leaf for leaf in leaves if leaf.slots.numel()]
+    if len(present) <= 1:
+        return present[0] if present else leaves[0]
+    values = present[0].values
+    total = values.new_zeros((slots, *values.shape[1:]))
+    for leaf in present:
+        total.index_add_(0, leaf.slots, leaf.values)  # slots are unique within a rank
+    return _Partial(torch.arange(slots), total)
 
 
 def _tree(leaves: Sequence[_Partial]) -> _Partial:
@@ -368,13 +370,13 @@ def _merge(a: _Partial, b: _Partial) -> _Partial:
     at_a = torch.searchsorted(slots, a.slots)
     at_b = torch.searchsorted(slots, b.slots)
     values = a.values.new_empty((slots.numel(), *a.values.shape[1:]))
-    values[at_a] = a.values
+    values.index_copy_(0, at_a, a.values)
     in_a = torch.zeros(slots.numel(), dtype=torch.bool)
     in_a[at_a] = True
     shared = in_a[at_b]
-    values[at_b[~shared]] = b.values[~shared]
-    both = at_b[shared]
-    values[both] = values[both] + b.values[shared]
+    only_b = ~shared
+    values.index_copy_(0, at_b[only_b], b.values[only_b])
+    values.index_add_(0, at_b[shared], b.values[shared])  # one add per slot: a + b
     return _Partial(slots, values)
 
 
