@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as alg
+from . import sparse
 from .collectives import CollectivesMixin
 from .config import Options
 from .contracts import ContractChecker
@@ -284,6 +285,8 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             self.checker.after_allreduce(call, flat, red)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if sparse.is_sparse_call(tensors):  # before the dense-only checks
+            return sparse.allreduce(self, tensors, opts)
         return self._allreduce_many("allreduce", tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

@@ -48,6 +48,7 @@ class OpCode(enum.IntEnum):
     ALLTOALL = 9
     SEND = 10  # a point-to-point message on a group's p2p channel (see p2p_header)
     CHECK = 11  # contract-checker traffic
+    SPARSE_ALLREDUCE = 12  # allreduce of sparse COO tensors (entrenar_pg/sparse.py)
 
 
 class Algo(enum.IntEnum):

@@ -177,6 +177,44 @@ def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference):
     assert not any(r.get("event") == "end" for r in first_attempt)
 
 
+# Rank 0 killed while writing a checkpoint: save_atomic dies at fsync, after
+# the payload went into its temporary and before the rename (what SIGKILL,
+# the OOM killer or a lost node does to a real writer).
+KILLED_CHECKPOINT_WRITER = """
+import os, signal, sys
+from trainer import checkpoint as ckpt
+payload = ckpt.load(sys.argv[1])
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+ckpt.save_atomic(payload, sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path):
+    d = run_dir(tmp_path, "r")
+    ckpt_dir = tmp_path / "r" / "ckpt"
+    torchrun(2, ["--steps", "2", *d], timeout=60)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".latest.pt."), leftovers
+
+    proc = torchrun(2, ["--steps", "4", "--resume", *d], timeout=60)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest.pt"]
+    assert f"removed {ckpt_dir / leftovers[0]}" in proc.stdout
+    recs = records(tmp_path / "r" / "metrics.jsonl")
+    start = [r for r in recs if r.get("event") == "start"][-1]
+    assert start["resumed_from"]["step"] == 2
+    assert recs[-1]["event"] == "end" and recs[-1]["step"] == 4 and recs[-1]["replicas_agree"]
+
+
 @pytest.mark.timeout(60)
 def test_deterministic_mode_rejects_non_power_of_two(tmp_path):
     proc = torchrun(

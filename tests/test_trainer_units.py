@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +32,7 @@ from trainer.data import (
 from trainer.model import GPT, GPTConfig
 from trainer.train import CosineWithWarmup, TrainConfig, micro_seed, parse_args, read_metrics
 
+REPO = Path(__file__).resolve().parent.parent
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
 
 
@@ -326,6 +332,143 @@ def test_save_atomic_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
     monkeypatch.undo()
     assert ckpt.load(path)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
+
+
+# A writer that dies inside save_atomic the way a SIGKILLed rank 0 does: the
+# payload is written, the kill comes at fsync, before the rename.
+KILLED_WRITER = """
+import os, signal, sys
+import torch
+from trainer import checkpoint as ckpt
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+ckpt.save_atomic({"format": ckpt.FORMAT_VERSION, "step": 99, "w": torch.zeros(1000)}, sys.argv[1])
+"""
+
+# A writer that stops inside save_atomic (its temporary written and locked)
+# until told to go on: a live job saving into the same directory.
+PAUSED_WRITER = """
+import os, sys, time
+import torch
+from trainer import checkpoint as ckpt
+real_fsync = os.fsync
+def fsync(fd):
+    open(sys.argv[2], "w").close()  # "I am inside, file written and locked"
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.01)
+    real_fsync(fd)
+os.fsync = fsync
+ckpt.save_atomic({"format": ckpt.FORMAT_VERSION, "step": 7}, sys.argv[1])
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_writers_temp_file_is_removed_and_the_checkpoint_kept(tmp_path):
+    path = ckpt.checkpoint_path(tmp_path)
+    ckpt.save_atomic({"format": ckpt.FORMAT_VERSION, "step": 1}, path)
+    proc = _python(KILLED_WRITER, str(path))
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == -signal.SIGKILL, err
+    left = _temp_files(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".latest.pt."), left
+    assert ckpt.load(path)["step"] == 1  # the kill left the old checkpoint whole
+
+    removed = ckpt.remove_stale_temp_files(tmp_path)
+    assert [p.name for p in removed] == left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
+    assert ckpt.load(path)["step"] == 1
+    assert ckpt.remove_stale_temp_files(tmp_path) == []
+    assert ckpt.remove_stale_temp_files(tmp_path / "missing") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_live_writers_temp_file_is_kept(tmp_path):
+    """Another job saving into the same directory right now keeps its file."""
+    path = ckpt.checkpoint_path(tmp_path / "c")
+    inside, go = tmp_path / "inside", tmp_path / "go"
+    proc = _python(PAUSED_WRITER, str(path), str(inside), str(go))
+    try:
+        deadline = time.monotonic() + 40
+        while not inside.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the writer never got inside save_atomic"
+            time.sleep(0.01)
+        live = _temp_files(path.parent)
+        assert len(live) == 1
+        assert ckpt.remove_stale_temp_files(path.parent) == []
+        assert _temp_files(path.parent) == live
+    finally:
+        go.touch()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest.pt"]
+    assert ckpt.load(path)["step"] == 7
+
+
+def test_cleanup_touches_only_our_temp_pattern_in_the_directory(tmp_path):
+    dead = ".latest.pt.ab_c1234.tmp"
+    keep_files = [
+        "latest.pt",
+        ".latest.pt.abc.tmp",  # not mkstemp's 8 characters
+        ".latest.pt.ABCDEFGH.tmp",  # not mkstemp's alphabet
+        ".latest.pt.abcdefgh.tmp.bak",
+        ".other.pt.abcdefgh.tmp",
+        "notes.tmp",
+    ]
+    for name in [dead, *keep_files]:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".latest.pt.dir12345.tmp").mkdir()  # a directory with the name
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / ".latest.pt.abcdefgh.tmp").write_bytes(b"x")  # not in the directory itself
+    outside = tmp_path.parent / f"{tmp_path.name}-target"
+    outside.write_bytes(b"keep me")
+    (tmp_path / ".latest.pt.link1234.tmp").symlink_to(outside)
+
+    removed = ckpt.remove_stale_temp_files(tmp_path)
+    assert [p.name for p in removed] == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*keep_files, ".latest.pt.dir12345.tmp", "sub", ".latest.pt.link1234.tmp"]
+    )
+    assert (sub / ".latest.pt.abcdefgh.tmp").exists() and outside.read_bytes() == b"keep me"
+
+
+def test_save_survives_a_cleaner_taking_its_temp_file_before_it_locked(tmp_path, monkeypatch):
+    """The race the lock cannot close by itself: a cleaner that runs between
+    mkstemp and the writer's flock sees an unlocked file and removes it; the
+    writer notices (no link left) and takes a fresh temporary."""
+    real_mkstemp = tempfile.mkstemp
+    calls = []
+
+    def mkstemp_then_clean(*args, **kwargs):
+        fd, name = real_mkstemp(*args, **kwargs)
+        calls.append(name)
+        if len(calls) == 1:
+            assert [str(p) for p in ckpt.remove_stale_temp_files(tmp_path)] == [name]
+        return fd, name
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", mkstemp_then_clean)
+    path = ckpt.save_atomic(
+        {"format": ckpt.FORMAT_VERSION, "step": 3}, ckpt.checkpoint_path(tmp_path)
+    )
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
+    assert ckpt.load(path)["step"] == 3
 
 
 def test_load_rejects_foreign_files(tmp_path):

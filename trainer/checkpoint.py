@@ -17,12 +17,31 @@ flushed and fsync'ed, then renamed over ``latest.pt`` with ``os.replace``
 either the previous checkpoint or the new one, never a torn file. Loading uses
 ``torch.load(weights_only=True)``: the payload is tensors, numbers, strings,
 lists, tuples and dicts only.
+
+Stale temporary files: a writer killed mid-write (SIGKILL, OOM, a node lost)
+leaves its ``.latest.pt.XXXXXXXX.tmp`` behind, as large as a checkpoint, and
+every such death adds one. ``remove_stale_temp_files`` deletes them; the
+trainer calls it once at start, on rank 0 only, because rank 0 is the only rank
+that ever writes a checkpoint (the other ranks never touch the directory, so
+ranks starting at once cannot race each other over it). It removes only
+regular files named exactly like ``save_atomic``'s temporaries (mkstemp's
+8-character suffix) directly in the checkpoint directory, and never a file a
+live writer still holds: ``save_atomic`` keeps an exclusive ``flock`` on its
+temporary from creation to the rename, the cleaner takes the lock without
+waiting and skips the file when it cannot. So another job that shares the
+directory and is saving right now keeps its file, and a dead writer's lock is
+gone with the process (the kernel drops it), so its file goes. On file systems
+without ``flock`` (some network mounts) both sides fall back safely: the writer
+saves unlocked and the cleaner, unable to prove a file dead, keeps it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,17 +64,62 @@ def latest_checkpoint(directory: str | os.PathLike[str] | None) -> Path | None:
     return p if p.is_file() else None
 
 
+def _temp_prefix(name: str) -> str:
+    return f".{name}."
+
+
+_TEMP_SUFFIX = ".tmp"
+
+
+def _temp_name_pattern(name: str) -> re.Pattern[str]:
+    """``save_atomic``'s temporary names for ``name``: mkstemp's 8 random characters."""
+    return re.compile(re.escape(_temp_prefix(name)) + r"[a-z0-9_]{8}" + re.escape(_TEMP_SUFFIX))
+
+
+def _try_lock(fd: int, *, wait: bool) -> bool:
+    """Exclusive ``flock`` on ``fd``. False if another holder has it (only when not
+    waiting) or if the file system has no flock (ENOLCK, EINVAL, EOPNOTSUPP)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
+def _locked_temp_file(directory: Path, name: str) -> tuple[int, str]:
+    """A new temporary file for ``name`` in ``directory``, locked while we write it.
+
+    A cleaner may have locked and unlinked the file between ``mkstemp`` and our
+    ``flock`` (it cannot tell a file not yet locked from a dead writer's);
+    then the file has no link left and we take a fresh one.
+    """
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(name), suffix=_TEMP_SUFFIX, dir=directory)
+        _try_lock(fd, wait=True)
+        if os.fstat(fd).st_nlink > 0:
+            return fd, tmp
+        os.close(fd)
+
+
 def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to a temp file next to ``path``, fsync, then ``os.replace``."""
+    """``torch.save`` to a locked temp file next to ``path``, fsync, then ``os.replace``.
+
+    The temporary stays locked until it has been renamed (the lock is released
+    when its descriptor closes), so ``remove_stale_temp_files`` never takes it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _locked_temp_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -68,6 +132,46 @@ def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def remove_stale_temp_files(
+    directory: str | os.PathLike[str], name: str = CHECKPOINT_NAME
+) -> list[Path]:
+    """Delete the temporaries dead ``save_atomic`` writers left in ``directory``.
+
+    Only regular files directly in ``directory`` whose names match
+    ``.<name>.XXXXXXXX.tmp``, and only when their exclusive lock can be taken
+    at once (no live writer holds it). Returns the paths removed; a missing
+    directory is no error. Call it from the one rank that writes checkpoints.
+    """
+    pattern = _temp_name_pattern(name)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not pattern.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # renamed or removed meanwhile, or not ours to open
+        try:
+            if not _try_lock(fd, wait=False):
+                continue  # a live writer holds it (or no flock here: keep it)
+            try:
+                still_named = os.stat(entry.path, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # its writer renamed it into place before we locked
+            opened = os.fstat(fd)
+            if (still_named.st_dev, still_named.st_ino) != (opened.st_dev, opened.st_ino):
+                continue
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        finally:
+            os.close(fd)
+    return removed
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -402,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     # -- resume -------------------------------------------------------------------
     step, samples_consumed, resumed_from = 0, 0, None
     ckpt_dir = cfg.ckpt_dir
+    if master and ckpt_dir is not None:
+        # Rank 0 is the only checkpoint writer, so it alone cleans up after a
+        # writer killed mid-save (see checkpoint.py: a live writer's file is kept).
+        for stale in ckpt.remove_stale_temp_files(ckpt_dir):
+            print(f"  removed {stale}, left by a checkpoint writer that died", flush=True)
     ckpt_file = ckpt.latest_checkpoint(ckpt_dir) if cfg.resume else None
     if ckpt_file is not None:
         state = ckpt.load(ckpt_file)
