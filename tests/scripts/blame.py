@@ -33,5 +33,6 @@ try:
 except Exception as e:
     culprit = getattr(e, "culprit", None)
     text = " ".join(str(e).split())
-    print(f"RESULT {rank} {type(e).__name__} {'-' if culprit is None else culprit} {text}", flush=True)
+    who = "-" if culprit is None else culprit
+    print(f"RESULT {rank} {type(e).__name__} {who} {text}", flush=True)
 os._exit(0)
