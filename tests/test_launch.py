@@ -1,13 +1,13 @@
 """The launchers in launch/: syntax and structure of every file, and real runs of
 local.sh, multinode.sh (two "nodes" on loopback) and netns_cluster.sh (two
 network namespaces joined by veth links; skipped where namespaces cannot be
-created)."""
+created). The Slurm script on a real Slurm cluster: test_launch_slurm.py; the
+Kubeflow manifests: test_launch_k8s.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -94,42 +94,6 @@ def test_multinode_script_uses_c10d_rendezvous():
     for flag in ("--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$rdzv_port"', "--node-rank"):
         assert flag in text
     assert "ENTRENAR_IFNAME" in text and "ENTRENAR_HOST" in text
-
-
-def test_k8s_pytorchjob_manifest():
-    yaml = pytest.importorskip("yaml")
-    doc = yaml.safe_load((LAUNCH / "k8s" / "pytorchjob.yaml").read_text())
-    assert doc["apiVersion"] == "kubeflow.org/v1"
-    assert doc["kind"] == "PyTorchJob"
-    assert doc["metadata"]["name"]
-    specs = doc["spec"]["pytorchReplicaSpecs"]
-    assert set(specs) == {"Master", "Worker"}
-    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
-    for role, spec in specs.items():
-        assert spec["restartPolicy"] in ("OnFailure", "ExitCode", "Always", "Never"), role
-        pod = spec["template"]["spec"]
-        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
-        assert container["image"]
-        argv = container["command"] + container.get("args", [])
-        line = " ".join(argv)
-        words = shlex.split(line.split("-c", 1)[1]) if argv[:2] == ["bash", "-c"] else argv
-        assert words[words.index("torchrun") - 1 : words.index("torchrun")] in ([], ["exec"])
-        assert "--rdzv-backend=c10d" in words
-        assert any(w.startswith("--rdzv-endpoint=${MASTER_ADDR}:") for w in words)
-        assert "trainer/train.py" in words
-        i = words.index("--backend")
-        assert words[i + 1] == "entrenar"
-        # checkpoints on a shared volume, so a restarted pod can --resume
-        assert "--resume" in words
-        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        vols = {v["name"]: v for v in pod["volumes"]}
-        assert set(mounts) <= set(vols)
-        ckpt = words[words.index("--checkpoint-dir") + 1]
-        assert any(ckpt.startswith(path) for path in mounts.values())
-    nnodes = {
-        e["name"]: e["value"] for e in specs["Master"]["template"]["spec"]["containers"][0]["env"]
-    }["NNODES"]
-    assert int(nnodes) == specs["Master"]["replicas"] + specs["Worker"]["replicas"]
 
 
 def test_dockerfile_pins_torch_and_installs_the_package():
