@@ -44,9 +44,15 @@ def unavailable_reason() -> str | None:
         return f"slurm-wlm not installed: {why}"
     if os.geteuid() != 0:
         return "the test cluster needs root (slurmd, SlurmUser=root)"
-    if (os.cpu_count() or 1) < 2:
+    if usable_cpus() < 2:
         return "the launcher's default job (2 tasks x 1 CPU) needs a node with 2 CPUs"
     return None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: the node's CPUs in slurm.conf (configuring
+    more than slurmd finds would drain the node)."""
+    return len(os.sched_getaffinity(0))
 
 
 def _free_port() -> int:
@@ -145,6 +151,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def start(self) -> None:
         self.write_config()
         r = self.root
+        # --force: munged refuses a socket under a directory others cannot
+        # search, and pytest's temp root is 0700 (only root talks to it here).
         self._daemon(
             "munged",
             "munged", "--foreground", "--force",
@@ -263,7 +271,7 @@ def slurm_cluster(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     cluster = SlurmCluster(
-        root=tmp_path_factory.mktemp("slurm"), node=_node_name(), cpus=os.cpu_count() or 1
+        root=tmp_path_factory.mktemp("slurm"), node=_node_name(), cpus=usable_cpus()
     )
     try:
         cluster.start()
