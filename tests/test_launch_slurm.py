@@ -30,6 +30,9 @@ FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
     "BOOT_FAIL", "DEADLINE", "PREEMPTED",
 }  # fmt: skip
+INHERITED_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PET_", "TORCHELASTIC_")
+TORCH_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE", "GROUP_RANK")  # fmt: skip
 # Per-run arguments for the trainer: TINY without its checkpoint opt-out, so the
 # job also writes its checkpoint under runs/slurm-<id>/ as a user's would.
 TRAIN_ARGS = TINY[: TINY.index("--checkpoint-dir")]
@@ -89,8 +92,13 @@ class SlurmCluster:
         # SLURM_CONF points every Slurm tool (and, inherited, every job) at this
         # cluster; the interpreter running the tests comes first on PATH, so the
         # job's python3 and torchrun are this one.
+        # Anything left from an outer Slurm job or torch launch is dropped: sbatch
+        # would hand it to the job.
         path = os.pathsep.join([str(Path(sys.executable).parent), SEARCH_PATH])
-        return dict(os.environ, SLURM_CONF=str(self.conf), PATH=path)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_PREFIXES)}
+        for name in TORCH_LAUNCH_ENV:
+            env.pop(name, None)
+        return dict(env, SLURM_CONF=str(self.conf), PATH=path)
 
     def slurm(self, *args: str, timeout: float = 30, cwd: Path | None = None, check: bool = True):
         p = subprocess.run(
