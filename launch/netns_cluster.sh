@@ -29,6 +29,11 @@
 #   LOG_DIR (runs/netns)  per-node logs
 #   NETEM                 optional tc-netem spec applied to every eth0
 #   TIMEOUT_S (0)         stop each node's torchrun after this many seconds (0: no limit)
+#   NODE_CMD              run this bash command in every namespace instead of the
+#                         torchrun above, with NODE (index), NODE_ADDR (its address)
+#                         and HEAD_ADDR (node 0's) set and the script's arguments
+#                         as $1..; e.g. a container command with the environment an
+#                         operator would give each pod (tests/test_launch_k8s.py)
 # Exit status: 0 when every node's torchrun succeeded; the first failing node's
 # status otherwise; 77 when network namespaces cannot be created (not root).
 set -euo pipefail
@@ -119,7 +124,11 @@ for ((i = 0; i < nodes; i++)); do
 done
 
 mkdir -p "$log_dir"
-echo "netns_cluster: $nodes hosts x $nproc processes, rendezvous $subnet.1:$port, logs in $log_dir" >&2
+if [[ -n "${NODE_CMD:-}" ]]; then
+    echo "netns_cluster: $nodes hosts running NODE_CMD, head $subnet.1, logs in $log_dir" >&2
+else
+    echo "netns_cluster: $nodes hosts x $nproc processes, rendezvous $subnet.1:$port, logs in $log_dir" >&2
+fi
 for ((i = 0; i < nodes; i++)); do
     ns="${prefix}-h$i"
     addr="$subnet.$((i + 1))"
@@ -127,6 +136,12 @@ for ((i = 0; i < nodes; i++)); do
     if ((i == 0)); then is_host=1; fi
     limit=()
     if ((timeout_s > 0)); then limit=(timeout -k 10 "$timeout_s"); fi
+    if [[ -n "${NODE_CMD:-}" ]]; then
+        ip netns exec "$ns" env NODE="$i" NODE_ADDR="$addr" HEAD_ADDR="$subnet.1" \
+            "${limit[@]}" bash -c "$NODE_CMD" "node$i" "$@" >"$log_dir/node$i.log" 2>&1 &
+        pids+=($!)
+        continue
+    fi
     ip netns exec "$ns" env \
         ENTRENAR_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 \
         "${limit[@]}" torchrun \

@@ -1,13 +1,13 @@
 """The launchers in launch/: syntax and structure of every file, and real runs of
 local.sh, multinode.sh (two "nodes" on loopback) and netns_cluster.sh (two
 network namespaces joined by veth links; skipped where namespaces cannot be
-created)."""
+created). The Slurm script on a real Slurm cluster: test_launch_slurm.py; the
+Kubeflow manifests: test_launch_k8s.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -54,15 +54,39 @@ def test_scripts_parse_and_are_executable(name):
         run(["shellcheck", "-S", "warning", str(path)], timeout=20)
 
 
-def test_slurm_script_uses_srun_torchrun_with_c10d():
+def _srun_commands(text: str) -> list[str]:
+    """Every `srun ...` command of a script, continuation lines joined."""
+    joined = text.replace("\\\n", " ")
+    return [
+        " ".join(line.split()) for line in joined.splitlines() if line.strip().startswith("srun ")
+    ]
+
+
+def test_slurm_script_recipes_and_defaults():
+    """Both recipes (a task per rank; a torchrun per node with c10d) rendezvous on
+    the allocation's first node; the defaults fit a small node and a fresh clone.
+    tests/test_launch_slurm.py runs it on a real Slurm cluster."""
     text = (LAUNCH / "slurm" / "train.sbatch").read_text()
-    assert "#SBATCH --nodes=" in text and "#SBATCH --ntasks-per-node=1" in text
-    (srun_line,) = [chunk for chunk in text.split("\nsrun ")[1:]]
-    cmd = " ".join(w for w in srun_line.split() if w != "\\")
-    assert cmd.startswith("--kill-on-bad-exit=1 torchrun")
-    for flag in ("--rdzv-backend=c10d", "--rdzv-endpoint=", "--rdzv-id=", "--nnodes="):
-        assert flag in cmd
-    assert "trainer/train.py" in cmd and "--backend entrenar" in cmd
+    sbatch = dict(
+        line.removeprefix("#SBATCH --").split("=", 1)
+        for line in text.splitlines()
+        if line.startswith("#SBATCH --")
+    )
+    assert sbatch["cpus-per-task"] == "1" and int(sbatch["ntasks-per-node"]) >= 2
+    assert "/" not in sbatch["output"], "Slurm does not create --output's directory"
+    assert "time" not in sbatch, "a --time above the partition's maximum pends forever"
+    assert 'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
+    assert 'export MASTER_ADDR="$head_node"' in text
+    tasks, torchrun = _srun_commands(text)
+    assert tasks.startswith("srun --kill-on-bad-exit=1 ")
+    assert "RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec" in tasks
+    assert 'export WORLD_SIZE="$SLURM_NTASKS"' in text
+    assert "trainer/train.py" in tasks
+    assert torchrun.startswith("srun --kill-on-bad-exit=1 ") and " torchrun " in torchrun
+    for flag in ("--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"'):
+        assert flag in torchrun
+    assert '--rdzv-id="$SLURM_JOB_ID"' in torchrun and "trainer/train.py" in torchrun
+    assert 'trainer_args=(--backend entrenar --out-dir "runs/slurm-$SLURM_JOB_ID")' in text
 
 
 def test_multinode_script_uses_c10d_rendezvous():
@@ -70,42 +94,6 @@ def test_multinode_script_uses_c10d_rendezvous():
     for flag in ("--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$rdzv_port"', "--node-rank"):
         assert flag in text
     assert "ENTRENAR_IFNAME" in text and "ENTRENAR_HOST" in text
-
-
-def test_k8s_pytorchjob_manifest():
-    yaml = pytest.importorskip("yaml")
-    doc = yaml.safe_load((LAUNCH / "k8s" / "pytorchjob.yaml").read_text())
-    assert doc["apiVersion"] == "kubeflow.org/v1"
-    assert doc["kind"] == "PyTorchJob"
-    assert doc["metadata"]["name"]
-    specs = doc["spec"]["pytorchReplicaSpecs"]
-    assert set(specs) == {"Master", "Worker"}
-    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
-    for role, spec in specs.items():
-        assert spec["restartPolicy"] in ("OnFailure", "ExitCode", "Always", "Never"), role
-        pod = spec["template"]["spec"]
-        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
-        assert container["image"]
-        argv = container["command"] + container.get("args", [])
-        line = " ".join(argv)
-        words = shlex.split(line.split("-c", 1)[1]) if argv[:2] == ["bash", "-c"] else argv
-        assert words[words.index("torchrun") - 1 : words.index("torchrun")] in ([], ["exec"])
-        assert "--rdzv-backend=c10d" in words
-        assert any(w.startswith("--rdzv-endpoint=${MASTER_ADDR}:") for w in words)
-        assert "trainer/train.py" in words
-        i = words.index("--backend")
-        assert words[i + 1] == "entrenar"
-        # checkpoints on a shared volume, so a restarted pod can --resume
-        assert "--resume" in words
-        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        vols = {v["name"]: v for v in pod["volumes"]}
-        assert set(mounts) <= set(vols)
-        ckpt = words[words.index("--checkpoint-dir") + 1]
-        assert any(ckpt.startswith(path) for path in mounts.values())
-    nnodes = {
-        e["name"]: e["value"] for e in specs["Master"]["template"]["spec"]["containers"][0]["env"]
-    }["NNODES"]
-    assert int(nnodes) == specs["Master"]["replicas"] + specs["Worker"]["replicas"]
 
 
 def test_dockerfile_pins_torch_and_installs_the_package():
