@@ -30,6 +30,7 @@ from .config import Options
 from .contracts import ContractChecker
 from .engine import Engine, Job
 from .errors import EntrenarError
+from .overloads import normalize
 from .p2p import P2PChannel
 from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
@@ -283,10 +284,15 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         if self.checker is not None:
             self.checker.after_allreduce(call, flat, red)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)``, ``(tensors, op=SUM, timeout=None)`` or
+        ``(tensor, op=SUM, timeout=None)``: torch's three forms (overloads.py)."""
+        (tensors,), opts = normalize("allreduce", args, kwargs, self._rank)
         return self._allreduce_many("allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)``; also ``(tensors, op=SUM, timeout=None)`` (torchft)."""
+        (tensors,), opts = normalize("allreduce_coalesced", args, kwargs, self._rank)
         return self._allreduce_many("allreduce_coalesced", tensors, opts)
 
     def _allreduce_many(self, call_name: str, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -318,7 +324,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
     # ------------------------------------------------------------ broadcast
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)`` or ``(tensor, root, timeout=None)``."""
+        (tensors,), opts = normalize("broadcast", args, kwargs, self._rank)
         device = self._validate("broadcast", tensors, same_dtype=False)
         root = opts.rootRank if opts is not None else 0
         self._check_root("broadcast", root)
@@ -340,12 +348,10 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
     # ------------------------------------------------------------ allgather
 
-    def allgather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def allgather(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensors, input_tensor, timeout=None)``."""
+        (output_tensors, input_tensors), opts = normalize("allgather", args, kwargs, self._rank)
         where = self._where("allgather")
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise ValueError(f"{where}: expected one input tensor and one output list")
@@ -398,15 +404,21 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         nbytes = output.numel() * output.element_size()
         return self._launch(OpCode.ALLGATHER, staging, nbytes, body, [output], opts=opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("all_gather_single", output, input, opts)
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, opts=None)``."""
+        (output, inp), opts = normalize("all_gather_single", args, kwargs, self._rank)
+        return self._allgather_into("all_gather_single", output, inp, opts)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("_allgather_base", output, input, opts)
+    def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, opts=None)``."""
+        (output, inp), opts = normalize("_allgather_base", args, kwargs, self._rank)
+        return self._allgather_into("_allgather_base", output, inp, opts)
 
     # ------------------------------------------------------------ barrier
 
-    def barrier(self, opts: Any = None) -> Any:
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        """``(opts=None)`` or ``(timeout=None)``."""
+        _, opts = normalize("barrier", args, kwargs, self._rank)
         self._validate("barrier", [])
         staging = self._staging(torch.device("cpu"))
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as alg
+from .overloads import normalize
 from .p2p import ANY_SOURCE, P2PChannel, P2PWork
 from .reduce_ops import Reduction, finish_, prepare_, resolve
 from .wire import OpCode
@@ -72,7 +73,7 @@ class CollectivesMixin:
         @staticmethod
         def _host(items: Sequence[Staged]) -> list[torch.Tensor]: ...
         def _check_root(self, call: str, root: int) -> None: ...
-        def barrier(self, opts: Any = None) -> Any: ...
+        def barrier(self, *args: Any, **kwargs: Any) -> Any: ...
 
     # ------------------------------------------------------------ torch integration
     #
@@ -194,8 +195,10 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ reduce
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``."""
         name = "reduce"
+        (tensors,), opts = normalize(name, args, kwargs, self._rank)
         device = self._validate(name, tensors)
         t = self._one(name, tensors)
         root = self._root(name, opts)
@@ -243,13 +246,11 @@ class CollectivesMixin:
             )
         return list(lists[0])
 
-    def gather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensors, input_tensor, root, timeout=None)``."""
         name = "gather"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         inp = self._one(name, input_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
@@ -265,13 +266,11 @@ class CollectivesMixin:
         nbytes = _nbytes(outs) if is_root else _nbytes([inp])
         return self._launch(OpCode.GATHER, staging, nbytes, body, output_tensors, opts=opts)
 
-    def scatter(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: Any = None,
-    ) -> Any:
+    def scatter(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensor, input_tensors, root, timeout=None)``."""
         name = "scatter"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         out = self._one(name, output_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
@@ -289,29 +288,13 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ all-to-all
 
-    def alltoall_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Any:
-        return self._alltoall_single(
-            "alltoall_base", output, input, output_split_sizes, input_split_sizes, opts
-        )
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, output_split_sizes, input_split_sizes, opts=None | timeout=None)``."""
+        return self._alltoall_single("alltoall_base", args, kwargs)
 
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Any:
-        return self._alltoall_single(
-            "all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts
-        )
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, output_split_sizes, input_split_sizes, opts=None | timeout=None)``."""
+        return self._alltoall_single("all_to_all_single", args, kwargs)
 
     def _split_bounds(
         self, call: str, what: str, t: torch.Tensor, splits: Sequence[int]
@@ -339,15 +322,10 @@ class CollectivesMixin:
             at += s
         return bounds
 
-    def _alltoall_single(
-        self,
-        name: str,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-        opts: Any,
-    ) -> Any:
+    def _alltoall_single(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        (output, input, output_split_sizes, input_split_sizes), opts = normalize(
+            name, args, kwargs, self._rank
+        )
         device = self._validate(name, [output, input])
         out_bounds = self._split_bounds(name, "the output", output, output_split_sizes)
         in_bounds = self._split_bounds(name, "the input", input, input_split_sizes)
@@ -371,13 +349,10 @@ class CollectivesMixin:
 
         return self._launch(OpCode.ALLTOALL, staging, _nbytes([input]), body, [output], opts=opts)
 
-    def alltoall(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)``."""
         name = "alltoall"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         device = self._validate(name, [*output_tensors, *input_tensors])
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
@@ -403,13 +378,11 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ reduce-scatter
 
-    def reduce_scatter(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: Any = None,
-    ) -> Any:
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output, input, op=SUM, timeout=None)``."""
         name = "reduce_scatter"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         out = self._one(name, output_tensors)
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
@@ -431,34 +404,29 @@ class CollectivesMixin:
 
         return self._launch(OpCode.REDUCE_SCATTER, staging, _nbytes(ins), body, [out], opts=opts)
 
-    def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors("_reduce_scatter_base", [output], [input], opts)
+    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputTensor, inputTensor, opts=None)``."""
+        return self._reduce_scatter_tensors("_reduce_scatter_base", args, kwargs)
 
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors("reduce_scatter_single", [output], [input], opts)
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputTensor, inputTensor, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_single", args, kwargs)
 
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors(
-            "reduce_scatter_tensor_coalesced", outputs, inputs, opts
-        )
+    def reduce_scatter_tensor_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", args, kwargs)
 
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors(
-            "reduce_scatter_single_coalesced", outputs, inputs, opts
-        )
+    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_single_coalesced", args, kwargs)
 
     def _reduce_scatter_tensors(
-        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> Any:
         """Reduce-scatter each ``inputs[i]`` (N x ``outputs[i]``) into ``outputs[i]``; one pass."""
+        (outputs, inputs), opts = normalize(name, args, kwargs, self._rank)
+        if isinstance(outputs, torch.Tensor):  # the single-tensor forms
+            outputs, inputs = [outputs], [inputs]
         where = self._where(name)
         device = self._validate(name, [*outputs, *inputs])
         if not outputs or len(outputs) != len(inputs):
@@ -489,13 +457,10 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ all-gather, coalesced
 
-    def allgather_coalesced(
-        self,
-        output_lists: list[list[torch.Tensor]],
-        input_list: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_lists, input_list, opts=None)``."""
         name = "allgather_coalesced"
+        (output_lists, input_list), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         flat_outs = [t for lst in output_lists for t in lst]
         device = self._validate(name, [*input_list, *flat_outs])
@@ -520,20 +485,17 @@ class CollectivesMixin:
             OpCode.ALLGATHER, staging, _nbytes(flat_outs), body, output_lists, opts=opts
         )
 
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._allgather_tensors("allgather_into_tensor_coalesced", outputs, inputs, opts)
+    def allgather_into_tensor_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._allgather_tensors("allgather_into_tensor_coalesced", args, kwargs)
 
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._allgather_tensors("all_gather_single_coalesced", outputs, inputs, opts)
+    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._allgather_tensors("all_gather_single_coalesced", args, kwargs)
 
-    def _allgather_tensors(
-        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
+    def _allgather_tensors(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Each ``outputs[i]`` (N x ``inputs[i]``) gets every rank's ``inputs[i]``, one pass."""
+        (outputs, inputs), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         device = self._validate(name, [*outputs, *inputs])
         if not inputs or len(outputs) != len(inputs):
