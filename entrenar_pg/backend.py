@@ -67,6 +67,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._group_name = group_name
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._timeout = timeout
+        # The no-progress bound of a collective whose opts carry no timeout of
+        # their own (set_timeout changes it for later calls).
+        self._timeout_s = _seconds(timeout)
         self._lock = threading.Lock()  # orders seq assignment with enqueueing
         self._seq = 0
         self._scratch = alg.ScratchPool()
@@ -199,6 +202,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         name = alg.op_name(kind)
         engine = self._engine
         blocking = opts is not None and getattr(opts, "asyncOp", True) is False
+        timeout_s = self._timeout_s
+        if opts is not None:
+            # torch's per-call timeout; its default (kUnsetTimeout, -1 ms)
+            # means the group's, as it does for gloo.
+            per_call = getattr(opts, "timeout", None)
+            if per_call is not None and per_call > _UNSET:
+                timeout_s = per_call.total_seconds()
         with self._lock:  # seq order == queue order
             self._seq += 1
             seq = self._seq
@@ -207,7 +217,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 seq,
                 name,
                 nbytes,
-                partial(self._run_job, seq, staging, body, result),
+                partial(self._run_job, seq, staging, body, result, timeout_s),
                 fut,
                 staging.completion_context(),
                 work,
@@ -232,11 +242,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             os.sched_yield()
         return work
 
-    def _run_job(self, seq: int, staging: Staging, body: Body, result: Any) -> Any:
+    def _run_job(
+        self, seq: int, staging: Staging, body: Body, result: Any, timeout_s: float
+    ) -> Any:
         """A job's work, in whichever thread holds the engine's token."""
-        self.mesh.spin_s = (
-            self._comm_spin_s if self._engine.in_comm_thread() else self._caller_spin_s
-        )
+        mesh = self.mesh
+        mesh.spin_s = self._comm_spin_s if self._engine.in_comm_thread() else self._caller_spin_s
+        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
         staging.load()
         body(alg.Call(self.mesh, seq, self.options, self._scratch))
         staging.store()
@@ -451,9 +463,38 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._engine.shutdown(timeout_s=2.0)
 
     def abort(self) -> None:
-        self._engine.shutdown(timeout_s=0.1)
-        self.mesh.abort(EntrenarError(f"rank {self._rank}: process group aborted by the user"))
+        """Break the group at once: the running collective fails, queued and later
+        ones raise; peers see this rank's abort. ``errored()`` then returns the error."""
+        error = EntrenarError(f"rank {self._rank}: the process group was aborted (abort())")
+        self._engine.abort(error)  # first, so errored() never misses it
+        self.mesh.abort(error)  # wakes a job blocked on the network
         self._p2p.close(hard=True)
+        self._engine.shutdown(timeout_s=1.0)
+
+    # ------------------------------------------------------------ health, timeouts
+
+    def errored(self) -> EntrenarError | None:
+        """The group's first failure (an exception object), or None while it is healthy.
+
+        After ``abort()``: an error saying the group was aborted. torchft asks
+        its inner group this to decide whether to reconfigure.
+        """
+        return self._engine.error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The no-progress timeout of later collectives and p2p calls (whose opts set none).
+
+        Collectives already issued keep the timeout they were issued with.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
+        if seconds <= 0:
+            raise ValueError(
+                f"{self._where('set_timeout')}: the timeout must be a positive timedelta, "
+                f"got {timeout!r}"
+            )
+        self._timeout = timeout
+        self._timeout_s = seconds
+        self._p2p.timeout_s = seconds
 
     def __del__(self) -> None:
         try:
@@ -463,6 +504,11 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
 
 _LIVE_GROUPS: weakref.WeakSet[EntrenarProcessGroup] = weakref.WeakSet()
+_UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
+
+
+def _seconds(timeout: timedelta) -> float:
+    return max(timeout.total_seconds(), 0.001)
 
 
 @atexit.register
