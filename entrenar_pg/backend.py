@@ -30,6 +30,7 @@ from .config import Options
 from .contracts import ContractChecker
 from .engine import Engine, Job
 from .errors import EntrenarError
+from .overlap import overlaps_itself
 from .overloads import normalize
 from .p2p import P2PChannel
 from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_
@@ -121,12 +122,19 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         return f"rank {self._rank}: {call}"
 
     def _validate(
-        self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
+        self,
+        call: str,
+        tensors: Sequence[Any],
+        *,
+        same_dtype: bool = True,
+        written: Sequence[torch.Tensor] = (),
     ) -> torch.device:
         """Check a call's tensors; returns their common device. Raises before anything is sent.
 
-        Written for the hot path (every collective runs it): cheap checks
-        first, the message built only when raising.
+        ``written``: those of ``tensors`` the call writes; none may have
+        elements sharing memory (an expand()ed output), which could not take
+        the result. Written for the hot path (every collective runs it):
+        cheap checks first, the message built only when raising.
         """
         if self._closed:
             raise ValueError(f"{self._where(call)}: the process group was destroyed")
@@ -162,6 +170,14 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             elif same_dtype and t.dtype != dtype:
                 raise ValueError(
                     f"{self._where(call)}: tensors of different dtypes ({dtype} and {t.dtype})"
+                )
+        for t in written:
+            if not t.is_contiguous() and overlaps_itself(t):
+                raise ValueError(
+                    f"{self._where(call)}: an output tensor (shape {tuple(t.shape)}, strides "
+                    f"{t.stride()}) has elements that share memory (an expand()ed tensor?), "
+                    "so it cannot hold the result; pass one with memory of its own "
+                    "(.contiguous() or .clone())"
                 )
         return device if device is not None else _CPU
 
@@ -308,7 +324,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         return self._allreduce_many("allreduce_coalesced", tensors, opts)
 
     def _allreduce_many(self, call_name: str, tensors: list[torch.Tensor], opts: Any) -> Any:
-        device = self._validate(call_name, tensors)
+        device = self._validate(call_name, tensors, written=tensors)
         if not tensors:
             raise ValueError(f"{self._where(call_name)}: no tensors given")
         red = self._reduction(call_name, opts, tensors[0].dtype)
@@ -339,11 +355,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
     def broadcast(self, *args: Any, **kwargs: Any) -> Any:
         """``(tensors, opts=None)`` or ``(tensor, root, timeout=None)``."""
         (tensors,), opts = normalize("broadcast", args, kwargs, self._rank)
-        device = self._validate("broadcast", tensors, same_dtype=False)
         root = opts.rootRank if opts is not None else 0
+        is_root = self._rank == root
+        device = self._validate(
+            "broadcast", tensors, same_dtype=False, written=() if is_root else tensors
+        )
         self._check_root("broadcast", root)
         staging = self._staging(device)
-        is_root = self._rank == root
         items = staging.add(tensors, read=is_root, write=not is_root)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -368,7 +386,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise ValueError(f"{where}: expected one input tensor and one output list")
         inp, outs = input_tensors[0], output_tensors[0]
-        device = self._validate("allgather", [inp, *outs])
+        device = self._validate("allgather", [inp, *outs], written=outs)
         if len(outs) != self._size:
             raise ValueError(
                 f"{where}: output list has {len(outs)} tensors, world size is {self._size}"
@@ -395,7 +413,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self, call_name: str, output: torch.Tensor, inp: torch.Tensor, opts: Any
     ) -> Any:
         where = self._where(call_name)
-        device = self._validate(call_name, [output, inp])
+        device = self._validate(call_name, [output, inp], written=[output])
         if output.numel() != inp.numel() * self._size:
             raise ValueError(
                 f"{where}: output has {output.numel()} elements, expected "

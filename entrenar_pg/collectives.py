@@ -57,7 +57,12 @@ class CollectivesMixin:
 
         def _where(self, call: str) -> str: ...
         def _validate(
-            self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
+            self,
+            call: str,
+            tensors: Sequence[Any],
+            *,
+            same_dtype: bool = True,
+            written: Sequence[torch.Tensor] = (),
         ) -> torch.device: ...
         def _staging(self, device: torch.device) -> Staging: ...
         def _launch(
@@ -199,12 +204,12 @@ class CollectivesMixin:
         """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``."""
         name = "reduce"
         (tensors,), opts = normalize(name, args, kwargs, self._rank)
-        device = self._validate(name, tensors)
-        t = self._one(name, tensors)
         root = self._root(name, opts)
+        is_root = self._rank == root
+        device = self._validate(name, tensors, written=tensors if is_root else ())
+        t = self._one(name, tensors)
         red = self._reduction(name, opts, t.dtype)
         staging = self._staging(device)
-        is_root = self._rank == root
         item = staging.add([t], read=True, write=is_root)
 
         def body(call: alg.Call) -> None:
@@ -255,7 +260,7 @@ class CollectivesMixin:
         root = self._root(name, opts)
         is_root = self._rank == root
         outs = self._root_list(name, output_tensors, inp, root, "output", "input")
-        device = self._validate(name, [inp, *outs])
+        device = self._validate(name, [inp, *outs], written=outs)
         staging = self._staging(device)
         src = staging.add([inp], read=True, write=False)
         dst = staging.add(outs, read=False, write=True)
@@ -275,7 +280,7 @@ class CollectivesMixin:
         root = self._root(name, opts)
         is_root = self._rank == root
         ins = self._root_list(name, input_tensors, out, root, "input", "output")
-        device = self._validate(name, [out, *ins])
+        device = self._validate(name, [out, *ins], written=[out])
         staging = self._staging(device)
         src = staging.add(ins, read=True, write=False)
         dst = staging.add([out], read=False, write=True)
@@ -326,7 +331,7 @@ class CollectivesMixin:
         (output, input, output_split_sizes, input_split_sizes), opts = normalize(
             name, args, kwargs, self._rank
         )
-        device = self._validate(name, [output, input])
+        device = self._validate(name, [output, input], written=[output])
         out_bounds = self._split_bounds(name, "the output", output, output_split_sizes)
         in_bounds = self._split_bounds(name, "the input", input, input_split_sizes)
         r = self._rank
@@ -354,7 +359,7 @@ class CollectivesMixin:
         name = "alltoall"
         (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
-        device = self._validate(name, [*output_tensors, *input_tensors])
+        device = self._validate(name, [*output_tensors, *input_tensors], written=output_tensors)
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
             raise ValueError(
                 f"{where}: expected {self._size} input and output tensors, got "
@@ -388,7 +393,7 @@ class CollectivesMixin:
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
             raise ValueError(f"{where}: expected one input list of {self._size} tensors")
         ins = list(input_tensors[0])
-        device = self._validate(name, [out, *ins])
+        device = self._validate(name, [out, *ins], written=[out])
         if ins[self._rank].numel() != out.numel():
             raise ValueError(
                 f"{where}: output of {out.numel()} elements for this rank's input piece of "
@@ -428,7 +433,7 @@ class CollectivesMixin:
         if isinstance(outputs, torch.Tensor):  # the single-tensor forms
             outputs, inputs = [outputs], [inputs]
         where = self._where(name)
-        device = self._validate(name, [*outputs, *inputs])
+        device = self._validate(name, [*outputs, *inputs], written=outputs)
         if not outputs or len(outputs) != len(inputs):
             raise ValueError(f"{where}: expected as many outputs as inputs (at least one)")
         for o, i in zip(outputs, inputs, strict=True):
@@ -463,7 +468,7 @@ class CollectivesMixin:
         (output_lists, input_list), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         flat_outs = [t for lst in output_lists for t in lst]
-        device = self._validate(name, [*input_list, *flat_outs])
+        device = self._validate(name, [*input_list, *flat_outs], written=flat_outs)
         if not input_list:
             raise ValueError(f"{where}: no input tensors")
         if len(output_lists) != self._size or any(
@@ -497,7 +502,7 @@ class CollectivesMixin:
         """Each ``outputs[i]`` (N x ``inputs[i]``) gets every rank's ``inputs[i]``, one pass."""
         (outputs, inputs), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
-        device = self._validate(name, [*outputs, *inputs])
+        device = self._validate(name, [*outputs, *inputs], written=outputs)
         if not inputs or len(outputs) != len(inputs):
             raise ValueError(f"{where}: expected as many outputs as inputs (at least one)")
         for o, i in zip(outputs, inputs, strict=True):
@@ -535,10 +540,10 @@ class CollectivesMixin:
     # ------------------------------------------------------------ point-to-point
 
     def _p2p_check(
-        self, call: str, tensors: list[torch.Tensor], peer: int, tag: int
+        self, call: str, tensors: list[torch.Tensor], peer: int, tag: int, *, writes: bool
     ) -> torch.Tensor:
         t = self._one(call, tensors)
-        self._validate(call, [t], same_dtype=False)
+        self._validate(call, [t], same_dtype=False, written=[t] if writes else ())
         if peer != ANY_SOURCE and not 0 <= peer < self._size:
             raise ValueError(f"{self._where(call)}: peer rank {peer} outside [0, {self._size})")
         if not isinstance(tag, int):
@@ -546,13 +551,13 @@ class CollectivesMixin:
         return t
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> P2PWork:  # noqa: N803
-        t = self._p2p_check("send", tensors, dstRank, tag)
+        t = self._p2p_check("send", tensors, dstRank, tag, writes=False)
         return self._p2p.send(t, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> P2PWork:  # noqa: N803
-        t = self._p2p_check("recv", tensors, srcRank, tag)
+        t = self._p2p_check("recv", tensors, srcRank, tag, writes=True)
         return self._p2p.recv(t, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> P2PWork:
-        t = self._p2p_check("recv_anysource", tensors, ANY_SOURCE, tag)
+        t = self._p2p_check("recv_anysource", tensors, ANY_SOURCE, tag, writes=True)
         return self._p2p.recv(t, ANY_SOURCE, tag)
