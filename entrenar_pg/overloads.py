@@ -261,6 +261,10 @@ SPECS: dict[str, Spec] = {
 }
 
 
+# method -> (options class, positional count of the options form): the hot path's test
+_OPTIONS_FORM = {name: (spec.options, spec.arity + 1) for name, spec in SPECS.items()}
+
+
 def normalize(
     method: str, args: Sequence[Any], kwargs: dict[str, Any], rank: int
 ) -> tuple[Sequence[Any], Any]:
@@ -268,9 +272,10 @@ def normalize(
 
     TypeError naming the rank, the call and torch's forms when no form fits.
     """
-    spec = SPECS[method]
-    if not kwargs and len(args) == spec.arity + 1 and type(args[-1]) is spec.options:
+    options, count = _OPTIONS_FORM[method]
+    if len(args) == count and type(args[-1]) is options and not kwargs:
         return args[:-1], args[-1]  # the options form, as torch itself calls it
+    spec = SPECS[method]
     for form in spec.forms:
         values = _bind(form, args, kwargs, spec.options)
         if values is not None:
