@@ -31,6 +31,8 @@ from .config import Options
 from .contracts import ContractChecker
 from .engine import Engine, Job
 from .errors import EntrenarError
+from .overlap import overlaps_itself
+from .overloads import normalize
 from .p2p import P2PChannel
 from .reduce_ops import SUPPORTED_DTYPES, Reduction, prepare_
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
@@ -67,6 +69,9 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._group_name = group_name
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._timeout = timeout
+        # The no-progress bound of a collective whose opts carry no timeout of
+        # their own (set_timeout changes it for later calls).
+        self._timeout_s = _seconds(timeout)
         self._lock = threading.Lock()  # orders seq assignment with enqueueing
         self._seq = 0
         self._scratch = alg.ScratchPool()
@@ -118,12 +123,19 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         return f"rank {self._rank}: {call}"
 
     def _validate(
-        self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
+        self,
+        call: str,
+        tensors: Sequence[Any],
+        *,
+        same_dtype: bool = True,
+        written: Sequence[torch.Tensor] = (),
     ) -> torch.device:
         """Check a call's tensors; returns their common device. Raises before anything is sent.
 
-        Written for the hot path (every collective runs it): cheap checks
-        first, the message built only when raising.
+        ``written``: those of ``tensors`` the call writes; none may have
+        elements sharing memory (an expand()ed output), which could not take
+        the result. Written for the hot path (every collective runs it):
+        cheap checks first, the message built only when raising.
         """
         if self._closed:
             raise ValueError(f"{self._where(call)}: the process group was destroyed")
@@ -159,6 +171,14 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             elif same_dtype and t.dtype != dtype:
                 raise ValueError(
                     f"{self._where(call)}: tensors of different dtypes ({dtype} and {t.dtype})"
+                )
+        for t in written:
+            if not t.is_contiguous() and overlaps_itself(t):
+                raise ValueError(
+                    f"{self._where(call)}: an output tensor (shape {tuple(t.shape)}, strides "
+                    f"{t.stride()}) has elements that share memory (an expand()ed tensor?), "
+                    "so it cannot hold the result; pass one with memory of its own "
+                    "(.contiguous() or .clone())"
                 )
         return device if device is not None else _CPU
 
@@ -199,6 +219,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         name = alg.op_name(kind)
         engine = self._engine
         blocking = opts is not None and getattr(opts, "asyncOp", True) is False
+        timeout_s = self._timeout_s
+        if opts is not None:
+            # torch's per-call timeout; its default (kUnsetTimeout, -1 ms)
+            # means the group's, as it does for gloo.
+            per_call = getattr(opts, "timeout", None)
+            if per_call is not None and per_call > _UNSET:
+                timeout_s = per_call.total_seconds()
         with self._lock:  # seq order == queue order
             self._seq += 1
             seq = self._seq
@@ -207,7 +234,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
                 seq,
                 name,
                 nbytes,
-                partial(self._run_job, seq, staging, body, result),
+                partial(self._run_job, seq, staging, body, result, timeout_s),
                 fut,
                 staging.completion_context(),
                 work,
@@ -232,11 +259,13 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
             os.sched_yield()
         return work
 
-    def _run_job(self, seq: int, staging: Staging, body: Body, result: Any) -> Any:
+    def _run_job(
+        self, seq: int, staging: Staging, body: Body, result: Any, timeout_s: float
+    ) -> Any:
         """A job's work, in whichever thread holds the engine's token."""
-        self.mesh.spin_s = (
-            self._comm_spin_s if self._engine.in_comm_thread() else self._caller_spin_s
-        )
+        mesh = self.mesh
+        mesh.spin_s = self._comm_spin_s if self._engine.in_comm_thread() else self._caller_spin_s
+        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
         staging.load()
         body(alg.Call(self.mesh, seq, self.options, self._scratch))
         staging.store()
@@ -284,16 +313,21 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         if self.checker is not None:
             self.checker.after_allreduce(call, flat, red)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)``, ``(tensors, op=SUM, timeout=None)`` or
+        ``(tensor, op=SUM, timeout=None)``: torch's three forms (overloads.py)."""
+        (tensors,), opts = normalize("allreduce", args, kwargs, self._rank)
         if sparse.is_sparse_call(tensors):  # before the dense-only checks
             return sparse.allreduce(self, tensors, opts)
         return self._allreduce_many("allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)``; also ``(tensors, op=SUM, timeout=None)`` (torchft)."""
+        (tensors,), opts = normalize("allreduce_coalesced", args, kwargs, self._rank)
         return self._allreduce_many("allreduce_coalesced", tensors, opts)
 
     def _allreduce_many(self, call_name: str, tensors: list[torch.Tensor], opts: Any) -> Any:
-        device = self._validate(call_name, tensors)
+        device = self._validate(call_name, tensors, written=tensors)
         if not tensors:
             raise ValueError(f"{self._where(call_name)}: no tensors given")
         red = self._reduction(call_name, opts, tensors[0].dtype)
@@ -321,12 +355,16 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
     # ------------------------------------------------------------ broadcast
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        device = self._validate("broadcast", tensors, same_dtype=False)
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)`` or ``(tensor, root, timeout=None)``."""
+        (tensors,), opts = normalize("broadcast", args, kwargs, self._rank)
         root = opts.rootRank if opts is not None else 0
+        is_root = self._rank == root
+        device = self._validate(
+            "broadcast", tensors, same_dtype=False, written=() if is_root else tensors
+        )
         self._check_root("broadcast", root)
         staging = self._staging(device)
-        is_root = self._rank == root
         items = staging.add(tensors, read=is_root, write=not is_root)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -343,17 +381,15 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
     # ------------------------------------------------------------ allgather
 
-    def allgather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def allgather(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensors, input_tensor, timeout=None)``."""
+        (output_tensors, input_tensors), opts = normalize("allgather", args, kwargs, self._rank)
         where = self._where("allgather")
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise ValueError(f"{where}: expected one input tensor and one output list")
         inp, outs = input_tensors[0], output_tensors[0]
-        device = self._validate("allgather", [inp, *outs])
+        device = self._validate("allgather", [inp, *outs], written=outs)
         if len(outs) != self._size:
             raise ValueError(
                 f"{where}: output list has {len(outs)} tensors, world size is {self._size}"
@@ -380,7 +416,7 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self, call_name: str, output: torch.Tensor, inp: torch.Tensor, opts: Any
     ) -> Any:
         where = self._where(call_name)
-        device = self._validate(call_name, [output, inp])
+        device = self._validate(call_name, [output, inp], written=[output])
         if output.numel() != inp.numel() * self._size:
             raise ValueError(
                 f"{where}: output has {output.numel()} elements, expected "
@@ -401,15 +437,21 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         nbytes = output.numel() * output.element_size()
         return self._launch(OpCode.ALLGATHER, staging, nbytes, body, [output], opts=opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("all_gather_single", output, input, opts)
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, opts=None)``."""
+        (output, inp), opts = normalize("all_gather_single", args, kwargs, self._rank)
+        return self._allgather_into("all_gather_single", output, inp, opts)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._allgather_into("_allgather_base", output, input, opts)
+    def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, opts=None)``."""
+        (output, inp), opts = normalize("_allgather_base", args, kwargs, self._rank)
+        return self._allgather_into("_allgather_base", output, inp, opts)
 
     # ------------------------------------------------------------ barrier
 
-    def barrier(self, opts: Any = None) -> Any:
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        """``(opts=None)`` or ``(timeout=None)``."""
+        _, opts = normalize("barrier", args, kwargs, self._rank)
         self._validate("barrier", [])
         staging = self._staging(torch.device("cpu"))
 
@@ -442,9 +484,38 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._engine.shutdown(timeout_s=2.0)
 
     def abort(self) -> None:
-        self._engine.shutdown(timeout_s=0.1)
-        self.mesh.abort(EntrenarError(f"rank {self._rank}: process group aborted by the user"))
+        """Break the group at once: the running collective fails, queued and later
+        ones raise; peers see this rank's abort. ``errored()`` then returns the error."""
+        error = EntrenarError(f"rank {self._rank}: the process group was aborted (abort())")
+        self._engine.abort(error)  # first, so errored() never misses it
+        self.mesh.abort(error)  # wakes a job blocked on the network
         self._p2p.close(hard=True)
+        self._engine.shutdown(timeout_s=1.0)
+
+    # ------------------------------------------------------------ health, timeouts
+
+    def errored(self) -> EntrenarError | None:
+        """The group's first failure (an exception object), or None while it is healthy.
+
+        After ``abort()``: an error saying the group was aborted. torchft asks
+        its inner group this to decide whether to reconfigure.
+        """
+        return self._engine.error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The no-progress timeout of later collectives and p2p calls (whose opts set none).
+
+        Collectives already issued keep the timeout they were issued with.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
+        if seconds <= 0:
+            raise ValueError(
+                f"{self._where('set_timeout')}: the timeout must be a positive timedelta, "
+                f"got {timeout!r}"
+            )
+        self._timeout = timeout
+        self._timeout_s = seconds
+        self._p2p.timeout_s = seconds
 
     def __del__(self) -> None:
         try:
@@ -454,6 +525,11 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
 
 _LIVE_GROUPS: weakref.WeakSet[EntrenarProcessGroup] = weakref.WeakSet()
+_UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
+
+
+def _seconds(timeout: timedelta) -> float:
+    return max(timeout.total_seconds(), 0.001)
 
 
 @atexit.register

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as alg
+from .overloads import normalize
 from .p2p import ANY_SOURCE, P2PChannel, P2PWork
 from .reduce_ops import Reduction, finish_, prepare_, resolve
 from .wire import OpCode
@@ -56,7 +57,12 @@ class CollectivesMixin:
 
         def _where(self, call: str) -> str: ...
         def _validate(
-            self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
+            self,
+            call: str,
+            tensors: Sequence[Any],
+            *,
+            same_dtype: bool = True,
+            written: Sequence[torch.Tensor] = (),
         ) -> torch.device: ...
         def _staging(self, device: torch.device) -> Staging: ...
         def _launch(
@@ -72,7 +78,7 @@ class CollectivesMixin:
         @staticmethod
         def _host(items: Sequence[Staged]) -> list[torch.Tensor]: ...
         def _check_root(self, call: str, root: int) -> None: ...
-        def barrier(self, opts: Any = None) -> Any: ...
+        def barrier(self, *args: Any, **kwargs: Any) -> Any: ...
 
     # ------------------------------------------------------------ torch integration
     #
@@ -194,14 +200,16 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ reduce
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``."""
         name = "reduce"
-        device = self._validate(name, tensors)
-        t = self._one(name, tensors)
+        (tensors,), opts = normalize(name, args, kwargs, self._rank)
         root = self._root(name, opts)
+        is_root = self._rank == root
+        device = self._validate(name, tensors, written=tensors if is_root else ())
+        t = self._one(name, tensors)
         red = self._reduction(name, opts, t.dtype)
         staging = self._staging(device)
-        is_root = self._rank == root
         item = staging.add([t], read=True, write=is_root)
 
         def body(call: alg.Call) -> None:
@@ -243,18 +251,16 @@ class CollectivesMixin:
             )
         return list(lists[0])
 
-    def gather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensors, input_tensor, root, timeout=None)``."""
         name = "gather"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         inp = self._one(name, input_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
         outs = self._root_list(name, output_tensors, inp, root, "output", "input")
-        device = self._validate(name, [inp, *outs])
+        device = self._validate(name, [inp, *outs], written=outs)
         staging = self._staging(device)
         src = staging.add([inp], read=True, write=False)
         dst = staging.add(outs, read=False, write=True)
@@ -265,18 +271,16 @@ class CollectivesMixin:
         nbytes = _nbytes(outs) if is_root else _nbytes([inp])
         return self._launch(OpCode.GATHER, staging, nbytes, body, output_tensors, opts=opts)
 
-    def scatter(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: Any = None,
-    ) -> Any:
+    def scatter(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output_tensor, input_tensors, root, timeout=None)``."""
         name = "scatter"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         out = self._one(name, output_tensors)
         root = self._root(name, opts)
         is_root = self._rank == root
         ins = self._root_list(name, input_tensors, out, root, "input", "output")
-        device = self._validate(name, [out, *ins])
+        device = self._validate(name, [out, *ins], written=[out])
         staging = self._staging(device)
         src = staging.add(ins, read=True, write=False)
         dst = staging.add([out], read=False, write=True)
@@ -289,29 +293,13 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ all-to-all
 
-    def alltoall_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Any:
-        return self._alltoall_single(
-            "alltoall_base", output, input, output_split_sizes, input_split_sizes, opts
-        )
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, output_split_sizes, input_split_sizes, opts=None | timeout=None)``."""
+        return self._alltoall_single("alltoall_base", args, kwargs)
 
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Any:
-        return self._alltoall_single(
-            "all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts
-        )
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output, input, output_split_sizes, input_split_sizes, opts=None | timeout=None)``."""
+        return self._alltoall_single("all_to_all_single", args, kwargs)
 
     def _split_bounds(
         self, call: str, what: str, t: torch.Tensor, splits: Sequence[int]
@@ -339,16 +327,11 @@ class CollectivesMixin:
             at += s
         return bounds
 
-    def _alltoall_single(
-        self,
-        name: str,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-        opts: Any,
-    ) -> Any:
-        device = self._validate(name, [output, input])
+    def _alltoall_single(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        (output, input, output_split_sizes, input_split_sizes), opts = normalize(
+            name, args, kwargs, self._rank
+        )
+        device = self._validate(name, [output, input], written=[output])
         out_bounds = self._split_bounds(name, "the output", output, output_split_sizes)
         in_bounds = self._split_bounds(name, "the input", input, input_split_sizes)
         r = self._rank
@@ -371,15 +354,12 @@ class CollectivesMixin:
 
         return self._launch(OpCode.ALLTOALL, staging, _nbytes([input]), body, [output], opts=opts)
 
-    def alltoall(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)``."""
         name = "alltoall"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
-        device = self._validate(name, [*output_tensors, *input_tensors])
+        device = self._validate(name, [*output_tensors, *input_tensors], written=output_tensors)
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
             raise ValueError(
                 f"{where}: expected {self._size} input and output tensors, got "
@@ -403,19 +383,17 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ reduce-scatter
 
-    def reduce_scatter(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: Any = None,
-    ) -> Any:
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_tensors, input_tensors, opts=None)`` or
+        ``(output, input, op=SUM, timeout=None)``."""
         name = "reduce_scatter"
+        (output_tensors, input_tensors), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         out = self._one(name, output_tensors)
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
             raise ValueError(f"{where}: expected one input list of {self._size} tensors")
         ins = list(input_tensors[0])
-        device = self._validate(name, [out, *ins])
+        device = self._validate(name, [out, *ins], written=[out])
         if ins[self._rank].numel() != out.numel():
             raise ValueError(
                 f"{where}: output of {out.numel()} elements for this rank's input piece of "
@@ -431,36 +409,31 @@ class CollectivesMixin:
 
         return self._launch(OpCode.REDUCE_SCATTER, staging, _nbytes(ins), body, [out], opts=opts)
 
-    def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors("_reduce_scatter_base", [output], [input], opts)
+    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputTensor, inputTensor, opts=None)``."""
+        return self._reduce_scatter_tensors("_reduce_scatter_base", args, kwargs)
 
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors("reduce_scatter_single", [output], [input], opts)
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputTensor, inputTensor, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_single", args, kwargs)
 
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors(
-            "reduce_scatter_tensor_coalesced", outputs, inputs, opts
-        )
+    def reduce_scatter_tensor_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", args, kwargs)
 
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._reduce_scatter_tensors(
-            "reduce_scatter_single_coalesced", outputs, inputs, opts
-        )
+    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._reduce_scatter_tensors("reduce_scatter_single_coalesced", args, kwargs)
 
     def _reduce_scatter_tensors(
-        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> Any:
         """Reduce-scatter each ``inputs[i]`` (N x ``outputs[i]``) into ``outputs[i]``; one pass."""
+        (outputs, inputs), opts = normalize(name, args, kwargs, self._rank)
+        if isinstance(outputs, torch.Tensor):  # the single-tensor forms
+            outputs, inputs = [outputs], [inputs]
         where = self._where(name)
-        device = self._validate(name, [*outputs, *inputs])
+        device = self._validate(name, [*outputs, *inputs], written=outputs)
         if not outputs or len(outputs) != len(inputs):
             raise ValueError(f"{where}: expected as many outputs as inputs (at least one)")
         for o, i in zip(outputs, inputs, strict=True):
@@ -489,16 +462,13 @@ class CollectivesMixin:
 
     # ------------------------------------------------------------ all-gather, coalesced
 
-    def allgather_coalesced(
-        self,
-        output_lists: list[list[torch.Tensor]],
-        input_list: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Any:
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(output_lists, input_list, opts=None)``."""
         name = "allgather_coalesced"
+        (output_lists, input_list), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
         flat_outs = [t for lst in output_lists for t in lst]
-        device = self._validate(name, [*input_list, *flat_outs])
+        device = self._validate(name, [*input_list, *flat_outs], written=flat_outs)
         if not input_list:
             raise ValueError(f"{where}: no input tensors")
         if len(output_lists) != self._size or any(
@@ -520,22 +490,19 @@ class CollectivesMixin:
             OpCode.ALLGATHER, staging, _nbytes(flat_outs), body, output_lists, opts=opts
         )
 
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._allgather_tensors("allgather_into_tensor_coalesced", outputs, inputs, opts)
+    def allgather_into_tensor_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._allgather_tensors("allgather_into_tensor_coalesced", args, kwargs)
 
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        return self._allgather_tensors("all_gather_single_coalesced", outputs, inputs, opts)
+    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        """``(outputs, inputs, opts=None)``."""
+        return self._allgather_tensors("all_gather_single_coalesced", args, kwargs)
 
-    def _allgather_tensors(
-        self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
+    def _allgather_tensors(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Each ``outputs[i]`` (N x ``inputs[i]``) gets every rank's ``inputs[i]``, one pass."""
+        (outputs, inputs), opts = normalize(name, args, kwargs, self._rank)
         where = self._where(name)
-        device = self._validate(name, [*outputs, *inputs])
+        device = self._validate(name, [*outputs, *inputs], written=outputs)
         if not inputs or len(outputs) != len(inputs):
             raise ValueError(f"{where}: expected as many outputs as inputs (at least one)")
         for o, i in zip(outputs, inputs, strict=True):
@@ -573,10 +540,10 @@ class CollectivesMixin:
     # ------------------------------------------------------------ point-to-point
 
     def _p2p_check(
-        self, call: str, tensors: list[torch.Tensor], peer: int, tag: int
+        self, call: str, tensors: list[torch.Tensor], peer: int, tag: int, *, writes: bool
     ) -> torch.Tensor:
         t = self._one(call, tensors)
-        self._validate(call, [t], same_dtype=False)
+        self._validate(call, [t], same_dtype=False, written=[t] if writes else ())
         if peer != ANY_SOURCE and not 0 <= peer < self._size:
             raise ValueError(f"{self._where(call)}: peer rank {peer} outside [0, {self._size})")
         if not isinstance(tag, int):
@@ -584,13 +551,13 @@ class CollectivesMixin:
         return t
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> P2PWork:  # noqa: N803
-        t = self._p2p_check("send", tensors, dstRank, tag)
+        t = self._p2p_check("send", tensors, dstRank, tag, writes=False)
         return self._p2p.send(t, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> P2PWork:  # noqa: N803
-        t = self._p2p_check("recv", tensors, srcRank, tag)
+        t = self._p2p_check("recv", tensors, srcRank, tag, writes=True)
         return self._p2p.recv(t, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> P2PWork:
-        t = self._p2p_check("recv_anysource", tensors, ANY_SOURCE, tag)
+        t = self._p2p_check("recv_anysource", tensors, ANY_SOURCE, tag, writes=True)
         return self._p2p.recv(t, ANY_SOURCE, tag)

@@ -230,19 +230,43 @@ class Engine:
         else:
             err = EntrenarError(f"rank {self.rank}: {what} failed: {e!r}")
             err.__cause__ = e
-        log.error("rank %d: %s failed: %s", self.rank, what, err)
-        self._error = err
-        self._failed_at = what
-        try:
-            self._on_failure(err)
-        except Exception:  # the error itself is what matters; keep going
-            log.exception("rank %d: abort after %s failed", self.rank, what)
+        with self._mutex:
+            first = self._error
+            if first is None:
+                self._error = err
+                self._failed_at = what
+        if first is None:
+            log.error("rank %d: %s failed: %s", self.rank, what, err)
+            try:
+                self._on_failure(err)
+            except Exception:  # the error itself is what matters; keep going
+                log.exception("rank %d: abort after %s failed", self.rank, what)
+        else:
+            # The group broke while this job ran (abort() closed its links):
+            # the group's first failure is the cause, not what the job then saw.
+            err = type(first)(
+                f"rank {self.rank}: {what} interrupted: this process group failed at "
+                f"{self._failed_at} ({first}); the collective then saw: {err}"
+            )
+            err.__cause__ = e
         job.future.set_exception(err)
         with self._mutex:
             queued = list(self._queue)
             self._queue.clear()
         for other in queued:
             other.future.set_exception(self.broken_error(f"{other.kind}#{other.seq}"))
+
+    def abort(self, error: EntrenarError) -> None:
+        """Break the group with ``error`` (unless it failed already) and stop the thread.
+
+        Queued jobs fail with it; the running one fails once its links are
+        gone (the caller drops them next). Does not wait for the thread.
+        """
+        with self._mutex:
+            if self._error is None:
+                self._error = error
+                self._failed_at = "abort()"
+        self.shutdown(timeout_s=0.0)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop after the running job; queued jobs fail. Idempotent."""
@@ -252,9 +276,12 @@ class Engine:
             self._queue.clear()
             self._cv.notify_all()
         for job in queued:
+            what = f"{job.kind}#{job.seq}"
             job.future.set_exception(
-                PeerConnectionError(
-                    f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed "
+                self.broken_error(what)
+                if self._error is not None
+                else PeerConnectionError(
+                    f"rank {self.rank}: {what}: the process group was destroyed "
                     "before this collective ran"
                 )
             )

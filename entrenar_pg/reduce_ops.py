@@ -49,7 +49,10 @@ _ALLOWED: dict[Kind, frozenset[torch.dtype]] = {
     Kind.PRODUCT: SUPPORTED_DTYPES,
     Kind.MIN: SUPPORTED_DTYPES,
     Kind.MAX: SUPPORTED_DTYPES,
-    Kind.AVG: FLOAT_DTYPES,
+    # Integer AVG as NCCL defines it (ncclAvg on integers: the sum in the
+    # dtype, then C integer division by the world size, i.e. truncated toward
+    # zero). Lightning and others send AVG on int64 to every backend but gloo.
+    Kind.AVG: FLOAT_DTYPES | INT_DTYPES,
     Kind.PREMUL_SUM: FLOAT_DTYPES,
     Kind.BAND: INT_DTYPES | {torch.bool},
     Kind.BOR: INT_DTYPES | {torch.bool},
@@ -156,9 +159,17 @@ def prepare_(t: torch.Tensor, red: Reduction) -> None:
 
 
 def finish_(t: torch.Tensor, red: Reduction, world: int) -> None:
-    """What is applied once to the combined result (AVG's division)."""
+    """What is applied once to the combined result (AVG's division).
+
+    Integers divide as NCCL's ncclAvg does: the sum (wrapped in the dtype,
+    like every integer sum here) divided by the world size, truncated toward
+    zero (C's ``/``), exactly, with no detour through floating point.
+    """
     if red.kind is Kind.AVG and world > 1:
-        t.div_(world)
+        if t.is_floating_point():
+            t.div_(world)
+        else:
+            t.div_(world, rounding_mode="trunc")
 
 
 def tree_reduce_(parts: Sequence[torch.Tensor], kind: Kind) -> torch.Tensor:

@@ -522,6 +522,8 @@ class Mesh:
         deadline = time.monotonic() + self.timeout_s
         while True:
             events = self._poller.poll(max(deadline - time.monotonic(), 0.0) * 1000.0)
+            if self._closed:  # abort() or shutdown from another thread closed our links
+                raise self._closed_here_error(what)
             if not events and time.monotonic() >= deadline:
                 raise self._stalled_error(receiving, sending, what)
             data_event = False
@@ -627,7 +629,16 @@ class Mesh:
             culprit=peer,
         )
 
+    def _closed_here_error(self, what: str) -> EntrenarError:
+        return PeerConnectionError(
+            f"rank {self.rank}: {what}: this rank's links were closed under it "
+            "(the group was aborted or shut down)",
+            culprit=self.rank,
+        )
+
     def _link_error(self, peer: int, what: str, e: OSError) -> EntrenarError:
+        if self._closed:
+            return self._closed_here_error(what)
         if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
             return self._closed_error(peer, what)
         return PeerConnectionError(f"rank {self.rank}: {what}: link to rank {peer} failed: {e}")

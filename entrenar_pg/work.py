@@ -37,9 +37,17 @@ class EntrenarWork(dist.Work):
     def _what(self) -> str:
         return self._kind if self._seq is None else f"{self._kind}#{self._seq}"
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        """Block until done; raise the collective's error. ``timedelta(0)`` means no timeout."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    def wait(self, timeout: timedelta | float | None = timedelta(0)) -> bool:
+        """Block until done; raise the collective's error (its own class).
+
+        ``timedelta(0)`` or None (torchft's default) means no timeout.
+        """
+        if timeout is None:
+            seconds = 0.0
+        elif isinstance(timeout, timedelta):
+            seconds = timeout.total_seconds()
+        else:
+            seconds = float(timeout)
         if seconds > 0 and not self._future.done():
             # Rare path (torch's own calls pass no timeout): poll, since a
             # torch Future has no timed wait.

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from conftest import make_groups, run_ranks
 
 from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, Options, tree_sum
+from entrenar_pg.overloads import SPECS
 
 # Every collective / p2p name torch 2.11 or 2.13 calls on a ProcessGroup.
 TORCH_METHODS = (
@@ -60,6 +61,14 @@ def test_every_torch_method_is_implemented_in_python_with_optional_opts() -> Non
         params = inspect.signature(getattr(EntrenarProcessGroup, name)).parameters
         if "opts" in params:
             assert params["opts"].default is None, name
+        if name in SPECS:  # torch's forms (overloads.py): the options form's opts defaults to None
+            last = SPECS[name].forms[0][-1]
+            assert last.name == "opts" and last.default is None, name
+    # every method taking torch's options goes through overloads.normalize
+    for name in TORCH_METHODS:
+        doc = str(getattr(dist.ProcessGroup, name, None).__doc__)
+        if "Options" in doc and name not in ("send", "recv", "recv_anysource"):
+            assert name in SPECS, name
     # and nothing torch's ProcessGroup offers as a collective is left to C++
     ours = {n for c in EntrenarProcessGroup.__mro__[:2] for n in c.__dict__}
     torch_side = {n for n in dir(dist.ProcessGroup) if not n.startswith("__")}
