@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from conftest import make_groups, run_ranks
 
-from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, Options
+from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, Options, PeerConnectionError
 
 SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 SMALL = Options()
@@ -291,3 +291,59 @@ def test_random_disagreements_raise_everywhere_and_agreements_complete() -> None
             disagreed += 1
             assert not not_mismatch(got), (seed, calls, not_mismatch(got))
     assert agreed >= 5 and disagreed >= 5, (agreed, disagreed)  # both sides exercised
+
+
+def _bad_root_then(world: int, then: str, timeout_s: float = 10.0) -> list[Any]:
+    """Rank 1 passes a root outside the group to a broadcast every other rank
+    issues from root 0 (a ValueError in its caller: nothing sent, nothing
+    queued), then issues ``then``: the same broadcast done right, another
+    collective, or nothing. Per rank: what its broadcast (rank 1: ``then``)
+    ended in, an error or None."""
+    groups = make_groups(world, timeout_s=timeout_s)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> Any:
+        t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+        opts = dist.BroadcastOptions()
+        try:
+            if rank == 1:
+                opts.rootRank = world + 2
+                with pytest.raises(ValueError, match=r"rank 1: broadcast: root rank"):
+                    pg.broadcast([t], opts)
+                if then == "nothing":
+                    return None
+                if then == "allreduce":
+                    pg.allreduce([t]).wait()
+                    return None
+                opts.rootRank = 0
+            pg.broadcast([t], opts).wait()
+            assert torch.equal(t, torch.arange(4.0))
+        except Exception as e:  # judged by the caller
+            return e
+        return None
+
+    try:
+        return run_ranks(world, fn, groups=groups, timeout_s=timeout_s + 30)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_root_on_one_rank_keeps_the_others_broadcast_from_returning(world: int) -> None:
+    # Its next collective meets the broadcast (same seq: the bad call took
+    # none) and every rank raises, the root included.
+    got = _bad_root_then(world, "allreduce")
+    assert not not_mismatch(got), not_mismatch(got)
+    assert all("broadcast#1" in str(e) and "allreduce#1" in str(e) for e in got), got
+    # Done right the second time, the broadcast completes everywhere.
+    assert _bad_root_then(world, "broadcast") == [None] * world
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_root_and_then_silence_times_the_broadcast_out() -> None:
+    got = _bad_root_then(3, "nothing", timeout_s=2.0)
+    assert got[1] is None
+    for rank in (0, 2):
+        assert isinstance(got[rank], PeerConnectionError), got
+        assert "receive from rank(s) [1]" in str(got[rank]), got  # the rank waited for
