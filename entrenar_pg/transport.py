@@ -136,7 +136,11 @@ class Plan:
     data; one where some rank only sends or only hears from some peers adds
     ``confirm_peers`` (header-only frames on the links it does not use), and
     one whose links carry different headers (all-to-all: per-link sizes)
-    adds ``acknowledge``.
+    adds ``acknowledge``. Every plan also exchanges headers with its ring
+    neighbours (star plans through ``confirm_neighbours``), so two different
+    plans for one call always meet (a large reduce's final move to the root
+    is the exception: every rank agreed in the reduce-scatter before it).
+    docs/architecture.md, "The header rule", says which algorithm does what.
     """
 
     rank: int
