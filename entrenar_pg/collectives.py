@@ -132,13 +132,19 @@ class CollectivesMixin:
     def _reduce_scatter_chunks(
         self, call: alg.Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode
     ) -> None:
-        """Reduce-scatter N flat chunks in place: afterwards ``chunks[rank]`` is reduced."""
+        """Reduce-scatter N flat chunks in place: afterwards ``chunks[rank]`` is reduced.
+
+        The header's ``aux`` is a digest of the chunk sizes: ranks that agree on
+        the total but split it differently would otherwise pass the check.
+        """
         if call.world == 1:
             finish_(chunks[0], red, 1)
-        elif call.options.deterministic:
-            alg.reduce_scatter_tree(call, chunks, red, op)
+            return
+        aux = alg.sizes_digest([c.numel() for c in chunks])
+        if call.options.deterministic:
+            alg.reduce_scatter_tree(call, chunks, red, op, aux=aux)
         else:
-            alg.reduce_scatter_ring(call, chunks, red, op)
+            alg.reduce_scatter_ring(call, chunks, red, op, aux=aux)
 
     def _reduce_scatter_packed(
         self,
@@ -243,12 +249,12 @@ class CollectivesMixin:
             return []
         if len(lists) != 1 or len(lists[0]) != self._size:
             raise ValueError(f"{where}: the root needs one {role} list of {self._size} tensors")
-        mine = lists[0][self._rank]
-        if mine.numel() != single.numel():
-            raise ValueError(
-                f"{where}: {role} tensor of {mine.numel()} elements for an "
-                f"{other} of {single.numel()}"
-            )
+        for t in lists[0]:  # one size for all: the header carries it (as gloo requires)
+            if t.numel() != single.numel():
+                raise ValueError(
+                    f"{where}: {role} tensor of {t.numel()} elements for an "
+                    f"{other} of {single.numel()}"
+                )
         return list(lists[0])
 
     def gather(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,14 @@ Layout (little-endian, 32 bytes)::
 
     magic u16 | version u8 | opcode u8 | algo u8 | dtype u8 | reduce_op u8 | flags u8
     seq u64 | numel u64 | aux i64
+
+Both ends of a link send the same header and compare byte for byte, so a
+header describes the link as both ends see it: ``numel`` is the collective's
+element count (a gather or scatter piece's), ``aux`` the root of rooted
+collectives (a digest of the chunk sizes for reduce-scatter); an all-to-all
+link carries ``numel`` elements from the lower rank to the higher and ``aux``
+back. Header-only frames (``Plan.confirm_peers``) and
+acknowledgements (``Plan.acknowledge``) are this same header.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 MAGIC = 0xE7A1
-VERSION = 1
+VERSION = 2  # 2: link-symmetric all-to-all sizes; confirmations and acknowledgements
 _HEADER = struct.Struct("<HBBBBBBQQq")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 32
@@ -132,9 +140,21 @@ class Header(NamedTuple):
         dt = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
         return (
             f"{self.op.name.lower()}#{self.seq}(dtype={dt}, numel={self.numel}, "
-            f"reduce_op={self.reduce_op}, aux={self.aux}, algo={self.algo.name.lower()}"
+            f"reduce_op={self.reduce_op}, {_AUX_NAMES.get(self.op, 'aux')}={self.aux}, "
+            f"algo={self.algo.name.lower()}"
             f"{', deterministic' if self.flags & Flags.DETERMINISTIC else ''})"
         )
+
+
+# What ``aux`` means, where it has a meaning (for error messages).
+_AUX_NAMES = {
+    OpCode.BROADCAST: "root",
+    OpCode.REDUCE: "root",
+    OpCode.GATHER: "root",
+    OpCode.SCATTER: "root",
+    OpCode.ALLTOALL: "numel_back",
+    OpCode.REDUCE_SCATTER: "sizes_crc",
+}
 
 
 def p2p_header(index: int, dtype: torch.dtype, nbytes: int, tag: int) -> Header:

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_groups(
-    world: int, options: Options | None = None, timeout_s: float = 20.0
+    world: int,
+    options: Options | Sequence[Options] | None = None,
+    timeout_s: float = 20.0,
 ) -> list[EntrenarProcessGroup]:
-    """Create ``world`` entrenar groups in this process, one per rank, over real TCP."""
+    """Create ``world`` entrenar groups in this process, one per rank, over real TCP.
+
+    ``options``: one for every rank, or a sequence of one per rank.
+    """
     store = dist.HashStore()
+    per_rank = list(options) if isinstance(options, Sequence) else [options or Options()] * world
+    assert len(per_rank) == world, "one Options per rank"
     groups: list[Any] = [None] * world
     errors: list[BaseException] = []
 
@@ -38,7 +45,7 @@ def make_groups(
                 rank,
                 world,
                 timeout=timedelta(seconds=timeout_s),
-                options=options or Options(),
+                options=per_rank[rank],
             )
         except BaseException as e:  # reported below
             errors.append(e)

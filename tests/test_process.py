@@ -145,3 +145,42 @@ def test_torchrun_restart_forms_a_fresh_group() -> None:
     out = _ok(proc)
     done = sorted(re.findall(r"DONE (\d+) (\d+)", out))
     assert done == [("1", "0"), ("1", "1")], out + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "mode"), [(2, "size"), (3, "root")])
+def test_a_mismatched_last_broadcast_fails_every_process(world: int, mode: str) -> None:
+    """The job's last call disagrees: no process may exit as if it completed
+    (the root used to return once the kernel took its bytes, destroy the
+    group and exit 0 while another rank's copy differed)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TIMEOUT_S="20",
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, str(SCRIPTS / "last_call.py"), mode]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode != 0, f"rank {rank} exited 0: {out}"
+        assert "CollectiveMismatchError" in err, f"rank {rank}: {err[-2000:]}"

@@ -1,8 +1,8 @@
 """Collective algorithms. Each builds a transport ``Plan`` and runs it; none touches a socket."""
 
-from .alltoall import alltoall, exchange
+from .alltoall import alltoall
 from .broadcast import broadcast
-from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments
+from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .deterministic import allreduce_tree_ring, reduce_scatter_tree
 from .direct import allreduce_direct
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
@@ -22,7 +22,6 @@ __all__ = [
     "broadcast",
     "bytes_of",
     "chunk_bounds",
-    "exchange",
     "gather",
     "op_name",
     "reduce",
@@ -32,4 +31,5 @@ __all__ = [
     "ring_pass",
     "scatter",
     "segments",
+    "sizes_digest",
 ]

@@ -17,6 +17,11 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     order from the root, each rank forwarding segment k as soon as it has it;
     every rank sends and receives nbytes once, and the time is about
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
+
+    Either way no rank hears from every other, and the root hears from none:
+    every rank also exchanges its header with every peer it does not already
+    (``Plan.confirm_peers``), so a rank that disagrees (root, size, dtype,
+    algorithm) makes every rank raise in this call, the root included.
     """
     n, r = call.world, call.rank
     nbytes = buf.numel() * buf.element_size()
@@ -47,4 +52,5 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
+    plan.confirm_peers(n, header)
     call.mesh.run(plan, call.what(op))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Callable
+import struct
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -142,6 +144,12 @@ _MAX_CACHED_PLANS = 64
 # noise next to moving the bytes, and a cached plan would pin scratch memory).
 PLAN_CACHE_MAX_BYTES = 1 << 20
 _VIEWS: dict[tuple[int, int], memoryview] = {}
+
+
+def sizes_digest(sizes: Sequence[int]) -> int:
+    """A header's summary of piece sizes every rank must agree on (CRC-32: the
+    same on every rank and Python version, unlike ``hash``)."""
+    return zlib.crc32(struct.pack(f"<{len(sizes)}q", *sizes))
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

@@ -121,7 +121,12 @@ def _exchange(
 
 
 def reduce_scatter_tree(
-    call: Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode = OpCode.REDUCE_SCATTER
+    call: Call,
+    chunks: Sequence[torch.Tensor],
+    red: Reduction,
+    op: OpCode = OpCode.REDUCE_SCATTER,
+    *,
+    aux: int = 0,
 ) -> None:
     """Deterministic reduce-scatter, in place: afterwards ``chunks[r]`` holds the reduced chunk r.
 
@@ -138,7 +143,8 @@ def reduce_scatter_tree(
     to 2 x CREDIT segments per peer (one segment when N = 2; the whole chunk
     per peer when chunk sizes differ by more than a segment). Bytes on the
     wire per rank: the other chunks out, (N-1) x chunk r in; for equal chunks
-    (N-1)/N x total each way, the ring's. Latency: 1 hop.
+    (N-1)/N x total each way, the ring's. Latency: 1 hop. ``aux`` goes into
+    the header (reduce's root); every rank checks every peer's.
     """
     n = call.world
     if len(chunks) != n:
@@ -148,7 +154,9 @@ def reduce_scatter_tree(
         return
     numel = sum(c.numel() for c in chunks)
     plan = Plan(call.rank)
-    header = call.header(op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel)
+    header = call.header(
+        op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
+    )
     _exchange(call, plan, chunks, red, header)
     call.mesh.run(plan, call.what(op))
 

@@ -92,13 +92,24 @@ def _reduce_into(
     return done
 
 
-def open_ring(call: Call, plan: Plan, header: Header) -> None:
-    """Open the frame to the right and from the left (one link each way)."""
+def open_ring(call: Call, plan: Plan, header: Header, chunks: Sequence[torch.Tensor]) -> None:
+    """Open the frame to the right and from the left (one link each way).
+
+    A rank checks only its left neighbour's header, which is enough when
+    every chunk has data: then the last segment a rank receives was
+    forwarded, hop by hop, by every other rank, each only after it had checked
+    its own left neighbour's header (a rank that raises starves the rest, who
+    then get its abort). With an empty chunk some rank may receive nothing
+    that passed through the others, so then every rank confirms its header
+    with every peer (``Plan.confirm_peers``).
+    """
     n, r = call.world, call.rank
     right, left = (r + 1) % n, (r - 1) % n
     plan.open(right, header, send=True, recv=left == right)
     if left != right:
         plan.open(left, header, send=False, recv=True)
+    if any(c.numel() == 0 for c in chunks):
+        plan.confirm_peers(n, header)
 
 
 def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
@@ -114,8 +125,8 @@ def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
     header = call.header(
         OpCode.ALLREDUCE, Algo.RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
     )
-    open_ring(call, plan, header)
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
+    open_ring(call, plan, header, chunks)
     ring_pass(
         call,
         plan,
@@ -138,24 +149,32 @@ def allgather_ring(
     """
     plan = Plan(call.rank)
     numel = sum(c.numel() for c in chunks)
-    open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel))
+    open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel), chunks)
     ring_pass(call, plan, chunks, reduce_steps=0, gather_steps=call.world - 1)
     call.mesh.run(plan, call.what(op))
 
 
 def reduce_scatter_ring(
-    call: Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode = OpCode.REDUCE_SCATTER
+    call: Call,
+    chunks: Sequence[torch.Tensor],
+    red: Reduction,
+    op: OpCode = OpCode.REDUCE_SCATTER,
+    *,
+    aux: int = 0,
 ) -> None:
     """Ring reduce-scatter, in place: afterwards ``chunks[r]`` holds the reduced chunk r.
 
     Steps: N-1; at step s rank r sends chunk (r-s-1) and combines chunk
     (r-s-2) from the left. Bytes on the wire per rank: (N-1) x chunk bytes each way.
+    ``aux`` goes into the header (reduce's root).
     """
     n = call.world
     plan = Plan(call.rank)
     numel = sum(c.numel() for c in chunks)
-    header = call.header(op, Algo.RING, chunks[0].dtype, reduce_op=int(red.kind), numel=numel)
-    open_ring(call, plan, header)
+    header = call.header(
+        op, Algo.RING, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
+    )
+    open_ring(call, plan, header, chunks)
     ring_pass(
         call,
         plan,

@@ -1,4 +1,11 @@
-"""Rooted collectives: reduce to a root, gather to a root, scatter from a root."""
+"""Rooted collectives: reduce to a root, gather to a root, scatter from a root.
+
+In each, some rank only sends or only receives, so data alone does not show
+every rank every other rank's call: each plan also confirms its header with
+every peer it does not already exchange one with (``Plan.confirm_peers``),
+and a rank that disagrees (root, size, dtype, op) makes every rank raise in
+the call. The root travels in every header (``aux``).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,7 @@ import torch
 
 from ..reduce_ops import Reduction, finish_
 from ..transport import Plan
-from ..wire import Algo, OpCode
-from .alltoall import exchange
+from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds
 from .deterministic import reduce_scatter_tree
 from .ring import reduce_scatter_ring
@@ -27,6 +33,9 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
     receives about (N-1)/N x nbytes in the reduce-scatter, the root receives
     another (N-1)/N x nbytes: about 2 x nbytes at the root instead of the
     star's (N-1) x nbytes. Latency: N-1 ring hops (1 when deterministic) + 1.
+    The reduce-scatter's header carries the root, and completing it means
+    every rank's header agreed (its data passes through every rank), so the
+    final move to the root needs no confirmation of its own.
     """
     n, r = call.world, call.rank
     if n == 1:
@@ -38,15 +47,12 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
         return
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
     if call.options.deterministic:
-        reduce_scatter_tree(call, chunks, red, OpCode.REDUCE)
+        reduce_scatter_tree(call, chunks, red, OpCode.REDUCE, aux=root)
     else:
-        reduce_scatter_ring(call, chunks, red, OpCode.REDUCE)
-    if r == root:
-        exchange(
-            call, OpCode.REDUCE, buf.dtype, {}, {p: chunks[p] for p in range(n) if p != r}, aux=root
-        )
-    else:
-        exchange(call, OpCode.REDUCE, buf.dtype, {root: chunks[r]}, {}, aux=root)
+        reduce_scatter_ring(call, chunks, red, OpCode.REDUCE, aux=root)
+    header = call.header(OpCode.REDUCE, Algo.DIRECT, buf.dtype, numel=buf.numel(), aux=root)
+    plan = _rooted(call, header, root, chunks, chunks[r], to_root=True)
+    call.mesh.run(plan, call.what(OpCode.REDUCE))
 
 
 def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
@@ -66,39 +72,75 @@ def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> Non
         plan.send(root, bytes_of(buf))
     else:
         gather_reduce(call, plan, buf, red, root, header, replies=False)
+    plan.confirm_peers(call.world, header)
     call.mesh.run(plan, call.what(OpCode.REDUCE))
 
 
 def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, root: int) -> None:
     """Every rank's flat ``inp`` lands in the root's ``outs[rank]``; direct to the root.
 
+    Every piece has ``inp``'s size (the adapter checks the root's list).
     Steps: one; every non-root rank sends its input to the root, which
     receives from all of them at once. Bytes: a leaf sends its input; the
-    root receives (N-1) inputs. Latency: 1 hop.
+    root receives (N-1) inputs; plus the header confirmations. Latency: 1 hop.
     """
     r = call.rank
     if r == root:
         assert outs is not None
         if outs[r].numel():
             outs[r].copy_(inp)
-        peers = {p: outs[p] for p in range(call.world) if p != r}
-        exchange(call, OpCode.GATHER, inp.dtype, {}, peers, aux=root)
-    else:
-        exchange(call, OpCode.GATHER, inp.dtype, {root: inp}, {}, aux=root)
+    header = call.header(OpCode.GATHER, Algo.DIRECT, inp.dtype, numel=inp.numel(), aux=root)
+    plan = _rooted(call, header, root, outs or [], inp, to_root=True)
+    plan.confirm_peers(call.world, header)
+    call.mesh.run(plan, call.what(OpCode.GATHER))
 
 
 def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, root: int) -> None:
     """The root's ``ins[p]`` lands in rank p's flat ``out``; direct from the root.
 
+    Every piece has ``out``'s size (the adapter checks the root's list).
     Steps: one; the root sends every piece at once. Bytes: the root sends
-    (N-1) pieces; a leaf receives its piece. Latency: 1 hop.
+    (N-1) pieces; a leaf receives its piece; plus the header confirmations.
+    Latency: 1 hop.
     """
     r = call.rank
     if r == root:
         assert ins is not None
         if out.numel():
             out.copy_(ins[r])
-        peers = {p: ins[p] for p in range(call.world) if p != r}
-        exchange(call, OpCode.SCATTER, out.dtype, peers, {}, aux=root)
+    header = call.header(OpCode.SCATTER, Algo.DIRECT, out.dtype, numel=out.numel(), aux=root)
+    plan = _rooted(call, header, root, ins or [], out, to_root=False)
+    plan.confirm_peers(call.world, header)
+    call.mesh.run(plan, call.what(OpCode.SCATTER))
+
+
+def _rooted(
+    call: Call,
+    header: Header,
+    root: int,
+    pieces: Sequence[torch.Tensor],
+    mine: torch.Tensor,
+    *,
+    to_root: bool,
+) -> Plan:
+    """The plan of a direct move between the root and every other rank, each link
+    opened with ``header``: to the root (rank p's ``mine`` lands in the root's
+    ``pieces[p]``) or from it (the root's ``pieces[p]`` lands in rank p's ``mine``)."""
+    r = call.rank
+    plan = Plan(r)
+    if r == root:
+        for p in range(call.world):
+            if p == r:
+                continue
+            plan.open(p, header, send=not to_root, recv=to_root)
+            if to_root:
+                plan.recv(p, bytes_of(pieces[p]))
+            else:
+                plan.send(p, bytes_of(pieces[p]))
     else:
-        exchange(call, OpCode.SCATTER, out.dtype, {}, {root: out}, aux=root)
+        plan.open(root, header, send=to_root, recv=not to_root)
+        if to_root:
+            plan.send(root, bytes_of(mine))
+        else:
+            plan.recv(root, bytes_of(mine))
+    return plan

@@ -89,13 +89,22 @@ def allreduce_star(
         plan.open(ROOT, header)
         plan.send(ROOT, raw)
         plan.recv(ROOT, raw)
-        call.mesh.run(plan, call.what(op))
-        return
-    segs, reduced = gather_reduce(call, plan, buf, red, ROOT, header, replies=True)
-    size = buf.element_size()
-    for p in range(1, n):
-        for k, (a, b) in enumerate(segs):
-            plan.send(p, raw[a * size : b * size], is_set(reduced, k))
+    else:
+        segs, reduced = gather_reduce(call, plan, buf, red, ROOT, header, replies=True)
+        size = buf.element_size()
+        for p in range(1, n):
+            for k, (a, b) in enumerate(segs):
+                plan.send(p, raw[a * size : b * size], is_set(reduced, k))
+    if buf.numel():
+        # A leaf's answer leaves the root only once every leaf's data (after
+        # its header) has arrived there, so a leaf that completes has seen
+        # every rank's call agree. The neighbour headers make a rank running
+        # another plan for this call (a ring) meet this one.
+        plan.confirm_neighbours(n, header)
+    else:
+        # No data: the answer is the header alone, which proves nothing
+        # about the other leaves; every rank confirms with every other.
+        plan.confirm_peers(n, header)
     call.mesh.run(plan, call.what(op))
 
 
