@@ -36,8 +36,10 @@ group's usual ones):
 Bytes on the wire, per rank r, with ``b_p = 8 * ndim + nnz_p * (8 *
 sparse_dim + row_bytes)`` rounded up to 8: it sends ``(N - 1) * (48 + b_r)``
 and receives ``sum over p != r of (48 + b_p)``, plus a 32-byte header per
-link direction and exchange. Both exchanges are direct (1 hop each, nothing
-relayed). A ring all-gather would move the same total (each rank's payload
+link direction and exchange (and, with N > 2, a 32-byte acknowledgement).
+Both exchanges are ``algorithms.alltoall`` with this rank's piece to every
+peer (1 hop each, 2 with N > 2 for the acknowledgement; nothing relayed).
+A ring all-gather would move the same total (each rank's payload
 still crosses N - 1 links) in N - 1 hops; it balances the load only when one
 rank's nnz dwarfs the others', which DDP's sparse gradients (one batch per
 rank) do not do. A reduce-scatter is not possible: which indices the result
@@ -61,7 +63,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .algorithms import Call, exchange
+from .algorithms import Call, alltoall
 from .errors import CollectiveMismatchError
 from .reduce_ops import SUPPORTED_DTYPES, Kind, Reduction
 from .staging import Staging
@@ -69,9 +71,8 @@ from .wire import CODE_DTYPE, DTYPE_CODE, OpCode
 
 CALL = "allreduce"
 _INT64_MAX = (1 << 63) - 1
-# Header ``aux`` of each exchange, so that the two rounds can never be taken
-# one for the other.
-_ROUND_RECORD, _ROUND_PAYLOAD = 1, 2
+# The two rounds can never be taken one for the other: their headers differ
+# in dtype (int64 records, uint8 payloads).
 
 
 class SparseGroup(Protocol):
@@ -213,15 +214,8 @@ def _exchange_records(call: Call, mine: Record) -> list[Record]:
     fields = len(mine)
     table = call.scratch.get("sparse_records", n * fields, torch.int64).view(n, fields)
     table[r] = torch.tensor(mine, dtype=torch.int64)
-    peers = [p for p in range(n) if p != r]
-    exchange(
-        call,
-        OpCode.SPARSE_ALLREDUCE,
-        torch.int64,
-        {p: table[r] for p in peers},
-        {p: table[p] for p in peers},
-        aux=_ROUND_RECORD,
-    )
+    # Every rank's record to every rank: an all-to-all whose pieces out are all ours.
+    alltoall(call, [table[r]] * n, [table[p] for p in range(n)], OpCode.SPARSE_ALLREDUCE)
     records = [Record(*row) for row in table.tolist()]
     if any(rec.layout != mine.layout for rec in records):
         raise CollectiveMismatchError(
@@ -241,15 +235,7 @@ def _exchange_payloads(call: Call, local: torch.Tensor, records: list[Record]) -
         chunks.append(flat[at : at + size])
         at += size
     _pack(chunks[r], local, records[r])
-    peers = [p for p in range(n) if p != r]
-    exchange(
-        call,
-        OpCode.SPARSE_ALLREDUCE,
-        torch.uint8,
-        {p: chunks[r] for p in peers},
-        {p: chunks[p] for p in peers},
-        aux=_ROUND_PAYLOAD,
-    )
+    alltoall(call, [chunks[r]] * n, chunks, OpCode.SPARSE_ALLREDUCE)
     parts = [_unpack(chunk, rec) for chunk, rec in zip(chunks, records, strict=True)]
     if any(part.shape != parts[r].shape for part in parts):
         raise CollectiveMismatchError(
