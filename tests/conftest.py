@@ -114,6 +114,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment env:// reads for one rank of a job whose store rank 0
+    hosts on 127.0.0.1:``port`` (as a launcher without torchrun would set it)."""
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+
+
 def torchrun(
     script: str | Path,
     nproc: int,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, make_groups
+from conftest import free_port, make_groups, rank_env
 
 from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
 
@@ -34,20 +34,16 @@ BLAME = REPO / "tests" / "scripts" / "blame.py"
 def run_blame(mode: str, victim: int, world: int = 3, timeout_s: float = 3.0) -> dict[int, tuple]:
     """Run tests/scripts/blame.py on ``world`` processes under env:// (rank 0 hosts
     the store); returns each survivor's (error class, culprit, message)."""
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
+    port = free_port()
+    extra = dict(
         TIMEOUT_S=str(timeout_s),
         ENTRENAR_ALGORITHM="star" if mode == "stall" else "auto",
-        OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     procs = [
         subprocess.Popen(
             [sys.executable, str(BLAME), mode, str(victim)],
-            env=dict(env, RANK=str(r)),
+            env=rank_env(r, world, port, **extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

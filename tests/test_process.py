@@ -5,7 +5,6 @@ Each test has a timeout and the subprocesses have their own, so a hang fails.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, torchrun
+from conftest import REPO, free_port, rank_env, torchrun
 
 SCRIPTS = REPO / "tests" / "scripts"
 pytestmark = pytest.mark.slow
@@ -80,16 +79,7 @@ def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TIMEOUT_S=str(timeout_s),
-            OMP_NUM_THREADS="1",
-        )
+        env = rank_env(rank, world, port, TIMEOUT_S=str(timeout_s))
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(SCRIPTS / "fault.py"), mode],
@@ -156,16 +146,7 @@ def test_a_mismatched_last_broadcast_fails_every_process(world: int, mode: str) 
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TIMEOUT_S="20",
-            OMP_NUM_THREADS="1",
-        )
+        env = rank_env(rank, world, port, TIMEOUT_S="20")
         cmd = [sys.executable, str(SCRIPTS / "last_call.py"), mode]
         procs.append(
             subprocess.Popen(
