@@ -318,8 +318,19 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         ``(tensor, op=SUM, timeout=None)``: torch's three forms (overloads.py)."""
         (tensors,), opts = normalize("allreduce", args, kwargs, self._rank)
         if sparse.is_sparse_call(tensors):  # before the dense-only checks
-            return sparse.allreduce(self, tensors, opts)
+            return self._allreduce_sparse(tensors, opts)
         return self._allreduce_many("allreduce", tensors, opts)
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``allreduce([sparse COO])``: checked here, then one job (entrenar_pg.sparse)."""
+        where = self._where("allreduce")
+        self._validate("allreduce", [])  # a destroyed or broken group refuses first
+        t = sparse.the_tensor(where, tensors)
+        nbytes = sparse.payload_nbytes(where, t, self._reduction("allreduce", opts, t.dtype))
+        job = sparse.SparseAllreduce(t)
+        return self._launch(
+            OpCode.SPARSE_ALLREDUCE, self._staging(t.device), nbytes, job, [t], opts=opts
+        )
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         """``(tensors, opts=None)``; also ``(tensors, op=SUM, timeout=None)`` (torchft)."""

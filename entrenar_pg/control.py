@@ -173,9 +173,9 @@ class ControlChannel:
         except OSError:
             pass  # the peer is gone; its own end says so
 
-    def abort_record(self, peer: int) -> AbortRecord | None:
-        """The abort ``peer`` sent, if one has been read."""
-        return self._peers[peer].abort
+    def has_ended(self, peer: int) -> bool:
+        """True once ``peer``'s control link is closed (it will say no more)."""
+        return self._peers[peer].ended is not None
 
     def how_ended(self, peer: int, wait_s: float) -> AbortRecord | str | None:
         """Why ``peer``'s links closed: its abort record, LEFT or DIED; None if it

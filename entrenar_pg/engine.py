@@ -257,16 +257,14 @@ class Engine:
             other.future.set_exception(self.broken_error(f"{other.kind}#{other.seq}"))
 
     def abort(self, error: EntrenarError) -> None:
-        """Break the group with ``error`` (unless it failed already) and stop the thread.
-
-        Queued jobs fail with it; the running one fails once its links are
-        gone (the caller drops them next). Does not wait for the thread.
-        """
+        """Break the group with ``error`` (unless it failed already): ``errored()``
+        says so at once, and every job that runs from now on fails with it. The
+        running one fails once its links are gone; ``shutdown`` then stops the
+        thread (the caller does both, in that order)."""
         with self._mutex:
             if self._error is None:
                 self._error = error
                 self._failed_at = "abort()"
-        self.shutdown(timeout_s=0.0)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop after the running job; queued jobs fail. Idempotent."""

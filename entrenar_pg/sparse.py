@@ -59,41 +59,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from .algorithms import Call, alltoall
 from .errors import CollectiveMismatchError
 from .reduce_ops import SUPPORTED_DTYPES, Kind, Reduction
-from .staging import Staging
 from .wire import CODE_DTYPE, DTYPE_CODE, OpCode
 
 CALL = "allreduce"
 _INT64_MAX = (1 << 63) - 1
 # The two rounds can never be taken one for the other: their headers differ
 # in dtype (int64 records, uint8 payloads).
-
-
-class SparseGroup(Protocol):
-    """What this module uses of ``EntrenarProcessGroup`` (backend.py)."""
-
-    def _where(self, call: str) -> str: ...
-    def _validate(
-        self, call: str, tensors: Sequence[Any], *, same_dtype: bool = True
-    ) -> torch.device: ...
-    def _reduction(self, call: str, opts: Any, dtype: torch.dtype) -> Reduction: ...
-    def _staging(self, device: torch.device) -> Staging: ...
-    def _launch(
-        self,
-        kind: OpCode,
-        staging: Staging,
-        nbytes: int,
-        body: Any,
-        result: Any,
-        *,
-        opts: Any = None,
-    ) -> Any: ...
 
 
 _SPARSE_COO = torch.sparse_coo
@@ -111,10 +89,8 @@ def is_sparse_call(tensors: Any) -> bool:
         return False
 
 
-def allreduce(group: SparseGroup, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-    """``group.allreduce([sparse])``: validate in the caller's thread, then run as one job."""
-    where = group._where(CALL)
-    group._validate(CALL, [])  # a destroyed or broken group refuses first
+def the_tensor(where: str, tensors: Any) -> torch.Tensor:
+    """The one sparse tensor of a ``[sparse]`` allreduce; raises before anything is sent."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
     if len(tensors) != 1:
@@ -130,7 +106,11 @@ def allreduce(group: SparseGroup, tensors: list[torch.Tensor], opts: Any = None)
         )
     if t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{where}: dtype {t.dtype} is not supported by entrenar")
-    red = group._reduction(CALL, opts, t.dtype)
+    return t
+
+
+def payload_nbytes(where: str, t: torch.Tensor, red: Reduction) -> int:
+    """Check the op and the index range; the bytes this rank contributes."""
     if red.kind is not Kind.SUM:
         raise ValueError(
             f"{where}: sparse tensors can only be allreduced with ReduceOp.SUM, got "
@@ -138,11 +118,7 @@ def allreduce(group: SparseGroup, tensors: list[torch.Tensor], opts: Any = None)
         )
     if math.prod(t.shape[: t.sparse_dim()]) > _INT64_MAX:
         raise ValueError(f"{where}: the sparse dimensions {tuple(t.shape)} overflow int64 indices")
-    nbytes = t._indices().numel() * 8 + t._values().numel() * t.element_size()
-    job = SparseAllreduce(t)
-    return group._launch(
-        OpCode.SPARSE_ALLREDUCE, group._staging(t.device), nbytes, job, [t], opts=opts
-    )
+    return int(t._indices().numel() * 8 + t._values().numel() * t.element_size())
 
 
 class Record(NamedTuple):

@@ -651,7 +651,7 @@ class Mesh:
         peer = self.control.peer_of(fd)
         if record is not None and peer is not None:
             raise self._closed_error(peer, what, record)
-        if peer is not None and self.control.how_ended(peer, 0.0) is not None:
+        if peer is not None and self.control.has_ended(peer):
             self._poller.unregister(fd)  # its end is closed: it says no more
 
     def _stalled_error(
