@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from entrenar_pg import bench
+from benchmarks import bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_rotation_and_busbw_factor() -> None:
 def test_quick_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "entrenar_pg.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -9,7 +9,8 @@ and nothing else: no bytes move and the ranks never wait for each other. No
 backend can be faster; the bench reports this row so that a backend's step
 time reads against what is possible at all on the machine (``step - floor``
 is what communication costs). Results are wrong by design (replicas drift
-apart): it is for timing only and is registered only by the bench.
+apart): it is for timing only and is registered only by the bench, under its
+own backend name, in each worker process that asks for it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .work import EntrenarWork
-
 BACKEND = "bench_floor"
+
+
+class DoneWork(dist.Work):
+    """A Work that is complete from the start: ``wait()`` returns, the future holds ``value``."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._future.set_result(value)
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
 
 
 class FloorProcessGroup(dist.ProcessGroup):
@@ -29,31 +49,28 @@ class FloorProcessGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)
-        self._rank = rank
 
-    def _done(self, value: Any) -> EntrenarWork:
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        fut.set_result(value)
-        return EntrenarWork(fut, "floor", self._rank)
+    def _done(self, value: Any) -> DoneWork:
+        return DoneWork(value)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> EntrenarWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DoneWork:
         return self._done(tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> EntrenarWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> DoneWork:
         return self._done(tensors)
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> EntrenarWork:
+    ) -> DoneWork:
         for out, inp in zip(outputs, inputs, strict=True):
             for o in out:
                 o.copy_(inp)
         return self._done(outputs)
 
-    def barrier(self, opts: Any = None) -> EntrenarWork:
+    def barrier(self, opts: Any = None) -> DoneWork:
         return self._done([])
 
 

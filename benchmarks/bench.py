@@ -1,11 +1,11 @@
 """Benchmark: entrenar vs gloo (vs raw TCP, vs MPI) allreduce, and a DDP training step.
 
-Run ``python -m entrenar_pg.bench`` (``--help`` for the flags; ``--quick`` is the
-sub-minute smoke run CI uses). One multi-process run per world size creates one
-process group per variant (gloo, entrenar ring/star/auto/deterministic) plus a
-raw-socket pair and interleaves them, rotating the order each round
-(A B C, B C A, C A B, ...), so slow drift of a shared machine hits every variant
-alike.
+Run ``python -m benchmarks.bench`` from the repository root (``--help`` for the
+flags; ``--quick`` is the sub-minute smoke run CI uses). One multi-process run
+per world size creates one process group per variant (gloo, entrenar
+ring/star/auto/deterministic) plus a raw-socket pair and interleaves them,
+rotating the order each round (A B C, B C A, C A B, ...), so slow drift of a
+shared machine hits every variant alike.
 
 Definitions (nccl-tests): a sample is one blocking ``all_reduce`` call timed with
 ``perf_counter`` on every rank; the reported sample is the *maximum over ranks*
@@ -50,7 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-log = logging.getLogger("entrenar_pg.bench")
+from benchmarks import floor
+
+log = logging.getLogger("benchmarks.bench")
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -90,7 +92,7 @@ FLOOR = "floor (no comm)"
 
 # DDP step variants (the entrenar ones when entrenar is available). The floor
 # is a reference, not a contestant: a backend that moves nothing
-# (entrenar_pg/_bench_floor.py), so a step's distance above it is what
+# (benchmarks/floor.py), so a step's distance above it is what
 # communication costs.
 DDP_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
@@ -99,7 +101,7 @@ DDP_VARIANTS: tuple[Variant, ...] = (
     # The opt-in that runs DDP's async bucket allreduces in the autograd thread
     # (no comm-thread hand-off; see Options.inline_max_bytes for its hazard).
     Variant("entrenar-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 64 << 20}),
-    Variant(FLOOR, "bench_floor"),
+    Variant(FLOOR, floor.BACKEND),
 )
 
 DEFAULT_SIZES = "4K:256M:x4"
@@ -381,12 +383,10 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
     ranks = list(range(world))
     if variant.backend == "gloo":
         return dist.new_group(ranks, backend="gloo")
-    if variant.backend == "bench_floor":
-        from entrenar_pg import _bench_floor
-
-        _bench_floor.register()
-        return dist.new_group(ranks, backend=_bench_floor.BACKEND)
-    from entrenar_pg.config import Options
+    if variant.backend == floor.BACKEND:
+        floor.register()
+        return dist.new_group(ranks, backend=floor.BACKEND)
+    from entrenar_pg import Options
 
     return dist.new_group(ranks, backend="entrenar", pg_options=Options.from_env(**variant.options))
 
@@ -593,15 +593,12 @@ def _ddp(
 
 
 def _checker_active(group: dist.ProcessGroup) -> bool | None:
-    """Whether an entrenar group runs its contract checker (None: cannot tell)."""
-    backend: object = group
-    if not hasattr(backend, "checker"):
-        try:
-            backend = group._get_backend(torch.device("cpu"))
-        except RuntimeError:
-            return None
-    checker = getattr(backend, "checker", False)
-    return None if checker is False else checker is not None
+    """Whether an entrenar group runs its contract checker (None: not an entrenar group)."""
+    from entrenar_pg import EntrenarProcessGroup
+
+    if not isinstance(group, EntrenarProcessGroup):
+        return None
+    return group.checker is not None
 
 
 def _checker_stats(checker: Any) -> dict[str, float]:
@@ -743,7 +740,7 @@ def run_mpi(world: int, cfg: BenchConfig, mpiexec: str, tcp: bool) -> dict[str, 
         "-n",
         str(world),
         sys.executable,
-        str(Path(__file__).with_name("_bench_mpi.py")),  # by path: no torch, no entrenar_pg
+        str(Path(__file__).with_name("mpi.py")),  # by path: no torch, no entrenar_pg
         "--plan",
         plan,
     ]
@@ -1179,7 +1176,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     """Turn command-line flags into a :class:`BenchConfig`."""
     p = argparse.ArgumentParser(
-        prog="python -m entrenar_pg.bench",
+        prog="python -m benchmarks.bench",
         description="Allreduce sweep and DDP step: entrenar vs gloo vs raw TCP (vs MPI).",
     )
     p.add_argument("--world-sizes", default=None, help="comma list (default 2,4; --quick: 2)")
@@ -1264,7 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Re-import under the package name so spawned workers unpickle
-    # entrenar_pg.bench._worker, not __main__._worker.
-    from entrenar_pg.bench import main as _main
+    # benchmarks.bench._worker, not __main__._worker.
+    from benchmarks.bench import main as _main
 
     sys.exit(_main())

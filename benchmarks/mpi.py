@@ -1,7 +1,7 @@
-"""MPI allreduce timings for ``python -m entrenar_pg.bench`` (the MPI column).
+"""MPI allreduce timings for ``python -m benchmarks.bench`` (the MPI column).
 
-Run by the benchmark as ``mpiexec -n N python .../entrenar_pg/_bench_mpi.py --plan
-SIZE:ROUNDS:PER_BLOCK:WARMUP,...`` (by path, so that neither the package nor
+Run by the benchmark as ``mpiexec -n N python .../benchmarks/mpi.py --plan
+SIZE:ROUNDS:PER_BLOCK:WARMUP,...`` (by path, so that neither entrenar_pg nor
 torch is imported and the ranks start quickly); rank 0 prints one JSON line on stdout:
 ``{"library": ..., "world_size": N, "times": {"SIZE": [seconds, ...]}}``, one
 time per timed iteration, each the maximum over ranks of that iteration's
