@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import socket
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ def tree_sum(xs: Sequence[T]) -> T:
 
     ``tree(xs) = xs[0] if len(xs) == 1 else tree(xs[:m]) + tree(xs[m:])`` with
     ``m = (len(xs) + 1) // 2``; for four terms ``((x0 + x1) + (x2 + x3))``. This is
-    the order in which ``ENTRENAR_DETERMINISTIC=1`` sums across ranks, so summing
+    the order in which entrenar's deterministic mode sums across ranks, so summing
     the micro-batches of a rank with it and then across ranks with the backend
     gives the same bits as summing all micro-batches on one rank, whenever the
     world size and the micro-batches per rank are powers of two. Kept here
@@ -57,6 +57,20 @@ def load_backend(backend: str) -> None:
                 "backend 'entrenar' needs the entrenar_pg package: run `pip install -e .` "
                 "in the repository, or run from the repository root"
             ) from e
+
+
+def group_options(backend: str, deterministic: bool) -> Any:
+    """The ``pg_options`` for ``init_process_group``: entrenar's ``Options``, else None.
+
+    The ``ENTRENAR_*`` environment still applies (``Options.from_env``); only
+    what the trainer itself decides (deterministic reductions) is set on top.
+    Other backends get None: their defaults.
+    """
+    if backend != "entrenar":
+        return None
+    from entrenar_pg import Options
+
+    return Options.from_env(deterministic=True) if deterministic else Options.from_env()
 
 
 def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, float]:

@@ -22,11 +22,12 @@ the data (wrapping around); worker ``r`` of ``N`` owns micro-batches
 
 Deterministic mode (default): each worker computes one gradient per
 micro-batch, sums them in the canonical pairwise tree, the workers sum those
-with one ``all_reduce`` (entrenar with ``ENTRENAR_DETERMINISTIC=1`` sums across
-ranks in the same tree), and the sum is scaled by ``1/M``. With ``M`` and ``N``
-powers of two that is the same floating-point expression for every ``N``, so
-the weights are bit-identical across world sizes. Over gloo the cross-rank sum
-order is gloo's own, so expect differences in the last bits at some ``N``.
+with one ``all_reduce`` (entrenar with ``Options(deterministic=True)``, passed
+as ``pg_options``, sums across ranks in the same tree), and the sum is scaled
+by ``1/M``. With ``M`` and ``N`` powers of two that is the same floating-point
+expression for every ``N``, so the weights are bit-identical across world
+sizes. Over gloo the cross-rank sum order is gloo's own, so expect differences
+in the last bits at some ``N``.
 
 ``--no-deterministic``: the usual DistributedDataParallel recipe: each worker
 takes the mean over all its rows at once and DDP averages across workers;
@@ -41,7 +42,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: use this checkout
@@ -53,7 +54,14 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.common import free_port, is_power_of_two, load_backend, param_hash, tree_sum
+from trainer.common import (
+    free_port,
+    group_options,
+    is_power_of_two,
+    load_backend,
+    param_hash,
+    tree_sum,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +78,6 @@ class LinRegConfig:
     seed: int = 0
     json: str = ""
     start_method: str = "fork" if sys.platform == "linux" else "spawn"
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def make_data(cfg: LinRegConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +99,12 @@ def worker(rank: int, world: int, port: int, cfg: LinRegConfig, out_path: str) -
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
-    os.environ.update(cfg.extra_env)
     if cfg.deterministic:
-        os.environ["ENTRENAR_DETERMINISTIC"] = "1"
         torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     load_backend(cfg.backend)
-    dist.init_process_group(cfg.backend, rank=rank, world_size=world)
+    pg_options = group_options(cfg.backend, cfg.deterministic)
+    dist.init_process_group(cfg.backend, rank=rank, world_size=world, pg_options=pg_options)
     try:
         x, y = make_data(cfg)
         torch.manual_seed(cfg.seed + 1)

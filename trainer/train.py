@@ -55,10 +55,11 @@ dropout does not depend on the rank.
 - ``--deterministic``: each micro-batch's gradient is computed separately,
   the rank's gradients are summed in the canonical pairwise tree
   (``tree_sum``), flattened into one buffer and summed across ranks with one
-  ``all_reduce`` (entrenar with ``ENTRENAR_DETERMINISTIC=1`` sums across ranks
-  in the same tree), then scaled by ``1/M``. With ``M`` and ``N`` powers of two
-  the sum is the same tree over all ``M`` micro-batches whatever ``N``, and the
-  scaling is exact, so parameters are bit-identical across world sizes.
+  ``all_reduce`` (entrenar with ``Options(deterministic=True)``, which the
+  trainer passes as ``pg_options``, sums across ranks in the same tree), then
+  scaled by ``1/M``. With ``M`` and ``N`` powers of two the sum is the same
+  tree over all ``M`` micro-batches whatever ``N``, and the scaling is exact,
+  so parameters are bit-identical across world sizes.
   Preconditions: deterministic kernels (set here with
   ``torch.use_deterministic_algorithms(True)``), one intra-op thread per
   process (set here), identical hardware/software on every worker, and a
@@ -93,6 +94,7 @@ from trainer.common import (
     BACKENDS,
     comm_stats,
     free_port,
+    group_options,
     is_power_of_two,
     load_backend,
     param_hash,
@@ -345,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     master = rank == 0
 
     if cfg.deterministic:
-        # Must be set before the group is created: the backend reads it once.
-        os.environ["ENTRENAR_DETERMINISTIC"] = "1"
+        # cuBLAS reads this from the environment (deterministic GEMMs); not an entrenar option.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         threads = 1
@@ -361,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     # An ordinary init: entrenar namespaces its store keys by torchrun's restart
     # count itself, so a restarted attempt never reads a dead attempt's addresses.
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group(backend=cfg.backend, timeout=timeout)
+    # entrenar's deterministic reductions are an option of the group, passed here.
+    pg_options = group_options(cfg.backend, cfg.deterministic)
+    dist.init_process_group(backend=cfg.backend, timeout=timeout, pg_options=pg_options)
 
     # -- global batch geometry ------------------------------------------------
     M = cfg.micro_batches or cfg.grad_accum * world
