@@ -17,6 +17,14 @@ once on one TCP_NODELAY socket with default buffers; GB/s is bytes / time, each
 way (comparable with the busbw of an allreduce at n = 2, which moves the same
 bytes each way). 1 GB = 1e9 bytes.
 
+Before/after (``--baseline-tree DIR``): every world size runs
+``--baseline-rounds`` pairs of runs, one whose workers import this checkout's
+``entrenar_pg`` and one whose workers import a copy of ``DIR/entrenar_pg``
+(A B B A ...); the second's entrenar variants are named ``<variant>@baseline``,
+gloo, raw TCP and the floor pool the samples of both, and the report adds
+``new / baseline`` median-time ratios. Everything else in a worker (this
+module, ``trainer.model``, torch) is the same in both.
+
 Outputs (``--out DIR``): ``bench.json``, ``results.md`` (markdown tables),
 ``allreduce_busbw.png``, ``allreduce_latency.png``; a text table on stdout.
 """
@@ -24,6 +32,7 @@ Outputs (``--out DIR``): ``bench.json``, ``results.md`` (markdown tables),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -40,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +72,7 @@ RAW = "raw-tcp"
 MPI_SHM = "mpi"
 MPI_TCP = "mpi-tcp"
 GLOO = "gloo"
+BASELINE = "@baseline"  # suffix of the variants run on the --baseline-tree's entrenar_pg
 EXIT_GRACE_S = 20.0  # how long ranks may take to exit once all have written their results
 
 
@@ -129,6 +139,8 @@ class BenchConfig:
     op_timeout_s: float = 120.0
     quick: bool = False
     entrenar: bool = True
+    baseline_tree: str = ""
+    baseline_rounds: int = 2
     out: str = "bench_out"
 
     def to_json(self) -> dict[str, Any]:
@@ -612,8 +624,11 @@ def _worker(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path
     cfg = BenchConfig.from_json(cfg_json)
     torch.set_num_threads(1)
     variants = [SWEEP_VARIANTS[a] for a in cfg.algos]
+    entrenar_file = ""
     if cfg.entrenar:
-        import entrenar_pg  # noqa: F401  (registers the backend)
+        import entrenar_pg  # registers the backend
+
+        entrenar_file = str(entrenar_pg.__file__)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -641,6 +656,7 @@ def _worker(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path
             "raw": raw_times,
             "ddp": ddp_times,
             "ddp_info": ddp_info,
+            "entrenar_pg_file": entrenar_file,
         }
         tmp_path = out_path + ".tmp"
         Path(tmp_path).write_text(json.dumps(result))
@@ -677,8 +693,31 @@ def _kill_all(procs: Iterable[mp.process.BaseProcess]) -> None:
             p.join(timeout=5)
 
 
-def run_world(world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks, wait (bounded by ``cfg.timeout_s``), return each rank's result."""
+@contextlib.contextmanager
+def _first_on_sys_path(path: str | None) -> Iterator[None]:
+    """Put ``path`` first on ``sys.path`` for the duration (nothing if None).
+
+    A spawned child takes the parent's ``sys.path`` as it was at ``start()``
+    and installs it before it imports anything (its ``__main__``, this module,
+    torch, whose ``torch.backends`` entry point imports ``entrenar_pg``), so a
+    package found first there is the one every import in the child resolves to.
+    The parent's own modules are already imported and stay as they are.
+    """
+    if path is None:
+        yield
+        return
+    sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        sys.path.remove(path)
+
+
+def run_world(world: int, cfg: BenchConfig, import_root: str | None = None) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks, wait (bounded by ``cfg.timeout_s``), return each rank's result.
+
+    ``import_root``: a directory the workers search first for ``entrenar_pg``.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="entrenar_bench_") as tmp:
@@ -692,8 +731,9 @@ def run_world(world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
             for r in range(world)
         ]
         try:
-            for p in procs:
-                p.start()
+            with _first_on_sys_path(import_root):
+                for p in procs:
+                    p.start()
             deadline = time.monotonic() + cfg.timeout_s
             done_at: float | None = None
             while any(p.exitcode is None for p in procs):
@@ -836,9 +876,9 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def git_revision() -> str:
-    """``<short sha>[+dirty]`` of the checkout this module lives in, or ``""``."""
-    repo = Path(__file__).resolve().parents[1]
+def git_revision(repo: Path | None = None) -> str:
+    """``<short sha>[+dirty]`` of ``repo`` (default: this module's checkout), or ``""``."""
+    repo = repo or Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -851,6 +891,139 @@ def git_revision() -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return sha + ("+dirty" if dirty else "")
+
+
+# ---------------------------------------------------------------------------
+# Before/after: this checkout's entrenar_pg against another tree's
+# ---------------------------------------------------------------------------
+
+# Every variant whose samples depend on which entrenar_pg the workers import.
+ENTRENAR_VARIANT_NAMES = frozenset(
+    v.name for v in (*SWEEP_VARIANTS.values(), *DDP_VARIANTS) if v.backend == "entrenar"
+)
+
+
+def copy_baseline_package(tree: str, dest: str) -> str:
+    """Copy ``tree/entrenar_pg`` (no bytecode) under ``dest``; returns the import root.
+
+    A copy, not the tree itself on ``sys.path``: only the package under test
+    comes from the baseline (this module and ``trainer.model`` stay the
+    checkout's), and the baseline tree is only read, never written (bytecode).
+    """
+    src = Path(tree) / "entrenar_pg"
+    if not (src / "__init__.py").is_file():
+        raise BenchError(f"--baseline-tree {tree}: no entrenar_pg package there")
+    shutil.copytree(src, Path(dest) / "entrenar_pg", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def mark_baseline(rank_result: dict[str, Any]) -> dict[str, Any]:
+    """A worker's result with its entrenar variants renamed ``<name>@baseline``."""
+
+    def rename(name: str) -> str:
+        return name + BASELINE if name in ENTRENAR_VARIANT_NAMES else name
+
+    def rename_keys(d: dict[str, Any]) -> dict[str, Any]:
+        return {rename(k): v for k, v in d.items()}
+
+    out = dict(rank_result)
+    out["allreduce"] = {
+        f"{rename(name)}|{size}": v
+        for key, v in rank_result["allreduce"].items()
+        for name, size in [key.split("|")]
+    }
+    out["ddp"] = rename_keys(rank_result["ddp"])
+    info = dict(rank_result["ddp_info"])
+    for k in ("check_active", "checker_stats"):
+        if k in info:
+            info[k] = rename_keys(info[k])
+    out["ddp_info"] = info
+    return out
+
+
+def merge_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One rank's results of two runs as one: the samples of each key concatenated."""
+    out = copy.deepcopy(a)
+    for section in ("allreduce", "raw", "ddp"):
+        for key, samples in b[section].items():
+            out[section].setdefault(key, []).extend(samples)
+    for k in ("check_active", "checker_stats"):
+        if k in b["ddp_info"]:
+            out["ddp_info"].setdefault(k, {}).update(b["ddp_info"][k])
+    return out
+
+
+def run_world_vs_baseline(
+    world: int, cfg: BenchConfig, baseline_root: str
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """``cfg.baseline_rounds`` pairs of runs (this checkout, baseline; A B B A ...), merged.
+
+    Returns each rank's merged result and the ``entrenar_pg`` file each side's
+    rank 0 imported, checked: the baseline runs must have imported the copy
+    under ``baseline_root``, the others must not have.
+    """
+    root = Path(baseline_root).resolve()
+    merged: list[dict[str, Any]] = []
+    files: dict[str, str] = {}
+    for r in range(cfg.baseline_rounds):
+        for is_base in (False, True) if r % 2 == 0 else (True, False):
+            side = "baseline" if is_base else "new"
+            log.info("world size %d: round %d, %s entrenar_pg ...", world, r + 1, side)
+            ranks = run_world(world, cfg, baseline_root if is_base else None)
+            for rank, res in enumerate(ranks):
+                got = Path(res["entrenar_pg_file"]).resolve()
+                if got.is_relative_to(root) != is_base:
+                    raise BenchError(
+                        f"world size {world}: rank {rank} of a {side} run imported "
+                        f"entrenar_pg from {got} (baseline copy: {root})"
+                    )
+            files[side] = ranks[0]["entrenar_pg_file"]
+            if is_base:
+                ranks = [mark_baseline(x) for x in ranks]
+            merged = (
+                [merge_runs(a, b) for a, b in zip(merged, ranks, strict=True)] if merged else ranks
+            )
+    return merged, files
+
+
+def add_baseline_ratios(rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
+    """``time_vs_baseline`` (median time of X over X@baseline, same ``key`` fields) on X's rows."""
+    by_key = {(r["variant"], *(r[k] for k in key)): r for r in rows}
+    for r in rows:
+        base = by_key.get((r["variant"] + BASELINE, *(r[k] for k in key)))
+        if base is not None:
+            r["time_vs_baseline"] = r["median_s"] / base["median_s"]
+
+
+def _measure_worlds(
+    cfg: BenchConfig, result: dict[str, Any], mpiexec: str | None, baseline_root: str | None
+) -> None:
+    """Every world size's runs (and MPI runs), their rows appended to ``result``."""
+    notes = result["meta"]["notes"]
+    order = [SWEEP_VARIANTS[a].name for a in cfg.algos]
+    if baseline_root is not None:
+        order = [x for name in order for x in (name, name + BASELINE)]
+    for world in cfg.world_sizes:
+        log.info("world size %d: %d sizes x %d variants ...", world, len(cfg.sizes), len(order))
+        if baseline_root is None:
+            ranks = run_world(world, cfg)
+        else:
+            ranks, files = run_world_vs_baseline(world, cfg, baseline_root)
+            result["meta"]["baseline"].setdefault("entrenar_pg_file", {})[world] = files
+        part = combine_world(world, ranks, order)
+        for k in ("allreduce", "raw_tcp", "ddp"):
+            result[k].extend(part[k])
+        if mpiexec is not None:
+            for name, tcp in ((MPI_SHM, False), (MPI_TCP, True)):
+                log.info("world size %d: %s ...", world, name)
+                try:
+                    mres = run_mpi(world, cfg, mpiexec, tcp)
+                except (BenchError, subprocess.TimeoutExpired) as e:
+                    notes.append(f"{name} N={world} failed: {e}")
+                    continue
+                result["meta"].setdefault("mpi_library", mres["library"])
+                for size_s, samples in mres["times"].items():
+                    result["mpi"].append(_row(world, name, int(size_s), samples))
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -884,26 +1057,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "mpi": [],
         "ddp": [],
     }
-    for world in cfg.world_sizes:
-        log.info("world size %d: %d sizes x %d variants ...", world, len(cfg.sizes), len(algos))
-        order = [SWEEP_VARIANTS[a].name for a in algos]
-        part = combine_world(world, run_world(world, cfg), order)
-        for k in ("allreduce", "raw_tcp", "ddp"):
-            result[k].extend(part[k])
-        if mpiexec is not None:
-            for name, tcp in ((MPI_SHM, False), (MPI_TCP, True)):
-                log.info("world size %d: %s ...", world, name)
-                try:
-                    mres = run_mpi(world, cfg, mpiexec, tcp)
-                except (BenchError, subprocess.TimeoutExpired) as e:
-                    notes.append(f"{name} N={world} failed: {e}")
-                    continue
-                result["meta"].setdefault("mpi_library", mres["library"])
-                for size_s, samples in mres["times"].items():
-                    result["mpi"].append(_row(world, name, int(size_s), samples))
+    if cfg.baseline_tree:
+        if not ok:
+            raise BenchError(f"--baseline-tree needs the entrenar backend here: {why}")
+        result["meta"]["baseline"] = {
+            "tree": str(Path(cfg.baseline_tree).resolve()),
+            "git": git_revision(Path(cfg.baseline_tree)),
+        }
+        with tempfile.TemporaryDirectory(prefix="entrenar_baseline_") as tmp:
+            _measure_worlds(cfg, result, mpiexec, copy_baseline_package(cfg.baseline_tree, tmp))
+        add_baseline_ratios(result["allreduce"], ("world_size", "size_bytes"))
+        add_baseline_ratios(result["ddp"], ("world_size",))
+    else:
+        _measure_worlds(cfg, result, mpiexec, None)
     for r in result["ddp"]:
         active = r.get("check_active", {}).get(r["variant"], True)
-        if r["variant"].endswith("-check") and not active:
+        if r["variant"].removesuffix(BASELINE).endswith("-check") and not active:
             notes.append(
                 f"DDP N={r['world_size']} {r['variant']}: Options(check=True) was set but the "
                 f"group has no active contract checker (check_active={active}); the row "
@@ -1055,6 +1224,33 @@ def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     return _render(header, body, markdown)
 
 
+def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """Every entrenar variant against its ``@baseline`` twin (allreduce sizes, DDP step)."""
+    header = ["N", "what", "variant", "new", "baseline", "new/baseline", "new/gloo", "base/gloo"]
+    body = []
+    pairs = [(r, format_bytes(r["size_bytes"])) for r in result["allreduce"]]
+    pairs += [(r, "DDP step") for r in result["ddp"]]
+    rows = {(r["world_size"], what, r["variant"]): r for r, what in pairs}
+    for r, what in pairs:
+        if "time_vs_baseline" not in r:
+            continue
+        base = rows[(r["world_size"], what, r["variant"] + BASELINE)]
+        gloo_key = "time_vs_gloo" if "time_vs_gloo" in r else "step_vs_gloo"
+        body.append(
+            [
+                str(r["world_size"]),
+                what,
+                r["variant"],
+                _fmt_time(r["median_s"]),
+                _fmt_time(base["median_s"]),
+                f"{r['time_vs_baseline']:.3f}",
+                _fmt_ratio(r.get(gloo_key)),
+                _fmt_ratio(base.get(gloo_key)),
+            ]
+        )
+    return _render(header, body, markdown)
+
+
 def _render(header: list[str], body: list[list[str]], markdown: bool) -> list[str]:
     """A padded text table, or a markdown one."""
     if markdown:
@@ -1111,6 +1307,21 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
                     f"{st['steps_checked']:.0f} optimizer steps, "
                     f"{1e3 * st.get('seconds', 0.0) / st['steps_checked']:.2f} ms per step"
                 )
+    if "baseline" in meta:
+        b = meta["baseline"]
+        lines += [
+            "",
+            f"this checkout (git {meta.get('git') or '?'}) vs baseline {b['tree']} "
+            f"(git {b['git'] or '?'}): median time, new/baseline below 1 = new is faster; "
+            f"{meta['config']['baseline_rounds']} rounds of paired runs (A B B A ...)",
+            "",
+        ]
+        lines += baseline_table(result, markdown)
+        for world, files in b.get("entrenar_pg_file", {}).items():
+            lines.append(
+                f"N={world} workers imported entrenar_pg from {files.get('new')} (new) and "
+                f"{files.get('baseline')} (baseline copy)"
+            )
     for note in meta["notes"]:
         lines.append(f"note: {note}")
     return lines
@@ -1213,6 +1424,19 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         default=None,
         help="seconds allowed per world size (default 900; --quick 100)",
     )
+    p.add_argument(
+        "--baseline-tree",
+        default="",
+        metavar="DIR",
+        help="also run every entrenar variant on DIR/entrenar_pg (a copy), as <variant>@baseline,"
+        " and report new/baseline ratios",
+    )
+    p.add_argument(
+        "--baseline-rounds",
+        type=int,
+        default=2,
+        help="with --baseline-tree: pairs of runs per world size, order A B B A ... (default 2)",
+    )
     p.add_argument("--out", default="bench_out", help="output directory")
     a = p.parse_args(argv)
     algos = tuple(x.strip() for x in a.algos.split(",") if x.strip())
@@ -1237,10 +1461,19 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         timeout_s=a.timeout or (100.0 if q else 900.0),
         op_timeout_s=60.0 if q else 120.0,
         quick=q,
+        baseline_tree=a.baseline_tree,
+        baseline_rounds=a.baseline_rounds,
         out=a.out,
     )
     if any(w < 2 for w in cfg.world_sizes):
         p.error("--world-sizes must all be >= 2")
+    if (
+        cfg.baseline_tree
+        and not (Path(cfg.baseline_tree) / "entrenar_pg" / "__init__.py").is_file()
+    ):
+        p.error(f"--baseline-tree {cfg.baseline_tree}: no entrenar_pg package there")
+    if cfg.baseline_rounds < 1:
+        p.error("--baseline-rounds must be >= 1")
     return cfg
 
 

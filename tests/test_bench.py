@@ -43,6 +43,34 @@ def test_rotation_and_busbw_factor() -> None:
     assert bench.busbw_factor(4) == 1.5
 
 
+def test_baseline_runs_are_renamed_merged_and_compared() -> None:
+    def run(t: float) -> dict:
+        return {
+            "allreduce": {"gloo|4096": [t], "entrenar-auto|4096": [t]},
+            "raw": {"4096": [t]},
+            "ddp": {"gloo": [t], "entrenar-check": [t]},
+            "ddp_info": {"check_active": {"entrenar-check": True}},
+        }
+
+    base = bench.mark_baseline(run(2.0))
+    assert set(base["allreduce"]) == {"gloo|4096", "entrenar-auto@baseline|4096"}
+    assert set(base["ddp"]) == {"gloo", "entrenar-check@baseline"}
+    assert base["ddp_info"]["check_active"] == {"entrenar-check@baseline": True}
+    merged = bench.merge_runs(run(1.0), base)
+    assert merged["allreduce"]["gloo|4096"] == [1.0, 2.0]  # gloo pools both runs
+    assert merged["allreduce"]["entrenar-auto|4096"] == [1.0]
+    assert merged["allreduce"]["entrenar-auto@baseline|4096"] == [2.0]
+    assert merged["raw"]["4096"] == [1.0, 2.0]
+    rows = [
+        {"variant": "entrenar-auto", "world_size": 2, "size_bytes": 4096, "median_s": 1.0},
+        {"variant": "entrenar-auto@baseline", "world_size": 2, "size_bytes": 4096, "median_s": 4.0},
+        {"variant": "entrenar-auto", "world_size": 2, "size_bytes": 8192, "median_s": 1.0},
+    ]
+    bench.add_baseline_ratios(rows, ("world_size", "size_bytes"))
+    assert rows[0]["time_vs_baseline"] == 0.25
+    assert "time_vs_baseline" not in rows[1] and "time_vs_baseline" not in rows[2]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_bench_smoke(tmp_path: Path) -> None:
