@@ -151,8 +151,8 @@ def trainjob_pods(doc: dict, master_addr: str) -> list[Pod]:
 
 
 def image_env() -> dict[str, str]:
-    """The Dockerfile's ENV, plus what stands in for the image's installed package
-    and interpreter: this checkout on PYTHONPATH and this Python first on PATH."""
+    """The Dockerfile's ENV, plus what stands in for the image's /app and
+    interpreter: this checkout on PYTHONPATH and this Python first on PATH."""
     text = (K8S / "Dockerfile").read_text().replace("\\\n", " ")
     env = {}
     for line in text.splitlines():
