@@ -45,7 +45,7 @@ from functools import partial
 import torch
 
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
-from .transport.loop import POLLHANG, LinkState, Progress
+from .transport.loop import POLLHANG, Links, LinkState
 from .transport.plan import Recv, Send, bytes_of
 from .transport.tcp import Mesh
 from .wire import HEADER_BYTES, Header, OpCode, p2p_header
@@ -132,6 +132,164 @@ class _Link:
 _Done = tuple[_Op, BaseException | None]
 
 
+class Matching:
+    """Which recv a message is for: posted recvs and unexpected messages, matched
+    by (peer or ANY_SOURCE, tag) in post and arrival order. The channel's lock
+    is held around every call; completions collect in ``done`` and are run
+    after the lock is released (``complete``)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.posted: list[_Op] = []  # recvs waiting for a message, in post order
+        self.unexpected: list[_Msg] = []  # messages waiting for a recv, in arrival order
+        self.done: list[_Done] = []
+
+    def take_done(self) -> list[_Done]:
+        done, self.done = self.done, []
+        return done
+
+    def post(self, op: _Op) -> bool:
+        """Match a new recv with a message already here; False if none is."""
+        msg = next(
+            (
+                m
+                for m in self.unexpected
+                if m.recv is None and m.header.aux == op.tag and op.peer in (ANY_SOURCE, m.peer)
+            ),
+            None,
+        )
+        if msg is None:
+            return False
+        self.match(msg, op)
+        if msg.complete:
+            self.unexpected.remove(msg)
+            self.complete_msg(msg)
+        return True
+
+    def arrive(self, peer: int, header: Header) -> _Msg:
+        """A message's header came in: match it with a posted recv, or buffer it."""
+        recv = self.take_posted(peer, header.aux)
+        if recv is None:
+            buf = torch.empty(header.numel, dtype=torch.uint8)
+            msg = _Msg(peer, header, bytes_of(buf), buf)
+            self.unexpected.append(msg)
+        else:
+            msg = _Msg(peer, header, memoryview(b""), None)
+            self.match(msg, recv)
+        return msg
+
+    def arrived(self, msg: _Msg) -> None:
+        """``msg``'s payload is in."""
+        msg.complete = True
+        if msg.recv is not None:
+            if msg in self.unexpected:
+                self.unexpected.remove(msg)
+            self.complete_msg(msg)
+
+    def deliver_local(self, op: _Op) -> None:
+        """A send to this rank: match a posted recv or buffer a copy."""
+        header = p2p_header(0, op.host.dtype, op.nbytes, op.tag)
+        buf = op.host.clone().view(torch.uint8) if op.nbytes else torch.empty(0, dtype=torch.uint8)
+        msg = _Msg(self.rank, header, bytes_of(buf), buf, complete=True)
+        recv = self.take_posted(self.rank, op.tag)
+        if recv is None:
+            self.unexpected.append(msg)
+        else:
+            self.match(msg, recv)
+            self.complete_msg(msg)
+        self.done.append((op, None))
+
+    def take_posted(self, peer: int, tag: int) -> _Op | None:
+        for i, op in enumerate(self.posted):
+            if op.tag == tag and op.peer in (ANY_SOURCE, peer):
+                return self.posted.pop(i)
+        return None
+
+    def match(self, msg: _Msg, recv: _Op) -> None:
+        """Pair ``msg`` with ``recv``; an unbuffered message is then received straight into it."""
+        msg.recv = recv
+        recv.work.src = msg.peer
+        theirs = msg.header
+        if theirs.numel != recv.nbytes or (
+            theirs.dtype is not None and theirs.dtype != recv.host.dtype
+        ):
+            dt = str(theirs.dtype).removeprefix("torch.") if theirs.dtype else "?"
+            msg.error = CollectiveMismatchError(
+                f"rank {self.rank}: {recv.what} of {recv.nbytes} bytes "
+                f"({str(recv.host.dtype).removeprefix('torch.')}) matched a send of "
+                f"{theirs.numel} bytes ({dt}) from rank {msg.peer}: the sizes must agree"
+            )
+            if msg.buf is None:  # drain into a throwaway buffer, keep the link in step
+                msg.buf = torch.empty(theirs.numel, dtype=torch.uint8)
+                msg.view = bytes_of(msg.buf)
+        elif msg.buf is None:
+            msg.view = bytes_of(recv.host)
+
+    def complete_msg(self, msg: _Msg) -> None:
+        recv = msg.recv
+        assert recv is not None
+        if msg.error is None and msg.buf is not None and recv.nbytes:
+            recv.host.view(torch.uint8).copy_(msg.buf)
+        self.done.append((recv, msg.error))
+
+    def fail(self, op: _Op, cause: EntrenarError | None, why: str) -> None:
+        """Fail ``op``: with its link's failure (``cause``), else for reason ``why``."""
+        if cause is not None:
+            self.done.append((op, _op_error(self.rank, op, cause)))
+        else:
+            self.done.append(
+                (op, PeerConnectionError(f"rank {self.rank}: p2p {op.what} failed: {why}"))
+            )
+
+    def expire(self, now: float, timeout_s: float) -> None:
+        """Fail the recvs nobody sent to within the timeout (their links are fine)."""
+        for op in [op for op in self.posted if op.deadline <= now]:
+            self.posted.remove(op)
+            self.fail(
+                op,
+                None,
+                f"no matching send arrived within {timeout_s:.1f}s "
+                "(the peer stalled, died, or never sent it)",
+            )
+
+    def drop_peer(self, peer: int, error: EntrenarError, all_dead: bool) -> list[_Op]:
+        """``peer``'s link failed with ``error``: fail the recvs posted for it (and,
+        when every link is down, those for any rank); forget its partial messages."""
+        failed = [op for op in self.posted if op.peer == peer]
+        for op in failed:
+            self.posted.remove(op)
+            self.done.append((op, _op_error(self.rank, op, error)))
+        for m in [m for m in self.unexpected if m.peer == peer and not m.complete]:
+            self.unexpected.remove(m)
+        if all_dead:
+            for op in [op for op in self.posted if op.peer == ANY_SOURCE]:
+                self.posted.remove(op)
+                self.fail(op, None, "every peer's connection is closed")
+        return failed
+
+    def pending(self) -> list[_Op]:
+        return list(self.posted) + [m.recv for m in self.unexpected if m.recv is not None]
+
+    def clear(self) -> None:
+        self.posted.clear()
+        self.unexpected.clear()
+
+
+def complete(done: list[_Done]) -> None:
+    """Complete the futures of finished ops (outside the channel's lock)."""
+    for op, error in done:
+        if error is not None:
+            op.future.set_exception(error)
+            continue
+        try:
+            if op.is_recv and op.nbytes and op.host.data_ptr() != op.user.data_ptr():
+                op.user.detach().copy_(op.host.view(op.user.shape))  # CUDA / non-contiguous
+        except BaseException as e:  # a failed copy-back fails the recv, not the thread
+            op.future.set_exception(e)
+            continue
+        op.future.set_result([op.user])
+
+
 class P2PChannel:
     """A group's p2p matching and the thread that moves its messages."""
 
@@ -144,11 +302,9 @@ class P2PChannel:
         self.on_failure: Callable[[EntrenarError], None] | None = None
         self._lock = threading.Lock()
         self._closing = False
-        self._posted: list[_Op] = []  # recvs waiting for a message, in post order
-        self._unexpected: list[_Msg] = []  # messages waiting for a recv, in arrival order
-        self._done: list[_Done] = []  # completions found under the lock, run after it
+        self._matching = Matching(self.rank)
         self._failures: list[EntrenarError] = []  # link failures to report, likewise
-        self._loop: Progress = mesh.p2p_loop()
+        self._loop: Links = mesh.p2p_links()
         self._causes = mesh.causes
         self._links: dict[int, _Link] = {}
         for peer, sock in self._loop.sockets.items():
@@ -174,11 +330,11 @@ class P2PChannel:
         op = self._op(dst, tag, tensor, host, what, is_recv=False)
         with self._lock:
             if dst == self.rank:
-                self._deliver_local(op)
+                self._matching.deliver_local(op)
             else:
                 link = self._links[dst]
                 if self._closing or link.dead is not None:
-                    self._fail(op, link.dead, "the group was destroyed")
+                    self._matching.fail(op, link.dead, "the group was destroyed")
                 else:
                     header = p2p_header(link.sent_index, host.dtype, op.nbytes, tag)
                     link.sent_index += 1
@@ -191,8 +347,8 @@ class P2PChannel:
                     else:
                         link.out.push(Send(memoryview(header.pack()), None, sent))
                     link.sending.append(op)
-            done = self._take_done()
-        self._finish(done)
+            done = self._matching.take_done()
+        complete(done)
         self._loop.wake()
         return op.work
 
@@ -205,34 +361,24 @@ class P2PChannel:
         else:
             host = torch.empty(tensor.numel(), dtype=tensor.dtype)
         op = self._op(src, tag, tensor, host, what, is_recv=True)
+        matching = self._matching
         with self._lock:
-            msg = next(
-                (
-                    m
-                    for m in self._unexpected
-                    if m.recv is None and m.header.aux == tag and src in (ANY_SOURCE, m.peer)
-                ),
-                None,
-            )
-            if msg is not None:
-                self._match(msg, op)
-                if msg.complete:
-                    self._unexpected.remove(msg)
-                    self._complete_msg(msg)
+            if matching.post(op):
+                pass
             elif self._closing:
-                self._fail(op, None, "the group was destroyed")
+                matching.fail(op, None, "the group was destroyed")
             elif src != ANY_SOURCE and src != self.rank and self._links[src].dead is not None:
-                self._fail(op, self._links[src].dead, "")
+                matching.fail(op, self._links[src].dead, "")
             elif (
                 src == ANY_SOURCE
                 and self._links
                 and all(ln.dead is not None for ln in self._links.values())
             ):
-                self._fail(op, None, "every peer's connection is closed")
+                matching.fail(op, None, "every peer's connection is closed")
             else:
-                self._posted.append(op)
-            done = self._take_done()
-        self._finish(done)
+                matching.posted.append(op)
+            done = matching.take_done()
+        complete(done)
         self._loop.wake()  # the loop recomputes its next deadline
         return op.work
 
@@ -252,19 +398,19 @@ class P2PChannel:
         self._loop.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
+        matching = self._matching
         with self._lock:
             for op in self._pending_ops():
                 if error is None:
-                    self._fail(op, None, "the process group was destroyed")
+                    matching.fail(op, None, "the process group was destroyed")
                 else:
-                    self._done.append((op, _op_error(self.rank, op, error)))
-            self._posted.clear()
-            self._unexpected.clear()
+                    matching.fail(op, error, "")
+            matching.clear()
             for link in self._links.values():
                 link.sending.clear()
                 link.incoming = None
-            done = self._take_done()
-        self._finish(done)
+            done = matching.take_done()
+        complete(done)
         self._loop.close()
 
     def _op(
@@ -285,90 +431,13 @@ class P2PChannel:
         deadline = time.monotonic() + self.timeout_s
         return _Op(peer, tag, user, host, fut, work, deadline, what, is_recv)
 
-    # ------------------------------------------------------------ matching (lock held)
-
-    def _deliver_local(self, op: _Op) -> None:
-        """A send to this rank: match a posted recv or buffer a copy."""
-        header = p2p_header(0, op.host.dtype, op.nbytes, op.tag)
-        buf = op.host.clone().view(torch.uint8) if op.nbytes else torch.empty(0, dtype=torch.uint8)
-        msg = _Msg(self.rank, header, bytes_of(buf), buf, complete=True)
-        recv = self._take_posted(self.rank, op.tag)
-        if recv is None:
-            self._unexpected.append(msg)
-        else:
-            self._match(msg, recv)
-            self._complete_msg(msg)
-        self._done.append((op, None))
-
-    def _take_posted(self, peer: int, tag: int) -> _Op | None:
-        for i, op in enumerate(self._posted):
-            if op.tag == tag and op.peer in (ANY_SOURCE, peer):
-                return self._posted.pop(i)
-        return None
-
-    def _match(self, msg: _Msg, recv: _Op) -> None:
-        """Pair ``msg`` with ``recv``; an unbuffered message is then received straight into it."""
-        msg.recv = recv
-        recv.work.src = msg.peer
-        theirs = msg.header
-        if theirs.numel != recv.nbytes or (
-            theirs.dtype is not None and theirs.dtype != recv.host.dtype
-        ):
-            dt = str(theirs.dtype).removeprefix("torch.") if theirs.dtype else "?"
-            msg.error = CollectiveMismatchError(
-                f"rank {self.rank}: {recv.what} of {recv.nbytes} bytes "
-                f"({str(recv.host.dtype).removeprefix('torch.')}) matched a send of "
-                f"{theirs.numel} bytes ({dt}) from rank {msg.peer}: the sizes must agree"
-            )
-            if msg.buf is None:  # drain into a throwaway buffer, keep the link in step
-                msg.buf = torch.empty(theirs.numel, dtype=torch.uint8)
-                msg.view = bytes_of(msg.buf)
-        elif msg.buf is None:
-            msg.view = bytes_of(recv.host)
-
-    def _complete_msg(self, msg: _Msg) -> None:
-        recv = msg.recv
-        assert recv is not None
-        if msg.error is None and msg.buf is not None and recv.nbytes:
-            recv.host.view(torch.uint8).copy_(msg.buf)
-        self._done.append((recv, msg.error))
-
     def _pending_ops(self) -> list[_Op]:
-        ops = list(self._posted)
-        ops += [m.recv for m in self._unexpected if m.recv is not None]
+        ops = self._matching.pending()
         for link in self._links.values():
             ops += link.sending
             if link.incoming is not None and link.incoming.recv is not None:
                 ops.append(link.incoming.recv)
         return ops
-
-    def _fail(self, op: _Op, cause: EntrenarError | None, why: str) -> None:
-        """Fail ``op``: with its link's failure (``cause``), else for reason ``why``."""
-        if cause is not None:
-            self._done.append((op, _op_error(self.rank, op, cause)))
-        else:
-            self._done.append(
-                (op, PeerConnectionError(f"rank {self.rank}: p2p {op.what} failed: {why}"))
-            )
-
-    def _take_done(self) -> list[_Done]:
-        done, self._done = self._done, []
-        return done
-
-    # ------------------------------------------------------------ completion (no lock)
-
-    def _finish(self, done: list[_Done]) -> None:
-        for op, error in done:
-            if error is not None:
-                op.future.set_exception(error)
-                continue
-            try:
-                if op.is_recv and op.nbytes and op.host.data_ptr() != op.user.data_ptr():
-                    op.user.detach().copy_(op.host.view(op.user.shape))  # CUDA / non-contiguous
-            except BaseException as e:  # a failed copy-back fails the recv, not the thread
-                op.future.set_exception(e)
-                continue
-            op.future.set_result([op.user])
 
     # ------------------------------------------------------------ the thread
 
@@ -400,9 +469,9 @@ class P2PChannel:
                         if not link.out.idle() and link.dead is None:
                             self._pump(link, receiving=False)  # new sends: try at once
                     self._expire()
-                    done = self._take_done()
+                    done = self._matching.take_done()
                     failures, self._failures = self._failures, []
-                self._finish(done)
+                complete(done)
                 for error in failures:
                     if self.on_failure is not None:
                         self.on_failure(error)
@@ -411,14 +480,14 @@ class P2PChannel:
             error = PeerConnectionError(f"rank {self.rank}: the p2p thread failed: {e!r}")
             with self._lock:
                 for op in self._pending_ops():
-                    self._done.append((op, _op_error(self.rank, op, error)))
-                self._posted.clear()
+                    self._matching.fail(op, error, "")
+                self._matching.clear()
                 for link in self._links.values():
                     link.sending.clear()
                     link.dead = link.dead or error
                 self._closing = True
-                done = self._take_done()
-            self._finish(done)
+                done = self._matching.take_done()
+            complete(done)
 
     def _pump(self, link: _Link, *, receiving: bool) -> None:
         """Move what one stream of ``link`` can; a failure gives the link up."""
@@ -438,7 +507,7 @@ class P2PChannel:
 
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
-        deadlines = [op.deadline for op in self._posted]
+        deadlines = [op.deadline for op in self._matching.posted]
         deadlines += [
             ln.last_progress + self.timeout_s
             for ln in self._links.values()
@@ -450,14 +519,7 @@ class P2PChannel:
         """The one timeout rule: a recv nobody sent to, or a link on which
         nothing moved, for the timeout."""
         now = time.monotonic()
-        for op in [op for op in self._posted if op.deadline <= now]:
-            self._posted.remove(op)
-            self._fail(
-                op,
-                None,
-                f"no matching send arrived within {self.timeout_s:.1f}s "
-                "(the peer stalled, died, or never sent it)",
-            )
+        self._matching.expire(now, self.timeout_s)
         for link in self._links.values():
             if link.dead is None and link.busy() and link.last_progress + self.timeout_s <= now:
                 recv_from = [link.peer] if link.incoming is not None or link.inc.offset else []
@@ -472,10 +534,16 @@ class P2PChannel:
             return
         cls = PeerConnectionError if type(error) is EntrenarError else type(error)
         link.dead = cls(str(error), culprit=error.culprit)
-        affected = [op for op in self._posted if op.peer == link.peer]
-        affected += link.sending
+        affected = list(link.sending)
         if link.incoming is not None and link.incoming.recv is not None:
             affected.append(link.incoming.recv)
+        for op in affected:
+            self._matching.fail(op, link.dead, "")
+        link.sending.clear()
+        link.incoming = None
+        self._loop.forget(link.out.sock.fileno())
+        all_dead = all(ln.dead is not None for ln in self._links.values())
+        affected += self._matching.drop_peer(link.peer, link.dead, all_dead)
         # A peer that finished and destroyed its group closes its links: normal.
         log.log(
             logging.WARNING if affected else logging.DEBUG,
@@ -484,19 +552,6 @@ class P2PChannel:
             link.peer,
             error,
         )
-        for op in affected:
-            self._done.append((op, _op_error(self.rank, op, link.dead)))
-            if op in self._posted:
-                self._posted.remove(op)
-        link.sending.clear()
-        link.incoming = None
-        self._loop.forget(link.out.sock.fileno())
-        for m in [m for m in self._unexpected if m.peer == link.peer and not m.complete]:
-            self._unexpected.remove(m)
-        if all(ln.dead is not None for ln in self._links.values()):
-            for op in [op for op in self._posted if op.peer == ANY_SOURCE]:
-                self._posted.remove(op)
-                self._fail(op, None, "every peer's connection is closed")
         if affected and not self._closing:
             self._failures.append(link.dead)
 
@@ -509,7 +564,7 @@ class P2PChannel:
         """A send's last byte left: its Work completes."""
         if link.sending and link.sending[0] is op:
             link.sending.pop(0)
-        self._done.append((op, None))
+        self._matching.done.append((op, None))
 
     def _header_in(self, link: _Link) -> None:
         try:
@@ -527,24 +582,13 @@ class P2PChannel:
                 culprit=link.peer,
             )
         link.recv_index += 1
-        recv = self._take_posted(link.peer, header.aux)
-        if recv is None:
-            buf = torch.empty(header.numel, dtype=torch.uint8)
-            msg = _Msg(link.peer, header, bytes_of(buf), buf)
-            self._unexpected.append(msg)
-        else:
-            msg = _Msg(link.peer, header, memoryview(b""), None)
-            self._match(msg, recv)
+        msg = self._matching.arrive(link.peer, header)
         link.incoming = msg
         link.inc.push(Recv(msg.view, partial(self._payload_in, link, msg)))
 
     def _payload_in(self, link: _Link, msg: _Msg) -> None:
         link.incoming = None
-        msg.complete = True
-        if msg.recv is not None:
-            if msg in self._unexpected:
-                self._unexpected.remove(msg)
-            self._complete_msg(msg)
+        self._matching.arrived(msg)
         self._expect_header(link)
 
 

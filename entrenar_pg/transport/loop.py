@@ -89,8 +89,12 @@ def consume(st: LinkState, n: int) -> None:
     st.offset = off
 
 
-class Progress:
-    """The progress loop over one set of links (see the module docstring)."""
+class Links:
+    """One channel's links to every peer: the pumps that move bytes and the one sleep.
+
+    The p2p thread drives its streams with these directly; ``Progress`` adds
+    the run of a collective's plan.
+    """
 
     def __init__(
         self,
@@ -137,125 +141,6 @@ class Progress:
         return self._fd_peer.get(fd)
 
     # ------------------------------------------------------------------ collectives
-
-    def run(self, plan: Plan, what: str) -> None:
-        """Execute ``plan``: all its sends and receives, overlapped, in order per link.
-
-        Raises PeerConnectionError if a peer closes, errors, or nothing moves
-        for ``timeout_s``; exceptions from ``done`` callbacks propagate.
-        """
-        if self.causes.closed_here:
-            raise self.causes.here_closed(what)
-        # No abort check up front: a peer that aborted earlier has closed its
-        # links, which this exchange reads as a close (and then its record),
-        # and the check at the end covers peers this plan does not talk to.
-        sending, receiving = self._first_attempt(plan, what)
-        spin_until = 0.0
-        waited = False
-        try:
-            while sending or receiving:
-                # Pump every link not known to be blocked on its socket (a
-                # blocked one only moves once poll() says so: no syscall just
-                # to hear EAGAIN again).
-                moved = finished = False
-                for st in sending:
-                    if not st.blocked and self.pump_send(st, what):
-                        moved = True
-                        finished = finished or st.index == st.n
-                for st in receiving:
-                    if not st.blocked and self.pump_recv(st, what):
-                        moved = True
-                        finished = finished or st.index == st.n
-                if moved:
-                    if finished:
-                        sending = [st for st in sending if st.index < st.n]
-                        receiving = [st for st in receiving if st.index < st.n]
-                    spin_until = 0.0
-                    continue
-                spinning = False
-                if self.spin_s:
-                    # Busy-poll a little before sleeping in poll(). Each turn
-                    # yields the core, so a peer (or a thread of ours) waiting
-                    # for it runs first.
-                    now = time.perf_counter()
-                    if spin_until == 0.0:
-                        spin_until = now + self.spin_s
-                    spinning = now < spin_until
-                    if spinning:
-                        os.sched_yield()
-                if not spinning:
-                    self._wait(sending, receiving, what)
-                    waited = True
-                    spin_until = 0.0
-                for st in sending:  # after a spin or a wait, try every link again
-                    st.blocked = False
-                for st in receiving:
-                    st.blocked = False
-            # All our bytes moved, but a peer may have failed after sending its
-            # part (e.g. it timed out waiting for us): then this collective did
-            # not complete on every rank, and this rank must not think it did.
-            self._check_aborts(what)
-        finally:
-            if waited:
-                self._arm({})
-                if self.control is not None:
-                    self.control.waiting = None  # a QUERY now hears "not in a collective"
-
-    def _first_attempt(self, plan: Plan, what: str) -> tuple[list[LinkState], list[LinkState]]:
-        """One syscall per link whose pieces can go together; the state of the rest.
-
-        A small collective's frame usually leaves in this one ``sendmsg`` and,
-        when the peer was first, arrives in this one ``recvmsg_into``, so such
-        a link never enters the progress loop. A link that did not finish is
-        returned as loop state, marked blocked (the kernel took or had less
-        than asked: wait for poll).
-        """
-        socks = self._socks
-        send_links, recv_links = plan.links()
-        sending: list[LinkState] = []
-        receiving: list[LinkState] = []
-        for link in send_links:
-            sock = socks[link.peer]
-            n = 0
-            if link.whole is not None:
-                try:
-                    n = sock.sendmsg(link.whole)
-                except BlockingIOError:
-                    pass
-                except OSError as e:
-                    raise self.causes.link_failed(link.peer, what, e) from e
-                if n == link.total:
-                    continue
-            st = LinkState(link.peer, sock, link.pieces, len(link.pieces))
-            st.blocked = link.whole is not None
-            consume(st, n)
-            sending.append(st)
-        for link in recv_links:
-            sock = socks[link.peer]
-            n = 0
-            if link.whole is not None and link.total:
-                try:
-                    n = sock.recvmsg_into(link.whole)[0]
-                except BlockingIOError:
-                    n = -1
-                except OSError as e:
-                    raise self.causes.link_failed(link.peer, what, e) from e
-                if n == 0:
-                    raise self.causes.peer_closed(link.peer, what)
-                if n == link.total:
-                    for piece in link.pieces:  # all full: their callbacks, in order
-                        if piece.done is not None:
-                            piece.done()
-                    continue
-            st = LinkState(link.peer, sock, link.pieces, len(link.pieces))
-            st.blocked = n != 0
-            if n > 0:
-                consume(st, n)
-            receiving.append(st)
-        return sending, receiving
-
-    # ------------------------------------------------------------------ pumps
-
     def pump_send(self, st: LinkState, what: str) -> bool:
         """Send what the kernel takes on one link; True if anything moved.
 
@@ -391,6 +276,128 @@ class Progress:
         for s in (self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
+
+
+class Progress(Links):
+    """The progress loop of a collective: runs one plan to completion (module docstring)."""
+
+    def run(self, plan: Plan, what: str) -> None:
+        """Execute ``plan``: all its sends and receives, overlapped, in order per link.
+
+        Raises PeerConnectionError if a peer closes, errors, or nothing moves
+        for ``timeout_s``; exceptions from ``done`` callbacks propagate.
+        """
+        if self.causes.closed_here:
+            raise self.causes.here_closed(what)
+        # No abort check up front: a peer that aborted earlier has closed its
+        # links, which this exchange reads as a close (and then its record),
+        # and the check at the end covers peers this plan does not talk to.
+        sending, receiving = self._first_attempt(plan, what)
+        spin_until = 0.0
+        waited = False
+        try:
+            while sending or receiving:
+                # Pump every link not known to be blocked on its socket (a
+                # blocked one only moves once poll() says so: no syscall just
+                # to hear EAGAIN again).
+                moved = finished = False
+                for st in sending:
+                    if not st.blocked and self.pump_send(st, what):
+                        moved = True
+                        finished = finished or st.index == st.n
+                for st in receiving:
+                    if not st.blocked and self.pump_recv(st, what):
+                        moved = True
+                        finished = finished or st.index == st.n
+                if moved:
+                    if finished:
+                        sending = [st for st in sending if st.index < st.n]
+                        receiving = [st for st in receiving if st.index < st.n]
+                    spin_until = 0.0
+                    continue
+                spinning = False
+                if self.spin_s:
+                    # Busy-poll a little before sleeping in poll(). Each turn
+                    # yields the core, so a peer (or a thread of ours) waiting
+                    # for it runs first.
+                    now = time.perf_counter()
+                    if spin_until == 0.0:
+                        spin_until = now + self.spin_s
+                    spinning = now < spin_until
+                    if spinning:
+                        os.sched_yield()
+                if not spinning:
+                    self._wait(sending, receiving, what)
+                    waited = True
+                    spin_until = 0.0
+                for st in sending:  # after a spin or a wait, try every link again
+                    st.blocked = False
+                for st in receiving:
+                    st.blocked = False
+            # All our bytes moved, but a peer may have failed after sending its
+            # part (e.g. it timed out waiting for us): then this collective did
+            # not complete on every rank, and this rank must not think it did.
+            self._check_aborts(what)
+        finally:
+            if waited:
+                self._arm({})
+                if self.control is not None:
+                    self.control.waiting = None  # a QUERY now hears "not in a collective"
+
+    def _first_attempt(self, plan: Plan, what: str) -> tuple[list[LinkState], list[LinkState]]:
+        """One syscall per link whose pieces can go together; the state of the rest.
+
+        A small collective's frame usually leaves in this one ``sendmsg`` and,
+        when the peer was first, arrives in this one ``recvmsg_into``, so such
+        a link never enters the progress loop. A link that did not finish is
+        returned as loop state, marked blocked (the kernel took or had less
+        than asked: wait for poll).
+        """
+        socks = self._socks
+        send_links, recv_links = plan.links()
+        sending: list[LinkState] = []
+        receiving: list[LinkState] = []
+        for link in send_links:
+            sock = socks[link.peer]
+            n = 0
+            if link.whole is not None:
+                try:
+                    n = sock.sendmsg(link.whole)
+                except BlockingIOError:
+                    pass
+                except OSError as e:
+                    raise self.causes.link_failed(link.peer, what, e) from e
+                if n == link.total:
+                    continue
+            st = LinkState(link.peer, sock, link.pieces, len(link.pieces))
+            st.blocked = link.whole is not None
+            consume(st, n)
+            sending.append(st)
+        for link in recv_links:
+            sock = socks[link.peer]
+            n = 0
+            if link.whole is not None and link.total:
+                try:
+                    n = sock.recvmsg_into(link.whole)[0]
+                except BlockingIOError:
+                    n = -1
+                except OSError as e:
+                    raise self.causes.link_failed(link.peer, what, e) from e
+                if n == 0:
+                    raise self.causes.peer_closed(link.peer, what)
+                if n == link.total:
+                    for piece in link.pieces:  # all full: their callbacks, in order
+                        if piece.done is not None:
+                            piece.done()
+                    continue
+            st = LinkState(link.peer, sock, link.pieces, len(link.pieces))
+            st.blocked = n != 0
+            if n > 0:
+                consume(st, n)
+            receiving.append(st)
+        return sending, receiving
+
+    # ------------------------------------------------------------------ pumps
 
     def _wait(self, sending: list[LinkState], receiving: list[LinkState], what: str) -> None:
         """Sleep until a blocked link of this plan can move, a peer hangs up or

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import Options
 from .abort import Causes, ControlChannel, abort_record
-from .loop import Progress
+from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
 
 
@@ -83,9 +83,9 @@ class Mesh:
     def store(self) -> Any:
         return self._store
 
-    def p2p_loop(self) -> Progress:
-        """A wakeable progress loop over the p2p sockets, for the p2p thread."""
-        return Progress(self.rank, self._channel(P2P), self.causes, wakeable=True)
+    def p2p_links(self) -> Links:
+        """The p2p sockets with the loop's pumps and a wake-up, for the p2p thread."""
+        return Links(self.rank, self._channel(P2P), self.causes, wakeable=True)
 
     # ------------------------------------------------------------------ ending
 
