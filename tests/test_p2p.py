@@ -354,3 +354,31 @@ def test_a_failed_collective_fails_pending_p2p_at_once() -> None:
     finally:
         for g in groups:
             g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_p2p_link_names_the_peer_and_breaks_the_group() -> None:
+    """Rank 1 stops reading its p2p link (its p2p thread is made to skip every
+    read); rank 0's send of 32 MiB, more than the socket buffers hold, makes
+    no progress. After the 1 s timeout it fails the way a stalled collective
+    does: "no progress", the peer blamed by the wait-for walk (culprit 1),
+    and rank 0's group is broken by it."""
+    groups = make_groups(2, timeout_s=1.0)
+    channel = groups[1]._p2p
+    real_pump = channel._pump
+
+    def no_reads(link: object, *, receiving: bool) -> None:
+        if not receiving:
+            real_pump(link, receiving=False)
+
+    channel._pump = no_reads  # type: ignore[method-assign]
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerConnectionError, match=r"no progress for 1\.0s") as info:
+            groups[0].send([torch.ones(8 << 20)], 1, 0).wait()
+        assert 0.9 < time.monotonic() - start < 6
+        assert info.value.culprit == 1 and "culprit: rank 1" in str(info.value)
+        assert isinstance(groups[0].errored(), PeerConnectionError)
+    finally:
+        for g in groups:
+            g.abort()
