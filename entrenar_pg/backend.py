@@ -82,11 +82,12 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         self._caller_spin_s = self.options.caller_spin_us / 1e6
         self.checker: Any | None = ContractChecker(self) if self.options.check else None
         self.mesh = Mesh(store, rank, size, self.options, timeout, name=group_name)
-        # p2p has its own mesh and thread: a recv must never block the collectives.
-        self._p2p = P2PChannel(store, rank, size, self.options, timeout, name=group_name)
+        # p2p has its own channel and thread: a recv must never block the collectives.
+        self._p2p = P2PChannel(self.mesh, self._timeout_s, name=group_name)
         self._engine = Engine(
-            rank, f"r{rank}-{group_name or 'pg'}", self.mesh.abort, self.options.spin_us
+            rank, f"r{rank}-{group_name or 'pg'}", self._on_failure, self.options.spin_us
         )
+        self._p2p.on_failure = self._on_p2p_failure
         _LIVE_GROUPS.add(self)
         log.info(
             "rank %d: entrenar group %r up: world %d, options %s",
@@ -474,14 +475,27 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
 
     # ------------------------------------------------------------ lifecycle
 
+    def _on_failure(self, error: BaseException) -> None:
+        """The group's first failure: stop p2p with it, then tell every peer and close."""
+        if isinstance(error, EntrenarError):
+            self._p2p.abort(error)
+        else:
+            self._p2p.close()
+        self.mesh.abort(error)
+
+    def _on_p2p_failure(self, error: EntrenarError) -> None:
+        """A p2p link failed with work pending: the group breaks as for a collective."""
+        if self._engine.fail_from_outside(error, "p2p"):
+            self._on_failure(error)
+
     def shutdown(self) -> None:
         """Release threads and sockets (torch's destroy_process_group calls this)."""
         if self._closed:
             return
         self._closed = True
         self._engine.shutdown()
-        self.mesh.close()
         self._p2p.close()
+        self.mesh.close()
 
     def _close_at_exit(self) -> None:
         """Interpreter exit with the group still up: drop the links first (that
@@ -490,8 +504,8 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        self._p2p.close()
         self.mesh.close(hard=True)
-        self._p2p.close(hard=True)
         self._engine.shutdown(timeout_s=2.0)
 
     def abort(self) -> None:
@@ -499,8 +513,8 @@ class EntrenarProcessGroup(CollectivesMixin, dist.ProcessGroup):
         ones raise; peers see this rank's abort. ``errored()`` then returns the error."""
         error = EntrenarError(f"rank {self._rank}: the process group was aborted (abort())")
         self._engine.abort(error)  # first, so errored() never misses it
+        self._p2p.abort(error)
         self.mesh.abort(error)  # wakes a job blocked on the network
-        self._p2p.close(hard=True)
         self._engine.shutdown(timeout_s=1.0)
 
     # ------------------------------------------------------------ health, timeouts

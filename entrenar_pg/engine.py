@@ -266,6 +266,20 @@ class Engine:
                 self._error = error
                 self._failed_at = "abort()"
 
+    def fail_from_outside(self, error: EntrenarError, where: str) -> bool:
+        """Break the group with a failure found outside any job (a p2p link);
+        True if it is the group's first. Queued jobs fail with it."""
+        with self._mutex:
+            if self._error is not None:
+                return False
+            self._error = error
+            self._failed_at = where
+            queued = list(self._queue)
+            self._queue.clear()
+        for job in queued:
+            job.future.set_exception(self.broken_error(f"{job.kind}#{job.seq}"))
+        return True
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop after the running job; queued jobs fail. Idempotent."""
         with self._mutex:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class EntrenarError(RuntimeError):
     """Base of every error entrenar raises for a failed collective.
@@ -40,3 +42,16 @@ ERROR_TYPES: dict[str, type[EntrenarError]] = {
     cls.__name__: cls
     for cls in (EntrenarError, PeerConnectionError, CollectiveMismatchError, ContractViolation)
 }
+
+
+# The one errno classifier: an OSError on a link with one of these means the
+# peer's end is gone (closed, reset, or our own socket closed under us); any
+# other is a failure of the link itself.
+_PEER_GONE = frozenset(
+    {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ECONNABORTED}
+)
+
+
+def peer_gone(e: OSError) -> bool:
+    """True when ``e``, raised on a link, means the other end closed or reset it."""
+    return e.errno in _PEER_GONE

@@ -1,13 +1,15 @@
-"""Point-to-point messages: send / recv / recv_anysource over a group's own p2p channel.
+"""Point-to-point messages: send / recv / recv_anysource, matched by peer and tag.
 
 Collectives run in issue order on the group's comm thread; p2p cannot: a recv
 may wait for a send that its peer issues only after some collective, and
 pipeline schedules post sends and recvs in orders that differ from rank to
-rank. So every group has a second TCP mesh (built at group creation over
-``PrefixStore("p2p", store)``, authenticated like the first) and one progress
-thread that owns it:
+rank. So p2p has its own channel of the group's transport (one p2p socket per
+pair, set up with the others) and one thread that drives it with the
+transport's progress loop (``transport.loop``): the same pumps, the same
+sleep, the same errno classifier and the same naming of causes as the
+collectives. This module is the matching:
 
-- a send is queued on its peer's FIFO and written as a framed message (a
+- a send is queued on its peer's stream as a framed message (a
   ``wire.p2p_header`` carrying the tag and byte count, then the payload). Its
   Work completes once the kernel has taken the last byte: a send never waits
   for the matching recv (up to the socket buffers and the receiver's
@@ -21,43 +23,38 @@ thread that owns it:
 - a send to this rank itself is matched locally (torch allows ``isend`` /
   ``irecv`` to self).
 
-Failures: a peer whose connection closes or breaks fails every pending send
-to it and recv from it with PeerConnectionError naming this rank, the peer
-and the tag; a recv not matched, or a send not taken, within the group's
-timeout fails the same way. A recv whose tensor size differs from the
-matched send's fails with CollectiveMismatchError (the message is drained,
-the link stays usable). Collectives are unaffected either way.
+Failures: a link that fails while something is pending on it (the peer
+aborted, left or died; the link broke; nothing moved for the timeout) fails
+every pending op with it, naming the culprit as a collective would, and
+breaks the group (``on_failure``). A recv not matched within the timeout
+fails alone (the link is fine); a recv whose size differs from the matched
+send's fails with CollectiveMismatchError alone (the message is drained, the
+link stays in step). A peer that leaves with nothing pending is normal.
 """
 
 from __future__ import annotations
 
-import collections
-import errno
 import logging
 import select
-import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from functools import partial
 
 import torch
-import torch.distributed as dist
 
-from .algorithms.common import bytes_of
-from .config import Options
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
-from .transport import Mesh
+from .transport.loop import POLLHANG, Links, LinkState
+from .transport.plan import Recv, Send, bytes_of
+from .transport.tcp import Mesh
 from .wire import HEADER_BYTES, Header, OpCode, p2p_header
 from .work import EntrenarWork
 
 log = logging.getLogger(__name__)
 
 ANY_SOURCE = -1
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
-_POLLHANG = select.POLLHUP | select.POLLERR | _POLLRDHUP
-_READS_PER_WAKE = 64  # bound the time one busy link holds the loop
+_TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
 
 
 class P2PWork(EntrenarWork):
@@ -96,16 +93,6 @@ class _Op:
 
 
 @dataclass(eq=False)
-class _Out:
-    """A send being written: header then payload."""
-
-    op: _Op
-    pieces: list[memoryview]
-    index: int = 0
-    offset: int = 0
-
-
-@dataclass(eq=False)
 class _Msg:
     """An arriving message: its own buffer until matched, or the matched recv's tensor."""
 
@@ -115,216 +102,110 @@ class _Msg:
     buf: torch.Tensor | None  # set while unmatched (buffered)
     recv: _Op | None = None
     error: EntrenarError | None = None  # a size mismatch found at matching
-    got: int = 0
     complete: bool = False
 
 
 @dataclass(eq=False)
 class _Link:
-    """Per-peer state of the progress thread."""
+    """Per-peer state: the two streams the loop moves, and where matching stands."""
 
     peer: int
-    sock: socket.socket
-    out: collections.deque[_Out] = field(default_factory=collections.deque)
+    out: LinkState  # header, payload, header, payload, ... of queued sends
+    inc: LinkState  # header, then the payload it announces, then the next header
     header: bytearray = field(default_factory=lambda: bytearray(HEADER_BYTES))
-    header_got: int = 0
-    incoming: _Msg | None = None
+    sending: list[_Op] = field(default_factory=list)  # sends on ``out``, oldest first
+    incoming: _Msg | None = None  # the message whose payload is being received
     sent_index: int = 0
     recv_index: int = 0
     last_progress: float = 0.0  # when a byte last moved either way
-    dead: str = ""  # why the link is unusable ("" while it works)
+    dead: EntrenarError | None = None  # why the link is unusable (None while it works)
+
+    @property
+    def what(self) -> str:
+        return f"p2p link to rank {self.peer}"
 
     def busy(self) -> bool:
         """Bytes are due on this link (a send queued, or a message half received)."""
-        return bool(self.out) or self.incoming is not None or self.header_got > 0
+        return not self.out.idle() or self.incoming is not None or self.inc.offset > 0
 
 
 _Done = tuple[_Op, BaseException | None]
 
 
-class P2PChannel:
-    """A group's p2p mesh and the thread that moves its messages."""
+class Matching:
+    """Which recv a message is for: posted recvs and unexpected messages, matched
+    by (peer or ANY_SOURCE, tag) in post and arrival order. The channel's lock
+    is held around every call; completions collect in ``done`` and are run
+    after the lock is released (``complete``)."""
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        world: int,
-        options: Options,
-        timeout: timedelta,
-        name: str = "",
-    ) -> None:
+    def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.world = world
-        self.timeout_s = max(timeout.total_seconds(), 0.001)
-        self._lock = threading.Lock()
-        self._closing = False
-        self._posted: list[_Op] = []  # recvs waiting for a message, in post order
-        self._unexpected: list[_Msg] = []  # messages waiting for a recv, in arrival order
-        self._mesh: Mesh | None = None
-        self._links: dict[int, _Link] = {}
-        if world > 1:
-            self._mesh = Mesh(
-                dist.PrefixStore("p2p", store),
-                rank,
-                world,
-                options,
-                timeout,
-                name=f"{name}/p2p",
-                control=False,
-            )
-            for peer, sock in self._mesh.sockets.items():
-                self._links[peer] = _Link(peer, sock)
-        self._fd_link = {link.sock.fileno(): link for link in self._links.values()}
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._poller = select.poll()
-        self._masks: dict[int, int] = {}
-        self._poller.register(self._wake_r.fileno(), select.POLLIN)
-        for fd in self._fd_link:
-            self._poller.register(fd, select.POLLIN | _POLLRDHUP)
-            self._masks[fd] = select.POLLIN | _POLLRDHUP
-        self._thread = threading.Thread(
-            target=self._loop, name=f"entrenar-p2p-r{rank}-{name or 'pg'}", daemon=True
+        self.posted: list[_Op] = []  # recvs waiting for a message, in post order
+        self.unexpected: list[_Msg] = []  # messages waiting for a recv, in arrival order
+        self.done: list[_Done] = []
+
+    def take_done(self) -> list[_Done]:
+        done, self.done = self.done, []
+        return done
+
+    def post(self, op: _Op) -> bool:
+        """Match a new recv with a message already here; False if none is."""
+        msg = next(
+            (
+                m
+                for m in self.unexpected
+                if m.recv is None and m.header.aux == op.tag and op.peer in (ANY_SOURCE, m.peer)
+            ),
+            None,
         )
-        self._thread.start()
+        if msg is None:
+            return False
+        self.match(msg, op)
+        if msg.complete:
+            self.unexpected.remove(msg)
+            self.complete_msg(msg)
+        return True
 
-    # ------------------------------------------------------------ caller side
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> P2PWork:
-        what = f"send to rank {dst} (tag {tag})"
-        if tensor.is_cuda:  # synchronous on the caller's stream: the producer is done
-            host = tensor.detach().to("cpu").reshape(-1)
-        elif tensor.is_contiguous():
-            host = tensor.detach().reshape(-1)
+    def arrive(self, peer: int, header: Header) -> _Msg:
+        """A message's header came in: match it with a posted recv, or buffer it."""
+        recv = self.take_posted(peer, header.aux)
+        if recv is None:
+            buf = torch.empty(header.numel, dtype=torch.uint8)
+            msg = _Msg(peer, header, bytes_of(buf), buf)
+            self.unexpected.append(msg)
         else:
-            host = tensor.detach().contiguous().reshape(-1)
-        op = self._op(dst, tag, tensor, host, what, is_recv=False)
-        done: list[_Done] = []
-        with self._lock:
-            if dst == self.rank:
-                self._deliver_local(op, done)
-            else:
-                link = self._links[dst]
-                if self._closing or link.dead:
-                    done.append((op, self._dead_error(op, link.dead or "the group was destroyed")))
-                else:
-                    header = p2p_header(link.sent_index, host.dtype, op.nbytes, tag)
-                    link.sent_index += 1
-                    if not link.busy():
-                        link.last_progress = time.monotonic()
-                    link.out.append(_Out(op, [memoryview(header.pack()), bytes_of(host)]))
-        self._finish(done)
-        self._wake()
-        return op.work
+            msg = _Msg(peer, header, memoryview(b""), None)
+            self.match(msg, recv)
+        return msg
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> P2PWork:
-        """Post a recv from ``src`` (ANY_SOURCE: from whichever rank's message matches first)."""
-        who = "any rank" if src == ANY_SOURCE else f"rank {src}"
-        what = f"recv from {who} (tag {tag})"
-        if tensor.device.type == "cpu" and tensor.is_contiguous():
-            host = tensor.detach().reshape(-1)
-        else:
-            host = torch.empty(tensor.numel(), dtype=tensor.dtype)
-        op = self._op(src, tag, tensor, host, what, is_recv=True)
-        done: list[_Done] = []
-        with self._lock:
-            msg = next(
-                (
-                    m
-                    for m in self._unexpected
-                    if m.recv is None and m.header.aux == tag and src in (ANY_SOURCE, m.peer)
-                ),
-                None,
-            )
-            if msg is not None:
-                self._match(msg, op)
-                if msg.complete:
-                    self._unexpected.remove(msg)
-                    self._complete_msg(msg, done)
-            elif self._closing:
-                done.append((op, self._dead_error(op, "the group was destroyed")))
-            elif src != ANY_SOURCE and src != self.rank and self._links[src].dead:
-                done.append((op, self._dead_error(op, self._links[src].dead)))
-            elif src == ANY_SOURCE and self._links and all(ln.dead for ln in self._links.values()):
-                done.append((op, self._dead_error(op, "every peer's connection is closed")))
-            else:
-                self._posted.append(op)
-        self._finish(done)
-        self._wake()  # the loop recomputes its next deadline
-        return op.work
+    def arrived(self, msg: _Msg) -> None:
+        """``msg``'s payload is in."""
+        msg.complete = True
+        if msg.recv is not None:
+            if msg in self.unexpected:
+                self.unexpected.remove(msg)
+            self.complete_msg(msg)
 
-    def close(self, hard: bool = False) -> None:
-        """Stop the thread, fail what is pending, close the sockets. Idempotent."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-        self._wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5.0)
-        done: list[_Done] = []
-        with self._lock:
-            for op in self._pending_ops():
-                done.append((op, self._dead_error(op, "the process group was destroyed")))
-            self._posted.clear()
-            self._unexpected.clear()
-            for link in self._links.values():
-                link.out.clear()
-                link.incoming = None
-        self._finish(done)
-        if self._mesh is not None:
-            self._mesh.close(hard=hard)
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _op(
-        self,
-        peer: int,
-        tag: int,
-        user: torch.Tensor,
-        host: torch.Tensor,
-        what: str,
-        *,
-        is_recv: bool,
-    ) -> _Op:
-        fut: torch.futures.Future[list[torch.Tensor]] = (
-            torch.futures.Future(devices=[user.device]) if user.is_cuda else torch.futures.Future()
-        )
-        src = peer if peer != ANY_SOURCE else -1
-        work = P2PWork(fut, what, self.rank, src)
-        deadline = time.monotonic() + self.timeout_s
-        return _Op(peer, tag, user, host, fut, work, deadline, what, is_recv)
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except (BlockingIOError, OSError):
-            pass  # already awake (buffer full) or closed
-
-    # ------------------------------------------------------------ matching (lock held)
-
-    def _deliver_local(self, op: _Op, done: list[_Done]) -> None:
+    def deliver_local(self, op: _Op) -> None:
         """A send to this rank: match a posted recv or buffer a copy."""
         header = p2p_header(0, op.host.dtype, op.nbytes, op.tag)
         buf = op.host.clone().view(torch.uint8) if op.nbytes else torch.empty(0, dtype=torch.uint8)
-        msg = _Msg(self.rank, header, bytes_of(buf), buf, got=op.nbytes, complete=True)
-        recv = self._take_posted(self.rank, op.tag)
+        msg = _Msg(self.rank, header, bytes_of(buf), buf, complete=True)
+        recv = self.take_posted(self.rank, op.tag)
         if recv is None:
-            self._unexpected.append(msg)
+            self.unexpected.append(msg)
         else:
-            self._match(msg, recv)
-            self._complete_msg(msg, done)
-        done.append((op, None))
+            self.match(msg, recv)
+            self.complete_msg(msg)
+        self.done.append((op, None))
 
-    def _take_posted(self, peer: int, tag: int) -> _Op | None:
-        for i, op in enumerate(self._posted):
+    def take_posted(self, peer: int, tag: int) -> _Op | None:
+        for i, op in enumerate(self.posted):
             if op.tag == tag and op.peer in (ANY_SOURCE, peer):
-                return self._posted.pop(i)
+                return self.posted.pop(i)
         return None
 
-    def _match(self, msg: _Msg, recv: _Op) -> None:
+    def match(self, msg: _Msg, recv: _Op) -> None:
         """Pair ``msg`` with ``recv``; an unbuffered message is then received straight into it."""
         msg.recv = recv
         recv.work.src = msg.peer
@@ -344,271 +225,375 @@ class P2PChannel:
         elif msg.buf is None:
             msg.view = bytes_of(recv.host)
 
-    def _complete_msg(self, msg: _Msg, done: list[_Done]) -> None:
+    def complete_msg(self, msg: _Msg) -> None:
         recv = msg.recv
         assert recv is not None
         if msg.error is None and msg.buf is not None and recv.nbytes:
             recv.host.view(torch.uint8).copy_(msg.buf)
-        done.append((recv, msg.error))
+        self.done.append((recv, msg.error))
+
+    def fail(self, op: _Op, cause: EntrenarError | None, why: str) -> None:
+        """Fail ``op``: with its link's failure (``cause``), else for reason ``why``."""
+        if cause is not None:
+            self.done.append((op, _op_error(self.rank, op, cause)))
+        else:
+            self.done.append(
+                (op, PeerConnectionError(f"rank {self.rank}: p2p {op.what} failed: {why}"))
+            )
+
+    def expire(self, now: float, timeout_s: float) -> None:
+        """Fail the recvs nobody sent to within the timeout (their links are fine)."""
+        for op in [op for op in self.posted if op.deadline <= now]:
+            self.posted.remove(op)
+            self.fail(
+                op,
+                None,
+                f"no matching send arrived within {timeout_s:.1f}s "
+                "(the peer stalled, died, or never sent it)",
+            )
+
+    def drop_peer(self, peer: int, error: EntrenarError, all_dead: bool) -> list[_Op]:
+        """``peer``'s link failed with ``error``: fail the recvs posted for it (and,
+        when every link is down, those for any rank); forget its partial messages."""
+        failed = [op for op in self.posted if op.peer == peer]
+        for op in failed:
+            self.posted.remove(op)
+            self.done.append((op, _op_error(self.rank, op, error)))
+        for m in [m for m in self.unexpected if m.peer == peer and not m.complete]:
+            self.unexpected.remove(m)
+        if all_dead:
+            for op in [op for op in self.posted if op.peer == ANY_SOURCE]:
+                self.posted.remove(op)
+                self.fail(op, None, "every peer's connection is closed")
+        return failed
+
+    def pending(self) -> list[_Op]:
+        return list(self.posted) + [m.recv for m in self.unexpected if m.recv is not None]
+
+    def clear(self) -> None:
+        self.posted.clear()
+        self.unexpected.clear()
+
+
+def complete(done: list[_Done]) -> None:
+    """Complete the futures of finished ops (outside the channel's lock)."""
+    for op, error in done:
+        if error is not None:
+            op.future.set_exception(error)
+            continue
+        try:
+            if op.is_recv and op.nbytes and op.host.data_ptr() != op.user.data_ptr():
+                op.user.detach().copy_(op.host.view(op.user.shape))  # CUDA / non-contiguous
+        except BaseException as e:  # a failed copy-back fails the recv, not the thread
+            op.future.set_exception(e)
+            continue
+        op.future.set_result([op.user])
+
+
+class P2PChannel:
+    """A group's p2p matching and the thread that moves its messages."""
+
+    def __init__(self, mesh: Mesh, timeout_s: float, name: str = "") -> None:
+        self.rank = mesh.rank
+        self.world = mesh.world
+        self.timeout_s = timeout_s
+        # Called (outside the lock, once per failed link) with a link failure
+        # that left work pending: the group breaks, as for a collective.
+        self.on_failure: Callable[[EntrenarError], None] | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+        self._matching = Matching(self.rank)
+        self._failures: list[EntrenarError] = []  # link failures to report, likewise
+        self._loop: Links = mesh.p2p_links()
+        self._causes = mesh.causes
+        self._links: dict[int, _Link] = {}
+        for peer, sock in self._loop.sockets.items():
+            link = _Link(peer, LinkState(peer, sock, [], 0), LinkState(peer, sock, [], 0))
+            self._expect_header(link)
+            self._links[peer] = link
+        self._fd_link = {link.out.sock.fileno(): link for link in self._links.values()}
+        self._thread = threading.Thread(
+            target=self._run, name=f"entrenar-p2p-r{self.rank}-{name or 'pg'}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> P2PWork:
+        what = f"send to rank {dst} (tag {tag})"
+        if tensor.is_cuda:  # synchronous on the caller's stream: the producer is done
+            host = tensor.detach().to("cpu").reshape(-1)
+        elif tensor.is_contiguous():
+            host = tensor.detach().reshape(-1)
+        else:
+            host = tensor.detach().contiguous().reshape(-1)
+        op = self._op(dst, tag, tensor, host, what, is_recv=False)
+        with self._lock:
+            if dst == self.rank:
+                self._matching.deliver_local(op)
+            else:
+                link = self._links[dst]
+                if self._closing or link.dead is not None:
+                    self._matching.fail(op, link.dead, "the group was destroyed")
+                else:
+                    header = p2p_header(link.sent_index, host.dtype, op.nbytes, tag)
+                    link.sent_index += 1
+                    if not link.busy():
+                        link.last_progress = time.monotonic()
+                    sent = partial(self._sent, link, op)  # runs when the last byte left
+                    if op.nbytes:
+                        link.out.push(Send(memoryview(header.pack())))
+                        link.out.push(Send(bytes_of(host), None, sent))
+                    else:
+                        link.out.push(Send(memoryview(header.pack()), None, sent))
+                    link.sending.append(op)
+            done = self._matching.take_done()
+        complete(done)
+        self._loop.wake()
+        return op.work
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> P2PWork:
+        """Post a recv from ``src`` (ANY_SOURCE: from whichever rank's message matches first)."""
+        who = "any rank" if src == ANY_SOURCE else f"rank {src}"
+        what = f"recv from {who} (tag {tag})"
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            host = tensor.detach().reshape(-1)
+        else:
+            host = torch.empty(tensor.numel(), dtype=tensor.dtype)
+        op = self._op(src, tag, tensor, host, what, is_recv=True)
+        matching = self._matching
+        with self._lock:
+            if matching.post(op):
+                pass
+            elif self._closing:
+                matching.fail(op, None, "the group was destroyed")
+            elif src != ANY_SOURCE and src != self.rank and self._links[src].dead is not None:
+                matching.fail(op, self._links[src].dead, "")
+            elif (
+                src == ANY_SOURCE
+                and self._links
+                and all(ln.dead is not None for ln in self._links.values())
+            ):
+                matching.fail(op, None, "every peer's connection is closed")
+            else:
+                matching.posted.append(op)
+            done = matching.take_done()
+        complete(done)
+        self._loop.wake()  # the loop recomputes its next deadline
+        return op.work
+
+    def close(self) -> None:
+        """Stop the thread and fail what is pending (the transport owns the sockets)."""
+        self._stop(None)
+
+    def abort(self, error: EntrenarError) -> None:
+        """The group failed with ``error``: fail everything pending with it, stop."""
+        self._stop(error)
+
+    def _stop(self, error: EntrenarError | None) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._loop.wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        matching = self._matching
+        with self._lock:
+            for op in self._pending_ops():
+                if error is None:
+                    matching.fail(op, None, "the process group was destroyed")
+                else:
+                    matching.fail(op, error, "")
+            matching.clear()
+            for link in self._links.values():
+                link.sending.clear()
+                link.incoming = None
+            done = matching.take_done()
+        complete(done)
+        self._loop.close()
+
+    def _op(
+        self,
+        peer: int,
+        tag: int,
+        user: torch.Tensor,
+        host: torch.Tensor,
+        what: str,
+        *,
+        is_recv: bool,
+    ) -> _Op:
+        fut: torch.futures.Future[list[torch.Tensor]] = (
+            torch.futures.Future(devices=[user.device]) if user.is_cuda else torch.futures.Future()
+        )
+        src = peer if peer != ANY_SOURCE else -1
+        work = P2PWork(fut, what, self.rank, src)
+        deadline = time.monotonic() + self.timeout_s
+        return _Op(peer, tag, user, host, fut, work, deadline, what, is_recv)
 
     def _pending_ops(self) -> list[_Op]:
-        ops = list(self._posted)
-        ops += [m.recv for m in self._unexpected if m.recv is not None]
+        ops = self._matching.pending()
         for link in self._links.values():
-            ops += [o.op for o in link.out]
+            ops += link.sending
             if link.incoming is not None and link.incoming.recv is not None:
                 ops.append(link.incoming.recv)
         return ops
 
-    def _dead_error(self, op: _Op, why: str) -> PeerConnectionError:
-        return PeerConnectionError(f"rank {self.rank}: p2p {op.what} failed: {why}")
+    # ------------------------------------------------------------ the thread
 
-    # ------------------------------------------------------------ completion (no lock)
-
-    def _finish(self, done: list[_Done]) -> None:
-        for op, error in done:
-            if error is not None:
-                op.future.set_exception(error)
-                continue
-            try:
-                if op.is_recv and op.nbytes and op.host.data_ptr() != op.user.data_ptr():
-                    op.user.detach().copy_(op.host.view(op.user.shape))  # CUDA / non-contiguous
-            except BaseException as e:  # a failed copy-back fails the recv, not the thread
-                op.future.set_exception(e)
-                continue
-            op.future.set_result([op.user])
-
-    # ------------------------------------------------------------ progress thread
-
-    def _loop(self) -> None:
+    def _run(self) -> None:
         try:
             while True:
                 with self._lock:
                     if self._closing:
                         return
-                    self._update_masks()
+                    want = {
+                        fd: select.POLLIN | (0 if link.out.idle() else select.POLLOUT)
+                        for fd, link in self._fd_link.items()
+                        if link.dead is None
+                    }
                     wait_s = self._next_deadline() - time.monotonic()
-                events = self._poller.poll(max(wait_s, 0.0) * 1000.0 + 1.0)
-                done: list[_Done] = []
+                events = self._loop.sleep(want, wait_s + 0.001)
                 with self._lock:
                     if self._closing:
                         return
                     for fd, ev in events:
                         link = self._fd_link.get(fd)
-                        if link is None:
-                            self._drain_wake()
-                            continue
-                        if link.dead:
-                            continue
-                        if ev & (select.POLLIN | _POLLHANG):
-                            self._read(link, done)
-                        if ev & select.POLLOUT and not link.dead:
-                            self._write(link, done)
+                        if link is None or link.dead is not None:
+                            continue  # the wake-up (drained by sleep), or a link given up
+                        if ev & (select.POLLIN | POLLHANG):
+                            self._pump(link, receiving=True)
+                        if ev & select.POLLOUT and link.dead is None:
+                            self._pump(link, receiving=False)
                     for link in self._links.values():
-                        if link.out and not link.dead:
-                            self._write(link, done)  # new sends: try at once, no poll round
-                    self._expire(done)
-                self._finish(done)
+                        if not link.out.idle() and link.dead is None:
+                            self._pump(link, receiving=False)  # new sends: try at once
+                    self._expire()
+                    done = self._matching.take_done()
+                    failures, self._failures = self._failures, []
+                complete(done)
+                for error in failures:
+                    if self.on_failure is not None:
+                        self.on_failure(error)
         except BaseException as e:  # keep the process alive; fail what is pending
             log.exception("rank %d: p2p thread failed", self.rank)
-            done = []
+            error = PeerConnectionError(f"rank {self.rank}: the p2p thread failed: {e!r}")
             with self._lock:
                 for op in self._pending_ops():
-                    done.append((op, self._dead_error(op, f"the p2p thread failed: {e!r}")))
-                self._posted.clear()
+                    self._matching.fail(op, error, "")
+                self._matching.clear()
                 for link in self._links.values():
-                    link.out.clear()
-                    link.dead = link.dead or f"the p2p thread failed: {e!r}"
+                    link.sending.clear()
+                    link.dead = link.dead or error
                 self._closing = True
-            self._finish(done)
+                done = self._matching.take_done()
+            complete(done)
 
-    def _drain_wake(self) -> None:
+    def _pump(self, link: _Link, *, receiving: bool) -> None:
+        """Move what one stream of ``link`` can; a failure gives the link up."""
         try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def _update_masks(self) -> None:
-        for fd, link in self._fd_link.items():
-            old = self._masks.get(fd, 0)
-            if link.dead:
-                if old:  # a closed socket polls readable forever: stop watching it
-                    self._poller.unregister(fd)
-                    self._masks[fd] = 0
-                continue
-            mask = select.POLLIN | _POLLRDHUP | (select.POLLOUT if link.out else 0)
-            if mask != old:
-                self._poller.modify(fd, mask)
-                self._masks[fd] = mask
+            if receiving:
+                moved = self._loop.pump_recv(link.inc, link.what)
+            else:
+                moved = self._loop.pump_send(link.out, link.what)
+        except EntrenarError as e:
+            self._link_down(link, e)
+            return
+        if moved:
+            link.last_progress = time.monotonic()
+        for st in (link.inc, link.out):
+            if st.index >= _TRIM_AT:
+                st.trim()
 
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
-        deadlines = [op.deadline for op in self._posted]
+        deadlines = [op.deadline for op in self._matching.posted]
         deadlines += [
             ln.last_progress + self.timeout_s
             for ln in self._links.values()
-            if ln.busy() and not ln.dead
+            if ln.busy() and ln.dead is None
         ]
         return min(deadlines) if deadlines else time.monotonic() + 3600.0
 
-    def _expire(self, done: list[_Done]) -> None:
+    def _expire(self) -> None:
+        """The one timeout rule: a recv nobody sent to, or a link on which
+        nothing moved, for the timeout."""
         now = time.monotonic()
-        for op in [op for op in self._posted if op.deadline <= now]:
-            self._posted.remove(op)
-            done.append(
-                (
-                    op,
-                    self._dead_error(
-                        op,
-                        f"no matching send arrived within {self.timeout_s:.1f}s "
-                        "(the peer stalled, died, or never sent it)",
-                    ),
-                )
-            )
+        self._matching.expire(now, self.timeout_s)
         for link in self._links.values():
-            if not link.dead and link.busy() and link.last_progress + self.timeout_s <= now:
-                self._kill(
-                    link,
-                    f"rank {link.peer} moved no data for {self.timeout_s:.1f}s "
-                    "(it stalled or died)",
-                    done,
+            if link.dead is None and link.busy() and link.last_progress + self.timeout_s <= now:
+                recv_from = [link.peer] if link.incoming is not None or link.inc.offset else []
+                send_to = [link.peer] if not link.out.idle() else []
+                self._link_down(
+                    link, self._causes.stalled(link.what, recv_from, send_to, self.timeout_s)
                 )
 
-    def _kill(self, link: _Link, why: str, done: list[_Done]) -> None:
-        """Give up on a link: fail everything pending with its peer."""
-        if link.dead:
+    def _link_down(self, link: _Link, error: EntrenarError) -> None:
+        """Give up on a link: fail everything pending with its peer, with ``error``."""
+        if link.dead is not None:
             return
-        link.dead = why
-        pending = link.busy() or any(op.peer == link.peer for op in self._posted)
+        cls = PeerConnectionError if type(error) is EntrenarError else type(error)
+        link.dead = cls(str(error), culprit=error.culprit)
+        affected = list(link.sending)
+        if link.incoming is not None and link.incoming.recv is not None:
+            affected.append(link.incoming.recv)
+        for op in affected:
+            self._matching.fail(op, link.dead, "")
+        link.sending.clear()
+        link.incoming = None
+        self._loop.forget(link.out.sock.fileno())
+        all_dead = all(ln.dead is not None for ln in self._links.values())
+        affected += self._matching.drop_peer(link.peer, link.dead, all_dead)
         # A peer that finished and destroyed its group closes its links: normal.
         log.log(
-            logging.WARNING if pending else logging.DEBUG,
+            logging.WARNING if affected else logging.DEBUG,
             "rank %d: p2p link to rank %d down: %s",
             self.rank,
             link.peer,
-            why,
+            error,
         )
-        for out in link.out:
-            done.append((out.op, self._dead_error(out.op, why)))
-        link.out.clear()
-        msg = link.incoming
-        if msg is not None and msg.recv is not None:
-            done.append((msg.recv, self._dead_error(msg.recv, why)))
-        link.incoming = None
-        for m in [m for m in self._unexpected if m.peer == link.peer and not m.complete]:
-            self._unexpected.remove(m)
-        for op in [op for op in self._posted if op.peer == link.peer]:
-            self._posted.remove(op)
-            done.append((op, self._dead_error(op, why)))
-        if all(ln.dead for ln in self._links.values()):
-            for op in [op for op in self._posted if op.peer == ANY_SOURCE]:
-                self._posted.remove(op)
-                done.append((op, self._dead_error(op, "every peer's connection is closed")))
+        if affected and not self._closing:
+            self._failures.append(link.dead)
 
-    def _closed_reason(self, link: _Link, e: OSError | None = None) -> str:
-        if e is None:
-            return (
-                f"rank {link.peer} closed the connection (its process exited or died, "
-                "or it destroyed the group)"
-            )
-        return f"the link to rank {link.peer} failed: {e}"
+    # ------------------------------------------------------------ stream callbacks
 
-    def _write(self, link: _Link, done: list[_Done]) -> None:
-        while link.out:
-            out = link.out[0]
-            while out.index < len(out.pieces):
-                piece = out.pieces[out.index]
-                if out.offset < len(piece):
-                    try:
-                        n = link.sock.send(piece[out.offset :] if out.offset else piece)
-                    except BlockingIOError:
-                        return
-                    except OSError as e:
-                        if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                            self._kill(link, self._closed_reason(link), done)
-                        else:
-                            self._kill(link, self._closed_reason(link, e), done)
-                        return
-                    out.offset += n
-                    link.last_progress = time.monotonic()
-                    if out.offset < len(piece):
-                        return
-                out.index += 1
-                out.offset = 0
-            link.out.popleft()
-            done.append((out.op, None))
+    def _expect_header(self, link: _Link) -> None:
+        link.inc.push(Recv(memoryview(link.header), partial(self._header_in, link)))
 
-    def _read(self, link: _Link, done: list[_Done]) -> None:
-        for _ in range(_READS_PER_WAKE):
-            msg = link.incoming
-            if msg is None:
-                view = memoryview(link.header)[link.header_got :]
-            else:
-                view = msg.view[msg.got :]
-            if len(view):
-                try:
-                    n = link.sock.recv_into(view)
-                except BlockingIOError:
-                    return
-                except OSError as e:
-                    self._kill(link, self._closed_reason(link, e), done)
-                    return
-                if n == 0:
-                    self._kill(link, self._closed_reason(link), done)
-                    return
-                link.last_progress = time.monotonic()
-            else:
-                n = 0
-            if msg is None:
-                link.header_got += n
-                if link.header_got == HEADER_BYTES:
-                    link.header_got = 0
-                    if not self._start_msg(link, done):
-                        return
-            else:
-                msg.got += n
-                if msg.got == len(msg.view):
-                    self._end_msg(link, msg, done)
+    def _sent(self, link: _Link, op: _Op) -> None:
+        """A send's last byte left: its Work completes."""
+        if link.sending and link.sending[0] is op:
+            link.sending.pop(0)
+        self._matching.done.append((op, None))
 
-    def _start_msg(self, link: _Link, done: list[_Done]) -> bool:
+    def _header_in(self, link: _Link) -> None:
         try:
             header = Header.unpack(bytes(link.header))
         except ValueError as e:
-            self._kill(
-                link,
-                f"garbage from rank {link.peer} where a message header was due "
-                f"({e}): the stream is corrupt",
-                done,
-            )
-            return False
+            raise PeerConnectionError(
+                f"rank {self.rank}: {link.what}: garbage from rank {link.peer} where a "
+                f"message header was due ({e}): the stream is corrupt",
+                culprit=link.peer,
+            ) from None
         if header.op is not OpCode.SEND or header.seq != link.recv_index:
-            self._kill(
-                link,
-                f"rank {link.peer} sent {header.describe()} where p2p message "
-                f"#{link.recv_index} was due: the stream is corrupt",
-                done,
+            raise PeerConnectionError(
+                f"rank {self.rank}: {link.what}: rank {link.peer} sent {header.describe()} "
+                f"where p2p message #{link.recv_index} was due: the stream is corrupt",
+                culprit=link.peer,
             )
-            return False
         link.recv_index += 1
-        recv = self._take_posted(link.peer, header.aux)
-        if recv is None:
-            buf = torch.empty(header.numel, dtype=torch.uint8)
-            msg = _Msg(link.peer, header, bytes_of(buf), buf)
-            self._unexpected.append(msg)
-        else:
-            msg = _Msg(link.peer, header, memoryview(b""), None)
-            self._match(msg, recv)
+        msg = self._matching.arrive(link.peer, header)
         link.incoming = msg
-        if msg.got == len(msg.view):
-            self._end_msg(link, msg, done)
-        return True
+        link.inc.push(Recv(msg.view, partial(self._payload_in, link, msg)))
 
-    def _end_msg(self, link: _Link, msg: _Msg, done: list[_Done]) -> None:
+    def _payload_in(self, link: _Link, msg: _Msg) -> None:
         link.incoming = None
-        msg.complete = True
-        if msg.recv is None:
-            return  # buffered: a later recv takes it
-        if msg in self._unexpected:
-            self._unexpected.remove(msg)
-        self._complete_msg(msg, done)
+        self._matching.arrived(msg)
+        self._expect_header(link)
+
+
+def _op_error(rank: int, op: _Op, cause: EntrenarError) -> EntrenarError:
+    """``op`` fails because its link (or the group) failed with ``cause``: same class
+    and culprit, this op named."""
+    cls = PeerConnectionError if type(cause) is EntrenarError else type(cause)
+    return cls(f"rank {rank}: p2p {op.what} failed: {cause}", culprit=cause.culprit)

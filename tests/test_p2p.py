@@ -295,3 +295,90 @@ def test_cuda_tensors_are_staged_through_the_host() -> None:
         return torch.equal(dst.cpu(), torch.arange(6.0).reshape(2, 3) + 10 * peer)
 
     assert run_ranks(2, fn) == [True, True]
+
+
+@pytest.mark.timeout(60)
+def test_p2p_reads_the_peers_abort_cause_and_breaks_the_group() -> None:
+    """Rank 1 aborts with a cause naming a culprit; rank 0's pending recv from it
+    fails with the same class and culprit a collective would raise (the abort
+    protocol is shared), and rank 0's group is broken by it: a later collective
+    is refused with that cause. (Before: the recv failed as a plain close,
+    without the cause or culprit, and the group stayed usable.)"""
+    groups = make_groups(3, timeout_s=20.0)
+    try:
+        w = groups[0].recv([torch.empty(3)], 1, 0)
+        time.sleep(0.1)
+        groups[1].mesh.abort(CollectiveMismatchError("rank 1: injected", culprit=2))
+        start = time.monotonic()
+        with pytest.raises(CollectiveMismatchError, match=r"rank 0: p2p recv from rank 1") as info:
+            w.wait()
+        assert time.monotonic() - start < 5
+        assert info.value.culprit == 2 and "rank 1: injected" in str(info.value)
+        assert isinstance(groups[0].errored(), CollectiveMismatchError)
+        with pytest.raises(CollectiveMismatchError, match="rank 1: injected"):
+            groups[0].barrier().wait()
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_collective_fails_pending_p2p_at_once() -> None:
+    """A collective fails (the ranks disagree on its size); a recv rank 0 posted
+    earlier from rank 2, which will never come, fails at once with the group's
+    error instead of waiting out the 20 s timeout (before: the p2p channel
+    stayed open after the group broke)."""
+    groups = make_groups(3, timeout_s=20.0)
+    try:
+        pending = groups[0].recv([torch.empty(1)], 2, 9)
+        errors: dict[int, BaseException] = {}
+
+        def call(rank: int) -> None:
+            try:
+                groups[rank].allreduce([torch.ones(4 if rank == 1 else 8)]).wait()
+            except BaseException as e:  # every rank must raise
+                errors[rank] = e
+
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(isinstance(errors.get(r), CollectiveMismatchError) for r in range(3)), errors
+        start = time.monotonic()
+        with pytest.raises(
+            CollectiveMismatchError, match=r"rank 0: p2p recv from rank 2 \(tag 9\)"
+        ):
+            pending.wait()
+        assert time.monotonic() - start < 5
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_p2p_link_names_the_peer_and_breaks_the_group() -> None:
+    """Rank 1 stops reading its p2p link (its p2p thread is made to skip every
+    read); rank 0's send of 32 MiB, more than the socket buffers hold, makes
+    no progress. After the 1 s timeout it fails the way a stalled collective
+    does: "no progress", the peer blamed by the wait-for walk (culprit 1),
+    and rank 0's group is broken by it."""
+    groups = make_groups(2, timeout_s=1.0)
+    channel = groups[1]._p2p
+    real_pump = channel._pump
+
+    def no_reads(link: object, *, receiving: bool) -> None:
+        if not receiving:
+            real_pump(link, receiving=False)
+
+    channel._pump = no_reads  # type: ignore[method-assign]
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerConnectionError, match=r"no progress for 1\.0s") as info:
+            groups[0].send([torch.ones(8 << 20)], 1, 0).wait()
+        assert 0.9 < time.monotonic() - start < 6
+        assert info.value.culprit == 1 and "culprit: rank 1" in str(info.value)
+        assert isinstance(groups[0].errored(), PeerConnectionError)
+    finally:
+        for g in groups:
+            g.abort()

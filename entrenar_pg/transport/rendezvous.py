@@ -3,9 +3,9 @@
 Every rank listens on one port and publishes ``host:port`` in the group's
 store; rank 0 puts a random per-group secret there. Rank i connects to every
 rank j < i and accepts from every rank j > i, once per *channel*: the data
-channel carries collectives, the control channel carries the small frames of
-``entrenar_pg.control`` (abort causes, goodbyes, wait-for queries), so that
-they can be sent whatever state a data stream is in.
+channel carries collectives, the p2p channel send/recv, and the control
+channel the small frames of ``abort.py`` (abort causes, goodbyes, wait-for
+queries), so that they can be sent whatever state a data stream is in.
 
 The handshake is a challenge-response: the acceptor sends a nonce, the
 connector answers with its rank, the world size, the channel and an HMAC of
@@ -36,14 +36,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .config import Options
-from .errors import PeerConnectionError
+from ..config import Options
+from ..errors import PeerConnectionError
 
 log = logging.getLogger(__name__)
 
-DATA = 0
-CONTROL = 1
-CHANNEL_NAMES = {DATA: "data", CONTROL: "control"}
+DATA = 0  # collectives
+CONTROL = 1  # the abort protocol's frames (abort.py)
+P2P = 2  # send / recv
+CHANNEL_NAMES = {DATA: "data", CONTROL: "control", P2P: "p2p"}
 
 _HELLO = struct.Struct("<4sIII")  # magic, rank, world size, channel
 _HELLO_MAGIC = b"ENTR"

@@ -1,4 +1,10 @@
-"""The control channel: small frames between ranks, beside the data streams.
+"""The abort protocol: the control channel, and the one place a link's end is named.
+
+Every way a link can end (a peer's abort, its goodbye, its death, a stall, an
+OSError, our own abort) becomes an error here, for collectives and p2p alike
+(``Causes``), so both name the same culprit with the same words.
+
+The control channel: small frames between ranks, beside the data streams.
 
 Why a channel of its own: when something goes wrong a data stream is
 somewhere inside a collective's payload, so nothing can be inserted into it,
@@ -34,6 +40,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, peer_gone
 
 log = logging.getLogger(__name__)
 
@@ -292,3 +300,101 @@ class ControlChannel:
                 except OSError:
                     pass
                 p.sock.close()
+
+
+# How long a rank that saw a peer's link close waits for that peer's control
+# frame (or its control link's close) to learn why: the two sockets' events
+# are not ordered, but they come from one close, microseconds apart.
+CAUSE_WAIT_S = 1.0
+
+
+def abort_record(rank: int, error: BaseException) -> AbortRecord:
+    """What this rank tells its peers when it fails with ``error``."""
+    if isinstance(error, EntrenarError):
+        return AbortRecord(type(error).__name__, error.culprit, str(error))
+    return AbortRecord("PeerConnectionError", None, f"rank {rank}: {error!r}")
+
+
+class Causes:
+    """Names why a link stopped: the error every rank raises for it.
+
+    Collectives (``loop.Progress``) and p2p (``entrenar_pg.p2p``) both ask
+    here, so a peer's abort, goodbye, death or stall reads the same whichever
+    kind of call saw it, and carries the same ``culprit``.
+    """
+
+    def __init__(self, rank: int, control: ControlChannel | None) -> None:
+        self.rank = rank
+        self.control = control
+        self.closed_here = False  # set when this rank closed or aborted its own links
+
+    def how_ended(self, peer: int, wait_s: float = CAUSE_WAIT_S) -> AbortRecord | str | None:
+        """Why ``peer``'s link closed, from its control link (see ``ControlChannel``)."""
+        if self.control is None:
+            return None
+        return self.control.how_ended(peer, wait_s)
+
+    def peer_closed(
+        self, peer: int, what: str, ended: AbortRecord | str | None = None
+    ) -> EntrenarError:
+        """``peer``'s end of a link closed during ``what``: its abort, its goodbye or its death."""
+        if self.closed_here:
+            return self.here_closed(what)
+        if ended is None:
+            ended = self.how_ended(peer)
+        if isinstance(ended, AbortRecord):
+            cls = ERROR_TYPES.get(ended.kind, PeerConnectionError)
+            culprit = ended.culprit if ended.culprit is not None else peer
+            return cls(
+                f"rank {self.rank}: {what} aborted because rank {peer} failed: {ended.message}",
+                culprit=culprit,
+            )
+        if ended == LEFT:
+            return PeerConnectionError(
+                f"rank {self.rank}: {what}: rank {peer} left the group mid-collective "
+                f"(it called destroy_process_group or exited); culprit: rank {peer}",
+                culprit=peer,
+            )
+        return PeerConnectionError(
+            f"rank {self.rank}: {what}: rank {peer} closed the connection without a word "
+            f"(its process died or was killed); culprit: rank {peer}",
+            culprit=peer,
+        )
+
+    def here_closed(self, what: str) -> EntrenarError:
+        """This rank's own links were closed under ``what`` (abort() or shutdown)."""
+        return PeerConnectionError(
+            f"rank {self.rank}: {what}: this rank's links were closed under it "
+            "(the group was aborted or shut down)",
+            culprit=self.rank,
+        )
+
+    def link_failed(self, peer: int, what: str, e: OSError) -> EntrenarError:
+        """An OSError on the link to ``peer``: the one errno classifier (``errors.peer_gone``)."""
+        if self.closed_here:
+            return self.here_closed(what)
+        if peer_gone(e):
+            return self.peer_closed(peer, what)
+        return PeerConnectionError(f"rank {self.rank}: {what}: link to rank {peer} failed: {e}")
+
+    def stalled(
+        self, what: str, recv_from: list[int], send_to: list[int], timeout_s: float
+    ) -> PeerConnectionError:
+        """Nothing moved for ``timeout_s``: ask the peers we wait on what they wait on,
+        and blame the rank at the end of that walk (``ControlChannel.find_stalled``)."""
+        recv_from, send_to = sorted(recv_from), sorted(send_to)
+        head = (
+            f"rank {self.rank}: {what}: no progress for {timeout_s:.1f}s "
+            f"(waiting to receive from rank(s) {recv_from}, to send to rank(s) {send_to})"
+        )
+        if self.control is None:
+            return PeerConnectionError(
+                f"{head}: a peer stalled, died, or issued a different collective"
+            )
+        answer_s = min(2.0, max(0.25, timeout_s / 4))
+        blame = self.control.find_stalled([*recv_from, *send_to], what, answer_s)
+        if blame.culprit is None:
+            return PeerConnectionError(f"{head}: {blame.story}")
+        return PeerConnectionError(
+            f"{head}: {blame.story}; culprit: rank {blame.culprit}", culprit=blame.culprit
+        )

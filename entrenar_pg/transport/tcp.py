@@ -1,0 +1,117 @@
+"""The TCP transport: a group's authenticated sockets, and the loops that drive them.
+
+Set-up (``rendezvous.py``) gives each pair of ranks three sockets: *data*
+(collectives, driven by ``loop.Progress.run``), *control* (the abort
+protocol's frames, ``abort.ControlChannel``) and *p2p* (send/recv, driven by
+the p2p thread with the same loop). One listen port, one store exchange and
+one secret per group serve all three.
+
+A second transport (same-host shared memory) goes beside this one: it gives
+the algorithms the same ``run(plan, what)`` and the same ``Causes``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+from ..config import Options
+from .abort import Causes, ControlChannel, abort_record
+from .loop import Links, Progress
+from .rendezvous import CONTROL, DATA, P2P, Rendezvous
+
+
+class Mesh:
+    """One rank's links to every other rank of a group, over TCP."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        options: Options,
+        timeout: timedelta,
+        name: str = "",
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.name = name
+        self._store = store
+        self._close_lock = threading.Lock()
+        self._links: dict[tuple[int, int], socket.socket] = {}
+        if world > 1:
+            timeout_s = max(timeout.total_seconds(), 0.001)
+            channels = (DATA, CONTROL, P2P)
+            self._links = Rendezvous(store, rank, world, options, timeout_s, channels).connect_all()
+        ctrl = self._channel(CONTROL)
+        self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
+        self.causes = Causes(rank, self.control)
+        self.progress = Progress(
+            rank,
+            self._channel(DATA),
+            self.causes,
+            control=self.control,
+            spin_s=options.spin_us / 1e6,
+            timeout_s=max(timeout.total_seconds(), 0.001),
+        )
+        # The collectives' entry point (an attribute: tests spy on it).
+        self.run = self.progress.run
+
+    def _channel(self, channel: int) -> dict[int, socket.socket]:
+        return {p: s for (p, ch), s in self._links.items() if ch == channel}
+
+    # The running job's tuning, read by the loop: set per job.
+    @property
+    def spin_s(self) -> float:
+        return self.progress.spin_s
+
+    @spin_s.setter
+    def spin_s(self, value: float) -> None:
+        self.progress.spin_s = value
+
+    @property
+    def timeout_s(self) -> float:
+        return self.progress.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.progress.timeout_s = value
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    def p2p_links(self) -> Links:
+        """The p2p sockets with the loop's pumps and a wake-up, for the p2p thread."""
+        return Links(self.rank, self._channel(P2P), self.causes, wakeable=True)
+
+    # ------------------------------------------------------------------ ending
+
+    def abort(self, error: BaseException) -> None:
+        """Tell every peer why this rank fails (an ABORT frame on each control
+        link), then drop every link. The frame goes first, so a peer that sees
+        a link close can name the cause, even when the store is gone."""
+        self._close(hard=True, error=error)
+
+    def close(self, hard: bool = False) -> None:
+        """Close every link, saying goodbye on the control links first."""
+        self._close(hard=hard, error=None)
+
+    def _close(self, *, hard: bool, error: BaseException | None) -> None:
+        with self._close_lock:
+            if self.causes.closed_here:
+                return
+            self.causes.closed_here = True
+            if self.control is not None:
+                self.control.close(None if error is None else abort_record(self.rank, error))
+            for (_, ch), sock in self._links.items():
+                if ch == CONTROL:
+                    continue  # closed by the control channel, after its frame
+                try:
+                    if hard:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
