@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import entrenar_pg  # noqa: E402,F401  (registers the backend)
-from benchmarks.bench import parse_sizes  # noqa: E402
+from benchmarks.sizes import parse_sizes  # noqa: E402
 from trainer.model import GPT, GPTConfig  # noqa: E402
 
 

@@ -1,0 +1,100 @@
+"""What a benchmark run measures: units, variant names, the variants, :class:`BenchConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks import floor
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+FLOAT32_BYTES = 4
+
+RAW = "raw-tcp"
+MPI_SHM = "mpi"
+MPI_TCP = "mpi-tcp"
+GLOO = "gloo"
+BASELINE = "@baseline"  # suffix of the variants run on the --baseline-tree's entrenar_pg
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One process group under test: a backend plus entrenar ``Options`` keyword arguments."""
+
+    name: str
+    backend: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+# Allreduce sweep variants, keyed by the short names --algos takes.
+SWEEP_VARIANTS: dict[str, Variant] = {
+    "gloo": Variant(GLOO, "gloo"),
+    "ring": Variant("entrenar-ring", "entrenar", {"algorithm": "ring"}),
+    "star": Variant("entrenar-star", "entrenar", {"algorithm": "star"}),
+    "direct": Variant("entrenar-direct", "entrenar", {"algorithm": "direct"}),
+    "inline": Variant(
+        "entrenar-auto-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 262144}
+    ),
+    "auto": Variant("entrenar-auto", "entrenar", {"algorithm": "auto"}),
+    "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
+}
+
+FLOOR = "floor (no comm)"
+
+# DDP step variants (the entrenar ones when entrenar is available). The floor
+# is a reference, not a contestant: a backend that moves nothing
+# (benchmarks/floor.py), so a step's distance above it is what
+# communication costs.
+DDP_VARIANTS: tuple[Variant, ...] = (
+    Variant(GLOO, "gloo"),
+    Variant("entrenar", "entrenar", {"algorithm": "auto"}),
+    Variant("entrenar-check", "entrenar", {"algorithm": "auto", "check": True}),
+    # The opt-in that runs DDP's async bucket allreduces in the autograd thread
+    # (no comm-thread hand-off; see Options.inline_max_bytes for its hazard).
+    Variant("entrenar-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 64 << 20}),
+    Variant(FLOOR, floor.BACKEND),
+)
+
+DEFAULT_SIZES = "4K:256M:x4"
+QUICK_SIZES = "4K,64K,1M,4M"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a benchmark run needs; plain data so it can be sent to spawned workers."""
+
+    world_sizes: tuple[int, ...] = (2, 4)
+    sizes: tuple[int, ...] = ()
+    algos: tuple[str, ...] = tuple(SWEEP_VARIANTS)
+    repeats: int = 50
+    min_repeats: int = 5
+    rounds: int = 5
+    budget_bytes: int = 2 * GiB
+    raw: bool = True
+    raw_min_bytes: int = 1 * MiB
+    mpi: bool = True
+    ddp: bool = True
+    ddp_steps: int = 120
+    ddp_rounds: int = 12
+    timeout_s: float = 900.0
+    op_timeout_s: float = 120.0
+    quick: bool = False
+    entrenar: bool = True
+    baseline_tree: str = ""
+    baseline_rounds: int = 2
+    out: str = "bench_out"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BenchConfig:
+        """Inverse of :meth:`to_json`."""
+        kw = dict(data)
+        for name in ("world_sizes", "sizes", "algos"):
+            kw[name] = tuple(kw[name])
+        return cls(**kw)

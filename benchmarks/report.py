@@ -1,0 +1,284 @@
+"""The report: text and markdown tables, plots, and the files under ``--out``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.config import BASELINE, GLOO, MPI_SHM, MPI_TCP, RAW
+from benchmarks.sizes import format_bytes
+
+
+def _fmt_time(s: float) -> str:
+    """Seconds as a short µs/ms/s string."""
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def allreduce_table(result: dict[str, Any], world: int, markdown: bool = False) -> list[str]:
+    """Rows (size x variant, raw TCP and MPI included) of one world size as text lines."""
+    header = [
+        "size",
+        "variant",
+        "median",
+        "min",
+        "max",
+        "n",
+        "algbw GB/s",
+        "busbw GB/s",
+        "time/gloo",
+        "busbw/gloo",
+        "busbw/raw",
+    ]
+    body: list[list[str]] = []
+    rows = [r for r in result["allreduce"] + result["mpi"] if r["world_size"] == world]
+    raws = {r["size_bytes"]: r for r in result["raw_tcp"] if r["world_size"] == world}
+    for size in sorted({r["size_bytes"] for r in rows}):
+        for r in (x for x in rows if x["size_bytes"] == size):
+            body.append(
+                [
+                    format_bytes(size),
+                    r["variant"],
+                    _fmt_time(r["median_s"]),
+                    _fmt_time(r["min_s"]),
+                    _fmt_time(r["max_s"]),
+                    str(r["n"]),
+                    f"{r['algbw_GBps']:.3f}",
+                    f"{r['busbw_GBps']:.3f}",
+                    _fmt_ratio(r.get("time_vs_gloo")),
+                    _fmt_ratio(r.get("busbw_vs_gloo")),
+                    _fmt_ratio(r.get("busbw_vs_raw")),
+                ]
+            )
+        if size in raws:
+            w = raws[size]
+            body.append(
+                [
+                    format_bytes(size),
+                    RAW,
+                    _fmt_time(w["median_s"]),
+                    _fmt_time(w["min_s"]),
+                    _fmt_time(w["max_s"]),
+                    str(w["n"]),
+                    f"{w['GBps_each_way']:.3f}",
+                    f"{w['GBps_each_way']:.3f}",
+                    "-",
+                    "-",
+                    "1.00",
+                ]
+            )
+    return _render(header, body, markdown)
+
+
+def summary_tables(result: dict[str, Any], world: int, markdown: bool = False) -> list[str]:
+    """Two compact size x variant tables: median time (x gloo) and busbw GB/s (x raw TCP)."""
+    rows = [r for r in result["allreduce"] + result["mpi"] if r["world_size"] == world]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    cell = {(r["variant"], r["size_bytes"]): r for r in rows}
+    raws = {r["size_bytes"]: r for r in result["raw_tcp"] if r["world_size"] == world}
+    sizes = sorted({r["size_bytes"] for r in rows})
+    t_body, b_body = [], []
+    for size in sizes:
+        t_row, b_row = [format_bytes(size)], [format_bytes(size)]
+        for name in names:
+            r = cell.get((name, size))
+            if r is None:
+                t_row.append("-")
+                b_row.append("-")
+                continue
+            ratio = r.get("time_vs_gloo")
+            extra = "" if name == GLOO or ratio is None else f" ({ratio:.2f}x)"
+            t_row.append(_fmt_time(r["median_s"]) + extra)
+            vs_raw = r.get("busbw_vs_raw")
+            b_row.append(f"{r['busbw_GBps']:.3f}" + ("" if vs_raw is None else f" ({vs_raw:.2f})"))
+        b_row.append(f"{raws[size]['GBps_each_way']:.3f}" if size in raws else "-")
+        t_body.append(t_row)
+        b_body.append(b_row)
+    lines = [f"N={world} median time per allreduce (time / gloo):", ""]
+    lines += _render(["size", *names], t_body, markdown)
+    lines += ["", f"N={world} busbw GB/s (busbw / raw TCP each way):", ""]
+    lines += _render(["size", *names, RAW], b_body, markdown)
+    return lines
+
+
+def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """DDP step rows as text lines."""
+    header = ["N", "variant", "step median", "min", "max", "n", "tokens/s", "step/gloo", "- floor"]
+    body = [
+        [
+            str(r["world_size"]),
+            r["variant"],
+            _fmt_time(r["median_s"]),
+            _fmt_time(r["min_s"]),
+            _fmt_time(r["max_s"]),
+            str(r["n"]),
+            f"{r['tokens_per_s']:.0f}",
+            _fmt_ratio(r["step_vs_gloo"]),
+            "-" if r.get("above_floor_s") is None else _fmt_time(r["above_floor_s"]),
+        ]
+        for r in result["ddp"]
+    ]
+    return _render(header, body, markdown)
+
+
+def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """Every entrenar variant against its ``@baseline`` twin (allreduce sizes, DDP step)."""
+    header = ["N", "what", "variant", "new", "baseline", "new/baseline", "new/gloo", "base/gloo"]
+    body = []
+    pairs = [(r, format_bytes(r["size_bytes"])) for r in result["allreduce"]]
+    pairs += [(r, "DDP step") for r in result["ddp"]]
+    rows = {(r["world_size"], what, r["variant"]): r for r, what in pairs}
+    for r, what in pairs:
+        if "time_vs_baseline" not in r:
+            continue
+        base = rows[(r["world_size"], what, r["variant"] + BASELINE)]
+        gloo_key = "time_vs_gloo" if "time_vs_gloo" in r else "step_vs_gloo"
+        body.append(
+            [
+                str(r["world_size"]),
+                what,
+                r["variant"],
+                _fmt_time(r["median_s"]),
+                _fmt_time(base["median_s"]),
+                f"{r['time_vs_baseline']:.3f}",
+                _fmt_ratio(r.get(gloo_key)),
+                _fmt_ratio(base.get(gloo_key)),
+            ]
+        )
+    return _render(header, body, markdown)
+
+
+def _render(header: list[str], body: list[list[str]], markdown: bool) -> list[str]:
+    """A padded text table, or a markdown one."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return lines + ["| " + " | ".join(row) + " |" for row in body]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*row) for row in body
+    ]
+
+
+def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """The full report (every world size, DDP, notes) as lines."""
+    meta = result["meta"]
+    m = meta["machine"]
+    lines = [
+        f"machine: {m['nproc']} CPUs, {m['cpu']}, kernel {m['kernel']}, torch {m['torch']}, "
+        f"git {meta.get('git') or '?'}, {meta['started']}",
+        f"timing: {meta['timing']}",
+    ]
+    if "loadavg_end" in meta:
+        lines.append(
+            "load average (1/5/15 min) at start "
+            + "/".join(f"{x:.1f}" for x in meta["loadavg_start"])
+            + ", at end "
+            + "/".join(f"{x:.1f}" for x in meta["loadavg_end"])
+            + f" on {m['nproc']} CPUs (other processes share this machine)"
+        )
+    if meta.get("mpi_library"):
+        lines.append(
+            f"MPI: {meta['mpi_library']} ({MPI_SHM}: default shared memory; {MPI_TCP}: "
+            "MPIR_CVAR_NOLOCAL=1, libfabric tcp on lo; separate runs, not interleaved)"
+        )
+    for world in meta["config"]["world_sizes"]:
+        lines += ["", f"allreduce float32, N={world}:", ""]
+        lines += allreduce_table(result, world, markdown)
+        lines += [""] + summary_tables(result, world, markdown)
+    if result["ddp"]:
+        d = result["ddp"][0]
+        lines += [
+            "",
+            f"DDP step ({d['model']}, {d['params']} params, batch {d['batch_per_rank']}"
+            f" x seq {d['seq_len']} per rank):",
+            "",
+        ]
+        lines += ddp_table(result, markdown)
+        for r in result["ddp"]:
+            st = r.get("checker_stats", {}).get(r["variant"])
+            if st and st.get("steps_checked"):
+                lines.append(
+                    f"N={r['world_size']} {r['variant']}: rank 0's checker covered "
+                    f"{st.get('allreduces_checked', 0):.0f} allreduces and "
+                    f"{st['steps_checked']:.0f} optimizer steps, "
+                    f"{1e3 * st.get('seconds', 0.0) / st['steps_checked']:.2f} ms per step"
+                )
+    if "baseline" in meta:
+        b = meta["baseline"]
+        lines += [
+            "",
+            f"this checkout (git {meta.get('git') or '?'}) vs baseline {b['tree']} "
+            f"(git {b['git'] or '?'}): median time, new/baseline below 1 = new is faster; "
+            f"{meta['config']['baseline_rounds']} rounds of paired runs (A B B A ...)",
+            "",
+        ]
+        lines += baseline_table(result, markdown)
+        for world, files in b.get("entrenar_pg_file", {}).items():
+            lines.append(
+                f"N={world} workers imported entrenar_pg from {files.get('new')} (new) and "
+                f"{files.get('baseline')} (baseline copy)"
+            )
+    for note in meta["notes"]:
+        lines.append(f"note: {note}")
+    return lines
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """busbw-vs-size and latency-vs-size PNGs (one panel per world size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = result["meta"]["config"]["world_sizes"]
+    paths = []
+    for metric, ylabel, fname in (
+        ("busbw_GBps", "busbw (GB/s)", "allreduce_busbw.png"),
+        ("median_s", "latency (s, median)", "allreduce_latency.png"),
+    ):
+        fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+        for ax, world in zip(axes[0], worlds, strict=True):
+            rows = [r for r in result["allreduce"] + result["mpi"] if r["world_size"] == world]
+            for name in dict.fromkeys(r["variant"] for r in rows):
+                pts = sorted((r["size_bytes"], r[metric]) for r in rows if r["variant"] == name)
+                style = ":" if name.startswith("mpi") else "-"
+                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=name)
+            raw = sorted(
+                (r["size_bytes"], r["GBps_each_way"] if metric == "busbw_GBps" else r["median_s"])
+                for r in result["raw_tcp"]
+                if r["world_size"] == world
+            )
+            if raw:
+                ax.plot(*zip(*raw, strict=True), "--", color="black", label=RAW)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("message size (bytes)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"allreduce float32, N={world}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
+    """bench.json, results.md and the PNGs under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "bench.json"
+    jpath.write_text(json.dumps(result, indent=1))
+    mpath = out / "results.md"
+    mpath.write_text("\n".join(report_lines(result, markdown=True)) + "\n")
+    return [jpath, mpath, *write_plots(result, out)]

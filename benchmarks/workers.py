@@ -1,0 +1,318 @@
+"""One rank of a world-size run (a spawned process): its groups, the sweep, the DDP step.
+
+The entry point, :func:`rank_main`, lives here and not in ``benchmarks.bench``
+so that the spawned processes unpickle it by this module's name even when the
+CLI runs as ``__main__``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import selectors
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks import floor
+from benchmarks.config import (
+    DDP_VARIANTS,
+    FLOAT32_BYTES,
+    RAW,
+    SWEEP_VARIANTS,
+    BenchConfig,
+    Variant,
+)
+from benchmarks.model import make_model
+from benchmarks.sizes import plan_for, rotated
+
+
+def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
+    """Create the process group for ``variant`` (collective: every rank, same order)."""
+    ranks = list(range(world))
+    if variant.backend == "gloo":
+        return dist.new_group(ranks, backend="gloo")
+    if variant.backend == floor.BACKEND:
+        floor.register()
+        return dist.new_group(ranks, backend=floor.BACKEND)
+    from entrenar_pg import Options
+
+    return dist.new_group(ranks, backend="entrenar", pg_options=Options.from_env(**variant.options))
+
+
+class _RawPair:
+    """A TCP_NODELAY socket between ranks 0 and 1 (others hold none) for the raw reference."""
+
+    def __init__(self, rank: int, ctrl: dist.ProcessGroup, timeout_s: float) -> None:
+        self.sock: socket.socket | None = None
+        port = [0]
+        listener = None
+        if rank == 0:
+            listener = socket.create_server(("127.0.0.1", 0))
+            listener.settimeout(timeout_s)
+            port[0] = listener.getsockname()[1]
+        dist.broadcast_object_list(port, src=0, group=ctrl)
+        if rank == 1:
+            self.sock = socket.create_connection(("127.0.0.1", port[0]), timeout=timeout_s)
+        elif listener is not None:
+            self.sock, _ = listener.accept()
+            listener.close()
+        self.timeout_s = timeout_s
+        self.sel = selectors.DefaultSelector()
+        if self.sock is not None:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.setblocking(False)
+            self.sel.register(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def exchange(self, send: memoryview, recv: memoryview) -> float:
+        """Send ``send`` while receiving ``len(recv)`` bytes; seconds until both are done.
+
+        One thread, non-blocking socket, epoll: no thread wake-ups in the measurement,
+        so it shows what the kernel's loopback path gives a single Python thread.
+        """
+        assert self.sock is not None
+        sock, sel = self.sock, self.sel
+        n_send, n_recv = len(send), len(recv)
+        sent = got = 0
+        mask = selectors.EVENT_READ | selectors.EVENT_WRITE
+        sel.modify(sock, mask)
+        t0 = time.perf_counter()
+        while sent < n_send or got < n_recv:
+            want = (selectors.EVENT_READ if got < n_recv else 0) | (
+                selectors.EVENT_WRITE if sent < n_send else 0
+            )
+            if want != mask:
+                mask = want
+                sel.modify(sock, mask)
+            ready = sel.select(self.timeout_s)
+            if not ready:
+                raise TimeoutError(f"raw TCP exchange stalled for {self.timeout_s:.0f} s")
+            events = ready[0][1]
+            if events & selectors.EVENT_WRITE:
+                try:
+                    sent += sock.send(send[sent:])
+                except BlockingIOError:
+                    pass
+            if events & selectors.EVENT_READ:
+                try:
+                    k = sock.recv_into(recv[got:])
+                except BlockingIOError:
+                    k = -1
+                if k == 0:
+                    raise ConnectionError("raw TCP peer closed")
+                got += max(k, 0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Close the socket, if any."""
+        self.sel.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _verify(t: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int, name: str) -> None:
+    """One checked allreduce (also a warm-up): every element must be sum(1..world)."""
+    t.fill_(rank + 1)
+    dist.all_reduce(t, group=group)
+    want = world * (world + 1) / 2
+    if not bool(torch.all(t == want)):
+        bad = t[t != want]
+        raise AssertionError(
+            f"{name}: allreduce of {t.numel()} floats wrong on rank {rank}: "
+            f"{bad.numel()} elements != {want} (e.g. {bad[:4].tolist()})"
+        )
+    t.zero_()
+
+
+def _time_allreduce(t: torch.Tensor, group: dist.ProcessGroup, warmup: int, n: int) -> list[float]:
+    """``warmup`` untimed then ``n`` timed blocking allreduces; per-call seconds."""
+    for _ in range(warmup):
+        dist.all_reduce(t, group=group)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _sweep(
+    rank: int,
+    world: int,
+    cfg: BenchConfig,
+    ctrl: dist.ProcessGroup,
+    groups: dict[str, dist.ProcessGroup],
+    raw: _RawPair | None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The interleaved allreduce sweep; returns ``{"variant|size": samples}`` and raw samples."""
+    times: dict[str, list[float]] = {}
+    raw_times: dict[str, list[float]] = {}
+    for size in cfg.sizes:
+        plan = plan_for(size, cfg)
+        t = torch.zeros(size // FLOAT32_BYTES, dtype=torch.float32)
+        names = list(groups)
+        use_raw = raw is not None and size >= cfg.raw_min_bytes
+        if use_raw:
+            names.append(RAW)
+            send = memoryview(t.numpy().view("uint8"))  # type: ignore[arg-type]
+            recv = memoryview(bytearray(size))
+        for r in range(plan.rounds):
+            for name in rotated(names, r):
+                dist.barrier(group=ctrl)
+                if name == RAW:
+                    assert raw is not None
+                    if raw.sock is not None:
+                        if r == 0:
+                            raw.exchange(send, recv)
+                        samples = [raw.exchange(send, recv) for _ in range(plan.per_block)]
+                        raw_times.setdefault(str(size), []).extend(samples)
+                    continue
+                group = groups[name]
+                warm = plan.warmup
+                if r == 0:
+                    _verify(t, group, rank, world, name)
+                    warm = max(warm, 1)
+                samples = _time_allreduce(t, group, warm, plan.per_block)
+                times.setdefault(f"{name}|{size}", []).extend(samples)
+        del t
+        if use_raw:
+            del send, recv
+    return times, raw_times
+
+
+def _ddp(
+    rank: int,
+    world: int,
+    cfg: BenchConfig,
+    ctrl: dist.ProcessGroup,
+    variants: Sequence[Variant],
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Interleaved DDP training steps per variant; returns step-time samples and model info."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    spec = make_model()
+    n_params = sum(p.numel() for p in spec.model.parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(0, spec.vocab_size, (spec.batch, spec.seq_len), generator=gen)
+    y = torch.randint(0, spec.vocab_size, (spec.batch, spec.seq_len), generator=gen)
+    models: dict[str, nn.Module] = {}
+    optims: dict[str, torch.optim.Optimizer] = {}
+    check_active: dict[str, bool | None] = {}
+    checkers: dict[str, Any] = {}
+    for v in variants:
+        group = _new_group(v, world)
+        m = DDP(copy.deepcopy(spec.model), process_group=group)
+        models[v.name] = m
+        optims[v.name] = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        if v.options.get("check"):
+            check_active[v.name] = _checker_active(group)
+            checker = getattr(group, "checker", None)
+            if checker is not None and hasattr(checker, "watch"):
+                # C-DDP-001 on a group that is not the default one needs the optimizer named.
+                checker.watch(optims[v.name])
+                checkers[v.name] = checker
+
+    def step(name: str) -> None:
+        optims[name].zero_grad(set_to_none=True)
+        spec.loss(models[name], x, y).backward()
+        optims[name].step()
+
+    rounds = max(1, min(cfg.ddp_rounds, cfg.ddp_steps))
+    per_block = -(-cfg.ddp_steps // rounds)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(rounds):
+        for name in rotated([v.name for v in variants], r):
+            dist.barrier(group=ctrl)
+            step(name)  # warm-up (the first one also builds DDP's buckets)
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                step(name)
+                times[name].append(time.perf_counter() - t0)
+    info = {
+        "model": spec.name,
+        "params": n_params,
+        "batch_per_rank": spec.batch,
+        "seq_len": spec.seq_len,
+        "tokens_per_step": spec.batch * spec.seq_len * world,
+        "check_active": check_active,
+        "checker_stats": {name: _checker_stats(c) for name, c in checkers.items()},
+    }
+    return times, info
+
+
+def _checker_active(group: dist.ProcessGroup) -> bool | None:
+    """Whether an entrenar group runs its contract checker (None: not an entrenar group)."""
+    from entrenar_pg import EntrenarProcessGroup
+
+    if not isinstance(group, EntrenarProcessGroup):
+        return None
+    return group.checker is not None
+
+
+def _checker_stats(checker: Any) -> dict[str, float]:
+    """The contract checker's counters (what it checked, seconds it spent), where it has them."""
+    names = ("allreduces_checked", "steps_checked", "seconds")
+    return {n: float(getattr(checker, n)) for n in names if hasattr(checker, n)}
+
+
+def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path: str) -> None:
+    """One rank of a world-size run: sweep, raw reference, DDP; writes its samples as JSON."""
+    cfg = BenchConfig.from_json(cfg_json)
+    torch.set_num_threads(1)
+    variants = [SWEEP_VARIANTS[a] for a in cfg.algos]
+    entrenar_file = ""
+    if cfg.entrenar:
+        import entrenar_pg  # registers the backend
+
+        entrenar_file = str(entrenar_pg.__file__)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg.op_timeout_s),
+    )
+    raw: _RawPair | None = None
+    try:
+        ctrl = dist.group.WORLD
+        assert ctrl is not None
+        groups = {v.name: _new_group(v, world) for v in variants}
+        if cfg.raw and world >= 2:
+            raw = _RawPair(rank, ctrl, cfg.op_timeout_s)
+        times, raw_times = _sweep(rank, world, cfg, ctrl, groups, raw)
+        ddp_times: dict[str, list[float]] = {}
+        ddp_info: dict[str, Any] = {}
+        if cfg.ddp:
+            ddp_variants = [v for v in DDP_VARIANTS if v.backend != "entrenar" or cfg.entrenar]
+            ddp_times, ddp_info = _ddp(rank, world, cfg, ctrl, ddp_variants)
+        dist.barrier(group=ctrl)
+        result = {
+            "rank": rank,
+            "allreduce": times,
+            "raw": raw_times,
+            "ddp": ddp_times,
+            "ddp_info": ddp_info,
+            "entrenar_pg_file": entrenar_file,
+        }
+        tmp_path = out_path + ".tmp"
+        Path(tmp_path).write_text(json.dumps(result))
+        os.replace(tmp_path, out_path)  # the parent treats the file's appearance as "done"
+    except BaseException:
+        # Fail fast: a cleanup that waits on dead peers would only delay the parent.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if raw is not None:
+        raw.close()
+    dist.destroy_process_group()
