@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..config import Options
 from ..transport import Mesh
-from ..wire import Algo, Flags, Header, OpCode
+from ..wire import Algo, Header, OpCode
+from .policy import Choice
 
 
 class ScratchPool:
@@ -70,11 +70,11 @@ class ScratchPool:
 
 @dataclass(slots=True)
 class Call:
-    """One collective as seen by one rank: where it runs and how it is tuned."""
+    """One collective as seen by one rank: where it runs and how (the policy's ``Choice``)."""
 
     mesh: Mesh
     seq: int
-    options: Options
+    choice: Choice
     scratch: ScratchPool = field(default_factory=ScratchPool)
 
     @property
@@ -95,11 +95,10 @@ class Call:
         numel: int = 0,
         aux: int = 0,
     ) -> Header:
-        flags = Flags.DETERMINISTIC if self.options.deterministic else Flags.NONE
-        return Header(self.seq, op, algo, dtype, reduce_op, numel, aux, flags)
+        return Header(self.seq, op, algo, dtype, reduce_op, numel, aux, self.choice.flags)
 
     def segment_elems(self, dtype: torch.dtype) -> int:
-        return max(1, self.options.segment_bytes // _itemsize(dtype))
+        return self.choice.segment_elems(dtype)
 
     def what(self, op: OpCode) -> str:
         return f"{_OP_NAMES[op]}#{self.seq}"
