@@ -26,18 +26,16 @@ from .. import sparse
 from ..overlap import overlaps_itself
 from ..p2p import ANY_SOURCE
 from ..reduce_ops import SUPPORTED_DTYPES, Reduction, resolve
-from ..runtime.state import GroupState
+from ..runtime.state import GroupState, Phase
 from ..wire import OpCode
 
 _CPU = torch.device("cpu")
 
 
-class Stage(NamedTuple):
-    """A group of a request's tensors and how the job uses them."""
-
-    tensors: Sequence[torch.Tensor]
-    read: bool
-    write: bool
+# A group of a request's tensors and how the job uses them: (tensors, read,
+# write). A plain tuple: a NamedTuple's __new__ is a Python call, and the
+# allreduce path builds one per call.
+Stage = tuple[Sequence[torch.Tensor], bool, bool]
 
 
 class Request(Protocol):
@@ -219,7 +217,9 @@ class Checks:
         the hot path (every collective runs it): cheap checks first, the
         message built only when raising.
         """
-        self.state.check(call)
+        state = self.state
+        if state.error is not None or state.phase is Phase.CLOSED:
+            state.check(call)
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(
                 f"{self.where(call)}: expected a list of tensors, got {type(tensors).__name__}"
@@ -345,8 +345,11 @@ def allreduce(c: Checks, call: str, tensors: list[torch.Tensor], opts: Any) -> A
     nbytes = 0
     for t in tensors:
         nbytes += t.numel() * t.element_size()
-    io = (Stage(tensors, True, True),)
-    return Allreduce(OpCode.ALLREDUCE, device, nbytes, list(tensors), io, red)
+    io = ((tensors, True, True),)
+    # tuple.__new__: a NamedTuple's own __new__ is a Python call (~0.5 us here,
+    # on every allreduce); this builds the same object.
+    fields = (OpCode.ALLREDUCE, device, nbytes, list(tensors), io, red)
+    return tuple.__new__(Allreduce, fields)
 
 
 def sparse_allreduce(c: Checks, tensors: list[torch.Tensor], opts: Any) -> SparseAllreduce:
@@ -363,7 +366,7 @@ def broadcast(c: Checks, tensors: list[torch.Tensor], opts: Any) -> Broadcast:
     is_root = c.rank == root
     device = c.tensors("broadcast", tensors, same_dtype=False, written=() if is_root else tensors)
     c.check_root("broadcast", root)
-    io = (Stage(tensors, is_root, not is_root),)
+    io = ((tensors, is_root, not is_root),)
     return Broadcast(OpCode.BROADCAST, device, _nbytes(tensors), list(tensors), io, root)
 
 
@@ -383,7 +386,7 @@ def allgather(
             raise ValueError(
                 f"{where}: output tensor of {o.numel()} elements for an input of {inp.numel()}"
             )
-    io = (Stage([inp], True, False), Stage(outs, False, True))
+    io = (([inp], True, False), (outs, False, True))
     nbytes = inp.numel() * inp.element_size() * c.size
     return Allgather(OpCode.ALLGATHER, device, nbytes, output_tensors, io, None)
 
@@ -396,7 +399,7 @@ def allgather_into(c: Checks, call: str, output: torch.Tensor, inp: torch.Tensor
             f"{c.where(call)}: output has {output.numel()} elements, expected "
             f"{c.size} x {inp.numel()}"
         )
-    io = (Stage([inp], True, False), Stage([output], False, True))
+    io = (([inp], True, False), ([output], False, True))
     nbytes = output.numel() * output.element_size()
     return Allgather(OpCode.ALLGATHER, device, nbytes, [output], io, inp.numel())
 
@@ -416,7 +419,7 @@ def allgather_coalesced(
         for lst in output_lists
     ):
         raise ValueError(f"{where}: expected {c.size} output lists shaped like the input list")
-    io = (Stage(input_list, True, False), *(Stage(lst, False, True) for lst in output_lists))
+    io = ((input_list, True, False), *((lst, False, True) for lst in output_lists))
     return AllgatherPacked(OpCode.ALLGATHER, device, _nbytes(flat_outs), output_lists, io, None)
 
 
@@ -433,7 +436,7 @@ def allgather_tensors(
             raise ValueError(
                 f"{where}: output has {o.numel()} elements, expected {c.size} x {i.numel()}"
             )
-    io = (Stage(inputs, True, False), Stage(outputs, False, True))
+    io = ((inputs, True, False), (outputs, False, True))
     sizes = [i.numel() for i in inputs]
     return AllgatherPacked(OpCode.ALLGATHER, device, _nbytes(outputs), list(outputs), io, sizes)
 
@@ -450,7 +453,7 @@ def reduce(c: Checks, tensors: list[torch.Tensor], opts: Any) -> Reduce:
     device = c.tensors(call, tensors, written=tensors if is_root else ())
     t = c.one(call, tensors)
     red = c.reduction(call, opts, t.dtype)
-    io = (Stage([t], True, is_root),)
+    io = (([t], True, is_root),)
     return Reduce(OpCode.REDUCE, device, _nbytes([t]), [t], io, red, root)
 
 
@@ -465,7 +468,7 @@ def gather(
     root = c.root(call, opts)
     outs = c.root_list(call, output_tensors, inp, root, "output", "input")
     device = c.tensors(call, [inp, *outs], written=outs)
-    io = (Stage([inp], True, False), Stage(outs, False, True))
+    io = (([inp], True, False), (outs, False, True))
     nbytes = _nbytes(outs) if c.rank == root else _nbytes([inp])
     return Rooted(OpCode.GATHER, device, nbytes, output_tensors, io, root)
 
@@ -481,7 +484,7 @@ def scatter(
     root = c.root(call, opts)
     ins = c.root_list(call, input_tensors, out, root, "input", "output")
     device = c.tensors(call, [out, *ins], written=[out])
-    io = (Stage(ins, True, False), Stage([out], False, True))
+    io = ((ins, True, False), ([out], False, True))
     nbytes = _nbytes(ins) if c.rank == root else _nbytes([out])
     return Rooted(OpCode.SCATTER, device, nbytes, [out], io, root)
 
@@ -503,7 +506,7 @@ def alltoall_single(
             f"{c.where(call)}: this rank keeps {in_bounds[r][1] - in_bounds[r][0]} "
             f"elements of its input but has room for {out_bounds[r][1] - out_bounds[r][0]}"
         )
-    io = (Stage([input], True, False), Stage([output], False, True))
+    io = (([input], True, False), ([output], False, True))
     bounds = (in_bounds, out_bounds)
     return Alltoall(OpCode.ALLTOALL, device, _nbytes([input]), [output], io, bounds)
 
@@ -525,7 +528,7 @@ def alltoall(
             f"{where}: this rank's own piece has {input_tensors[r].numel()} elements, "
             f"its output slot {output_tensors[r].numel()}"
         )
-    io = (Stage(input_tensors, True, False), Stage(output_tensors, False, True))
+    io = ((input_tensors, True, False), (output_tensors, False, True))
     nbytes = _nbytes(input_tensors)
     return Alltoall(OpCode.ALLTOALL, device, nbytes, output_tensors, io, None)
 
@@ -550,7 +553,7 @@ def reduce_scatter(
             f"{ins[c.rank].numel()}"
         )
     red = c.reduction(call, opts, out.dtype)
-    io = (Stage(ins, True, False), Stage([out], False, True))
+    io = ((ins, True, False), ([out], False, True))
     return ReduceScatter(OpCode.REDUCE_SCATTER, device, _nbytes(ins), [out], io, red, None)
 
 
@@ -570,7 +573,7 @@ def reduce_scatter_tensors(
                 f"{where}: input has {i.numel()} elements, expected {c.size} x {o.numel()}"
             )
     red = c.reduction(call, opts, outputs[0].dtype)
-    io = (Stage(inputs, True, False), Stage(outputs, False, True))
+    io = ((inputs, True, False), (outputs, False, True))
     sizes = [o.numel() for o in outputs]
     nbytes = _nbytes(inputs)
     return ReduceScatter(OpCode.REDUCE_SCATTER, device, nbytes, list(outputs), io, red, sizes)

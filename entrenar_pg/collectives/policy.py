@@ -61,7 +61,15 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options) -> Choice:
     if world == 1:
         algo = Algo.NONE
     elif op is OpCode.ALLREDUCE:
-        algo = _allreduce(nbytes, world, options)
+        name = options.algorithm
+        if name != "auto":
+            algo = _NAMED[name]
+        elif world == 2:
+            algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
+        else:
+            algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
+        if algo is Algo.RING and tree:
+            algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:
         algo = Algo.DIRECT if world <= 2 or nbytes <= options.star_max_bytes else Algo.CHAIN
     elif op is OpCode.REDUCE:
@@ -79,16 +87,3 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options) -> Choice:
         algo = Algo.DIRECT
     flags = Flags.DETERMINISTIC if tree else Flags.NONE
     return Choice(algo, tree, options.segment_bytes, flags)
-
-
-def _allreduce(nbytes: int, world: int, options: Options) -> Algo:
-    name = options.algorithm
-    if name != "auto":
-        algo = _NAMED[name]
-    elif world == 2:
-        algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
-    else:
-        algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
-    if algo is Algo.RING and options.deterministic:
-        return Algo.TREE_RING
-    return algo

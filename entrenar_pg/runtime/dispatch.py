@@ -23,7 +23,7 @@ import torch
 
 from ..api.requests import Request
 from ..api.work import EntrenarWork
-from ..collectives import Call, ScratchPool, choose, op_name
+from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import Options
 from ..errors import EntrenarError
 from ..p2p import P2PChannel
@@ -35,6 +35,7 @@ from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .state import GroupState, Phase
 
 _CPU = torch.device("cpu")
+_MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
 
 
@@ -60,6 +61,7 @@ class Runtime:
         self.checker: Any | None = None  # the contract checker, if the group has one
         self._lock = threading.Lock()  # orders seq assignment with enqueueing
         self.scratch = ScratchPool()
+        self._choices: dict[tuple[OpCode, int], Choice] = {}  # policy answers (see call)
         self.pinned: PinnedPool | None = None
         self.cuda_streams: dict[int, Any] = {}
         self._comm_spin_s = options.spin_us / 1e6
@@ -102,7 +104,9 @@ class Runtime:
         comm thread's FIFO. Either way jobs run one at a time in issue order.
         """
         staging = self.staging(req.device)
-        staged = [staging.add(s.tensors, read=s.read, write=s.write) for s in req.io]
+        staged = []
+        for tensors, read, write in req.io:  # a loop: a comprehension is a call (3.11)
+            staged.append(staging.add(tensors, read=read, write=write))
         fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
         name = op_name(req.op)
         engine = self.engine
@@ -163,13 +167,28 @@ class Runtime:
         mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
         mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
         staging.load()
-        JOBS[type(req)](self, seq, req, [_hosts(items) for items in staged])
+        hosts = []
+        for items in staged:
+            group = []
+            for it in items:
+                assert it.host is not None, "internal: staging.load() not run"
+                group.append(it.host)
+            hosts.append(group)
+        JOBS[type(req)](self, seq, req, hosts)
         staging.store()
         return req.result
 
     def call(self, seq: int, op: OpCode, nbytes: int) -> Call:
         """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""
-        choice = choose(op, nbytes, self.mesh.world, self.options)
+        # The answer for (op, nbytes) never changes (the options are frozen,
+        # the world fixed), so it is asked once: choose() is ~3 us here, a
+        # dict lookup a fifth of that, on every collective's path.
+        key = (op, nbytes)
+        choice = self._choices.get(key)
+        if choice is None:
+            if len(self._choices) >= _MAX_CACHED_CHOICES:
+                self._choices.clear()
+            choice = self._choices[key] = choose(op, nbytes, self.mesh.world, self.options)
         return Call(self.mesh, seq, choice, self.scratch)
 
     # ------------------------------------------------------------ lifecycle
@@ -208,11 +227,3 @@ class Runtime:
         """The no-progress timeout of later collectives and p2p calls."""
         self.timeout_s = seconds
         self.p2p.timeout_s = seconds
-
-
-def _hosts(items: list[Staged]) -> list[torch.Tensor]:
-    out = []
-    for it in items:
-        assert it.host is not None, "internal: staging.load() not run"
-        out.append(it.host)
-    return out

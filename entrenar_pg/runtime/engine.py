@@ -115,7 +115,7 @@ class Engine:
             if (
                 self._queue
                 or self._owner is not None
-                or not state.running
+                or state.phase is not Phase.RUNNING
                 or state.error is not None
             ):
                 return False

@@ -38,9 +38,9 @@ _REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_s
 # ---------------------------------------------------------------------- reductions
 
 
-def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction) -> None:
-    """The one allreduce of a flat host tensor every allreduce request ends in."""
-    call = rt.call(seq, OpCode.ALLREDUCE, flat.numel() * flat.element_size())
+def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction, nbytes: int) -> None:
+    """The one allreduce of a flat host tensor (of ``nbytes``) every allreduce request ends in."""
+    call = rt.call(seq, OpCode.ALLREDUCE, nbytes)
     checker = rt.checker
     if checker is not None:
         checker.before_allreduce(call, flat, red)
@@ -54,12 +54,12 @@ def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction) ->
 def allreduce(rt: Runtime, seq: int, req: rq.Allreduce, hosts: Hosts) -> None:
     (tensors,) = hosts
     if len(tensors) == 1:
-        allreduce_flat(rt, seq, tensors[0], req.red)
+        allreduce_flat(rt, seq, tensors[0], req.red, req.nbytes)
         return
     total = sum(h.numel() for h in tensors)
     flat = rt.scratch.get("coalesced", total, tensors[0].dtype)
     torch.cat(tensors, out=flat)
-    allreduce_flat(rt, seq, flat, req.red)
+    allreduce_flat(rt, seq, flat, req.red, req.nbytes)  # the same bytes, packed
     offset = 0
     for h in tensors:
         h.copy_(flat[offset : offset + h.numel()])
