@@ -10,7 +10,8 @@ builders follow the ``Choice`` they are handed (``Call.choice``).
 
 The table (docs/architecture.md, "The policy table", lists it row by row):
 
-- ``ALLREDUCE``: one rank: nothing moves. ``algorithm="auto"``: with two
+- One rank, any op: ``NONE`` (nothing moves; local copies only).
+- ``ALLREDUCE``: ``algorithm="auto"``: with two
   ranks ``DIRECT`` up to ``direct_max_bytes``, else ``RING``; with more,
   ``STAR`` up to ``star_max_bytes``, else ``RING`` (crossovers measured on 2
   cores, docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
