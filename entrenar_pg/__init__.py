@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ._plugin import BACKEND_NAME, register
-from .backend import EntrenarProcessGroup
+from .api.process_group import EntrenarProcessGroup
 from .config import Options
 from .contracts import ContractChecker
 from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError

@@ -15,7 +15,7 @@ BACKEND_NAME = "entrenar"
 
 
 def create_process_group(dist_opts: Any, backend_options: Any = None) -> Any:
-    from .backend import create_process_group as create
+    from .api.process_group import create_process_group as create
 
     return create(dist_opts, backend_options)
 

@@ -59,12 +59,14 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .algorithms.common import Call, bytes_of
+from .api import requests
+from .collectives.common import Call, bytes_of
 from .errors import ContractViolation
 from .reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind, Reduction
 from .transport import Plan
@@ -561,14 +563,9 @@ class ContractChecker:
         tensors = [t for t in (_replicated(p) for p in params) if t is not None]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         record = torch.tensor([digest(tensors), len(tensors), nbytes, step], dtype=torch.int64)
-        pg = self.group
-
-        def body(call: Call) -> None:
-            records = exchange_records(call, record, _AUX_PARAMS).tolist()
-            self._judge_parameters(call, step, records)
-
         self.steps_checked += 1
-        work = pg._launch(OpCode.CHECK, pg._staging(torch.device("cpu")), 0, body, [])
+        job = _ParametersCheck(self, record, step)
+        work = self.group._runtime.submit(requests.custom(OpCode.CHECK, job))
         try:
             work.wait()
         finally:
@@ -595,6 +592,19 @@ class ContractChecker:
                 f"hold different parameters (parameter {HASH_NAME} by ranks: {listing}); "
                 f"rank(s) {minority} diverged"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _ParametersCheck:
+    """C-DDP-001's job on the group: exchange the records, then judge them."""
+
+    checker: ContractChecker
+    record: torch.Tensor
+    step: int
+
+    def __call__(self, call: Call) -> None:
+        records = exchange_records(call, self.record, _AUX_PARAMS).tolist()
+        self.checker._judge_parameters(call, self.step, records)
 
 
 def _replicated(p: torch.Tensor) -> torch.Tensor | None:

@@ -44,12 +44,12 @@ from functools import partial
 
 import torch
 
+from .api.work import EntrenarWork
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
 from .transport.loop import POLLHANG, Links, LinkState
 from .transport.plan import Recv, Send, bytes_of
 from .transport.tcp import Mesh
 from .wire import HEADER_BYTES, Header, OpCode, p2p_header
-from .work import EntrenarWork
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ group's usual ones):
    ``CollectiveMismatchError`` on both sides, and the abort reaches the rest.
 4. Sum locally, from the gathered data only, so arrival order plays no part:
    - default: left to right in rank order, as gloo (the same bits as gloo);
-   - deterministic (``Options.deterministic``): for each index, the values of
+   - deterministic (``Options.deterministic``, through the policy's
+     ``Choice.tree``): for each index, the values of
      the ranks that have it are summed in the canonical tree over ranks of
      ``reduce_ops`` (split at ``(k + 1) // 2``); a rank without the index is
      skipped, not added as zero, so a lone ``-0.0`` stays ``-0.0``. The result
@@ -37,7 +38,7 @@ Bytes on the wire, per rank r, with ``b_p = 8 * ndim + nnz_p * (8 *
 sparse_dim + row_bytes)`` rounded up to 8: it sends ``(N - 1) * (48 + b_r)``
 and receives ``sum over p != r of (48 + b_p)``, plus a 32-byte header per
 link direction and exchange (and, with N > 2, a 32-byte acknowledgement).
-Both exchanges are ``algorithms.alltoall`` with this rank's piece to every
+Both exchanges are ``collectives.alltoall`` with this rank's piece to every
 peer (1 hop each, 2 with N > 2 for the acknowledgement; nothing relayed).
 A ring all-gather would move the same total (each rank's payload
 still crosses N - 1 links) in N - 1 hops; it balances the load only when one
@@ -58,12 +59,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from .algorithms import Call, alltoall
+from .collectives import Call, alltoall
 from .errors import CollectiveMismatchError
 from .reduce_ops import SUPPORTED_DTYPES, Kind, Reduction
 from .wire import CODE_DTYPE, DTYPE_CODE, OpCode
@@ -167,22 +167,20 @@ class Part(NamedTuple):
     values: torch.Tensor  # (nnz, *dense shape)
 
 
-@dataclass(frozen=True, slots=True)
-class SparseAllreduce:
-    """The job body: the exchanges and the local sum, then the result into ``tensor``."""
+def allreduce(call: Call, tensor: torch.Tensor) -> None:
+    """The job: the exchanges and the local sum, then the result into ``tensor``.
 
-    tensor: torch.Tensor
-
-    def __call__(self, call: Call) -> None:
-        local = self.tensor.detach().coalesce()
-        if call.world == 1:
-            result = local
-        else:
-            records = _exchange_records(call, Record.of(local))
-            parts = _exchange_payloads(call, local, records)
-            result = _sum(parts, parts[0].shape, tree=call.options.deterministic)
-        with torch.no_grad():
-            self.tensor.copy_(result)
+    The summation order is the policy's (``call.choice.tree``).
+    """
+    local = tensor.detach().coalesce()
+    if call.world == 1:
+        result = local
+    else:
+        records = _exchange_records(call, Record.of(local))
+        parts = _exchange_payloads(call, local, records)
+        result = _sum(parts, parts[0].shape, tree=call.choice.tree)
+    with torch.no_grad():
+        tensor.copy_(result)
 
 
 def _exchange_records(call: Call, mine: Record) -> list[Record]:

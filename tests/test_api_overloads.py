@@ -380,13 +380,13 @@ def test_a_short_form_timeout_reaches_the_options() -> None:
     seen = []
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> None:
-        original = pg._allreduce_many
+        original = pg._runtime.submit
 
-        def spy(name: str, tensors: Any, o: Any) -> Any:
+        def spy(req: Any, o: Any) -> Any:
             seen.append((rank, o.timeout, o.reduceOp))
-            return original(name, tensors, o)
+            return original(req, o)
 
-        pg._allreduce_many = spy  # type: ignore[method-assign]
+        pg._runtime.submit = spy  # type: ignore[method-assign]
         pg.allreduce(torch.ones(2), MAX, timedelta(seconds=7)).wait()
 
     run_ranks(2, fn, timeout_s=30)

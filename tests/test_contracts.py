@@ -26,7 +26,7 @@ from entrenar_pg import (
     Options,
     contracts,
 )
-from entrenar_pg.algorithms import Call
+from entrenar_pg.collectives import Call
 from entrenar_pg.reduce_ops import Reduction
 
 CHECK = Options(check=True)

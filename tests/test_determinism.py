@@ -13,8 +13,9 @@ import torch.distributed as dist
 from conftest import make_groups, run_ranks
 
 from entrenar_pg import EntrenarProcessGroup, Options, tree_sum
-from entrenar_pg import algorithms as alg
+from entrenar_pg import collectives as alg
 from entrenar_pg.reduce_ops import Kind, Reduction
+from entrenar_pg.wire import OpCode
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -144,7 +145,7 @@ def test_flow_control_with_a_slow_rank(slow_rank: int, monkeypatch: pytest.Monke
     import threading
     import time
 
-    from entrenar_pg.algorithms import deterministic
+    from entrenar_pg.collectives import deterministic
 
     world, numel = 4, 40_000
     xs = inputs(world, numel, torch.float32, seed=11)
@@ -186,7 +187,8 @@ def test_reduce_scatter_tree(world: int, kind: Kind) -> None:
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
         buf = xs[rank].clone()
-        call = alg.Call(pg.mesh, 10**6, pg.options)  # outside the engine: the group is idle
+        choice = alg.choose(OpCode.REDUCE_SCATTER, 0, world, pg.options)
+        call = alg.Call(pg.mesh, 10**6, choice)  # outside the engine: the group is idle
         alg.reduce_scatter_tree(call, split(buf), red)
         return split(buf)[rank].clone()
 

@@ -145,7 +145,7 @@ def test_mismatch_is_caught_on_a_cached_plan() -> None:
         op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
         with pytest.raises(CollectiveMismatchError) as info:
             pg.allreduce([t], _opts(blocking=True, op=op)).wait()
-        return str(info.value), pg._seq
+        return str(info.value), pg._runtime.seq
 
     results = run_ranks(2, fn, timeout_s=30)
     for m, seq in results:

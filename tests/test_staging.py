@@ -22,7 +22,7 @@ from conftest import make_groups, run_ranks
 from torch.overrides import TorchFunctionMode
 
 from entrenar_pg import EntrenarProcessGroup
-from entrenar_pg.staging import PinnedPool, Staging
+from entrenar_pg.runtime.staging import PinnedPool, Staging
 
 CPU = torch.device("cpu")
 
@@ -343,7 +343,7 @@ def patch_stream_staging(groups: list[EntrenarProcessGroup]) -> list[tuple[FakeO
         def staging(device: torch.device, ops: FakeOps = ops, pool: PinnedPool = pool) -> Staging:
             return Staging(device, pool, "S", ops)
 
-        g._staging = staging  # type: ignore[method-assign]
+        g._runtime.staging = staging  # type: ignore[method-assign]
     return fakes
 
 
@@ -397,9 +397,9 @@ def test_group_future_completed_inside_stream_context() -> None:
         gate = threading.Event()
         # Block the comm thread with a job queued ahead, so the next one is pending.
         blocker = torch.futures.Future()  # type: ignore[var-annotated]
-        from entrenar_pg.engine import Job
+        from entrenar_pg.runtime.engine import Job
 
-        g._engine.submit(Job(10_000, "blocker", 0, lambda: gate.wait(10), blocker))
+        g._runtime.engine.submit(Job(10_000, "blocker", 0, lambda: gate.wait(10), blocker))
         t = torch.ones(4)
         work = g.allreduce([t])
         seen: list[Any] = []

@@ -217,7 +217,7 @@ def test_second_gpu_and_alternating_devices() -> None:
             t = torch.full((1 << 20,), float(rank + step), device=dev)
             g.allreduce([t]).wait()
             assert torch.equal(t.cpu(), torch.full((1 << 20,), float(1 + 2 * step)))
-        assert set(g._cuda_streams) == {0, 1}
+        assert set(g._runtime.cuda_streams) == {0, 1}
 
     run_ranks(2, fn)
 
@@ -321,8 +321,8 @@ def test_pinned_buffers_are_reused_across_calls() -> None:
         for i in range(20):
             t = torch.full((1 << 18,), float(i), device=DEV)
             g.allreduce([t]).wait()
-        assert g._pinned is not None
-        return g._pinned.allocations, g._pinned.pin
+        assert g._runtime.pinned is not None
+        return g._runtime.pinned.allocations, g._runtime.pinned.pin
 
     for allocations, pinned in run_ranks(2, fn):
         assert allocations == 1 and pinned

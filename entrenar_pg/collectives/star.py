@@ -27,7 +27,7 @@ def gather_reduce(
     """Add the root's side of a star to ``plan``: receive every rank's ``buf``
     and combine segment k into the root's ``buf`` as soon as every rank's
     segment k is in, in rank order (the canonical tree order when
-    deterministic), so combining overlaps receiving. Returns the segments
+    ``call.choice.tree``), so combining overlaps receiving. Returns the segments
     (element bounds) and their "reduced" flags, which a send can wait on.
     ``replies``: the root also opens a frame back to every rank (the star
     allreduce sends the result; reduce does not). Scratch: (N-1) x nbytes.
@@ -41,7 +41,7 @@ def gather_reduce(
     arrivals = [0] * len(segs)
     reduced = [False] * len(segs)
     kind = red.combine_kind
-    deterministic = call.options.deterministic
+    tree = call.choice.tree
 
     def arrived(k: int) -> None:
         arrivals[k] += 1
@@ -49,7 +49,7 @@ def gather_reduce(
             return
         a, b = segs[k]
         mine = buf[a:b]
-        if deterministic:
+        if tree:
             ordered = [mine if p == root else parts[p][a:b] for p in range(n)]
             result = tree_reduce_(ordered, kind)
             if result is not mine:

@@ -27,8 +27,9 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
 
     ``prepare_`` (PREMUL_SUM's scale) is the caller's. Non-root ``buf`` is
     used as scratch (the adapter hands in a copy, so user inputs survive).
-    Up to ``star_max_bytes``, or with two ranks: ``reduce_star``. Larger: a
-    reduce-scatter (ring; the direct-exchange tree when deterministic) and
+    ``call.choice.algo`` (collectives.policy) ``STAR`` (two ranks, or up to
+    ``star_max_bytes``): ``reduce_star``. Else a reduce-scatter, ``RING`` or
+    ``DIRECT`` (the direct-exchange tree, deterministic), and
     then every rank sends its reduced chunk to the root: every rank sends and
     receives about (N-1)/N x nbytes in the reduce-scatter, the root receives
     another (N-1)/N x nbytes: about 2 x nbytes at the root instead of the
@@ -41,12 +42,11 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
     if n == 1:
         finish_(buf, red, 1)
         return
-    nbytes = buf.numel() * buf.element_size()
-    if n <= 2 or nbytes <= call.options.star_max_bytes:
+    if call.choice.algo is Algo.STAR:
         reduce_star(call, buf, red, root)
         return
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
-    if call.options.deterministic:
+    if call.choice.algo is Algo.DIRECT:  # the tree exchange (deterministic)
         reduce_scatter_tree(call, chunks, red, OpCode.REDUCE, aux=root)
     else:
         reduce_scatter_ring(call, chunks, red, OpCode.REDUCE, aux=root)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import PeerConnectionError
+from ..errors import PeerConnectionError
 
 
 class EntrenarWork(dist.Work):

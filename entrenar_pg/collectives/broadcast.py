@@ -12,8 +12,9 @@ from .common import Call, bytes_of, is_set, segments, setter
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
     """Copy the root's flat CPU tensor ``buf`` into every rank's ``buf``.
 
-    Up to ``star_max_bytes`` (or with two ranks): the root sends to every rank
-    directly; 1 hop, the root sends (N-1) x nbytes. Larger: a chain in rank
+    ``call.choice.algo`` (collectives.policy: ``DIRECT`` with two ranks or up
+    to ``star_max_bytes``): the root sends to every rank directly; 1 hop, the
+    root sends (N-1) x nbytes. ``CHAIN`` (larger messages): a chain in rank
     order from the root, each rank forwarding segment k as soon as it has it;
     every rank sends and receives nbytes once, and the time is about
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
@@ -24,8 +25,7 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     algorithm) makes every rank raise in this call, the root included.
     """
     n, r = call.world, call.rank
-    nbytes = buf.numel() * buf.element_size()
-    algo = Algo.DIRECT if n <= 2 or nbytes <= call.options.star_max_bytes else Algo.CHAIN
+    algo = Algo.CHAIN if call.choice.algo is Algo.CHAIN else Algo.DIRECT
     header = call.header(op, algo, buf.dtype, numel=buf.numel(), aux=root)
     raw = bytes_of(buf)
     plan = Plan(r)

@@ -17,7 +17,7 @@ def allreduce_direct(
 
     Steps: every rank sends its input to every other rank and receives
     theirs, all links at once; then each rank combines the N contributions
-    itself, in rank order (in the canonical tree order when deterministic).
+    itself, in rank order (in the canonical tree order when ``call.choice.tree``).
     Every rank applies the same operations to the same operands in the same
     order, so all ranks hold the same bits.
     Bytes on the wire per rank: (N-1) x nbytes sent and received.
@@ -27,8 +27,8 @@ def allreduce_direct(
     numel = buf.numel()
     # Small messages are dominated by building the plan: keep it per buffer
     # address and shape (DDP's buckets and a training loop's tensors reuse
-    # theirs) and per everything its header says (the flags are the group's),
-    # so a reuse only has to restamp the sequence number.
+    # theirs) and per everything its header says (the flags depend on the
+    # group's options only), so a reuse only has to restamp the sequence number.
     key = (op, buf.data_ptr(), numel, buf.dtype, n, red.kind)
     cacheable = numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES
     cached = call.scratch.plan(key) if cacheable else None
@@ -53,7 +53,7 @@ def allreduce_direct(
             call.scratch.keep_plan(key, (plan, parts))
     call.mesh.run(plan, call.what(op))
     contributions = parts[:r] + [buf] + parts[r:]
-    if call.options.deterministic:
+    if call.choice.tree:
         result = tree_reduce_(contributions, red.combine_kind)
         if result is not buf:
             buf.copy_(result)

@@ -5,9 +5,10 @@ and ours), so one FIFO thread per group is enough to keep the ranks in step:
 the caller gets a Work back at once and keeps computing (DDP's backward
 overlaps the bucket in flight), and the thread runs the jobs one after another.
 
-The first failure breaks the group: the job's future gets the error, the
-transport aborts (publishing the error so that peers raise it too), every
-queued and later job fails with the same error class, naming the first failure.
+The first failure breaks the group (``GroupState.fail``): the job's future
+gets the error, the break hooks abort the transport (publishing the error so
+that peers raise it too), every queued and later job fails with the same
+error class, naming the first failure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .errors import EntrenarError, PeerConnectionError
+from ..errors import EntrenarError, PeerConnectionError
+from .state import GroupState, Phase
 
 log = logging.getLogger(__name__)
 
@@ -73,49 +75,28 @@ class Stats:
 class Engine:
     """A FIFO of jobs and the one thread that runs them."""
 
-    def __init__(
-        self,
-        rank: int,
-        name: str,
-        on_failure: Callable[[BaseException], None],
-        spin_us: int = 0,
-    ) -> None:
-        self.rank = rank
+    def __init__(self, state: GroupState, name: str, spin_us: int = 0) -> None:
+        self.rank = state.rank
         self.stats = Stats()
-        self._on_failure = on_failure
+        self._state = state
         self._spin_s = spin_us / 1e6
         self._queue: collections.deque[Job] = collections.deque()
-        # A plain Lock under the Condition: `with self._mutex` is a C-level
-        # context manager (Condition's own __enter__ is Python, and its default
-        # lock an RLock), and the hot path takes it twice per collective.
-        self._mutex = threading.Lock()
+        # The group state's plain Lock under the Condition: `with self._mutex`
+        # is a C-level context manager (Condition's own __enter__ is Python,
+        # and its default lock an RLock), and the hot path takes it twice per
+        # collective; sharing it with the state makes a stop and the queue's
+        # emptying one step.
+        self._mutex = state.lock
         self._cv = threading.Condition(self._mutex)
-        self._stopping = False
-        self._error: EntrenarError | None = None
-        self._failed_at = ""
         # The executor token: the thread running this group's jobs, if any.
         self._owner: int | None = None
         self._thread = threading.Thread(target=self._loop, name=f"entrenar-{name}", daemon=True)
         self._thread.start()
         self._comm_ident = self._thread.ident
 
-    @property
-    def error(self) -> EntrenarError | None:
-        return self._error
-
-    def broken_error(self, what: str) -> EntrenarError:
-        """The error for a call on a group that failed earlier (same class as the first)."""
-        assert self._error is not None
-        return type(self._error)(
-            f"rank {self.rank}: {what} refused: this process group failed at "
-            f"{self._failed_at} and cannot be used any more (recreate it). "
-            f"First error: {self._error}",
-            culprit=self._error.culprit,
-        )
-
     def submit(self, job: Job) -> None:
         with self._mutex:
-            if self._stopping:
+            if not self._state.running:
                 raise PeerConnectionError(
                     f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed"
                 )
@@ -130,7 +111,13 @@ class Engine:
         order, since any later job is queued behind the token.
         """
         with self._mutex:
-            if self._queue or self._owner is not None or self._stopping or self._error is not None:
+            state = self._state
+            if (
+                self._queue
+                or self._owner is not None
+                or state.phase is not Phase.RUNNING
+                or state.error is not None
+            ):
                 return False
             self._owner = threading.get_ident()
             return True
@@ -183,11 +170,11 @@ class Engine:
             # is about to issue that job (or to run Python after the last one
             # completed) must not wait for this loop.
             end = time.perf_counter() + self._spin_s
-            while not self._queue and not self._stopping and time.perf_counter() < end:
+            while not self._queue and self._state.running and time.perf_counter() < end:
                 os.sched_yield()
         with self._mutex:
             # A caller running its own job holds the token: wait for it too.
-            while (not self._queue or self._owner is not None) and not self._stopping:
+            while (not self._queue or self._owner is not None) and self._state.running:
                 self._cv.wait()
             if not self._queue or self._owner is not None:
                 return None
@@ -205,8 +192,8 @@ class Engine:
                 self._release()
 
     def execute(self, job: Job) -> None:
-        if self._error is not None:
-            job.future.set_exception(self.broken_error(f"{job.kind}#{job.seq}"))
+        if self._state.error is not None:
+            job.future.set_exception(self._state.broken_error(f"{job.kind}#{job.seq}"))
             return
         start = time.perf_counter()
         try:
@@ -230,23 +217,17 @@ class Engine:
         else:
             err = EntrenarError(f"rank {self.rank}: {what} failed: {e!r}")
             err.__cause__ = e
-        with self._mutex:
-            first = self._error
-            if first is None:
-                self._error = err
-                self._failed_at = what
-        if first is None:
+        state = self._state
+        if state.fail(err, what):
             log.error("rank %d: %s failed: %s", self.rank, what, err)
-            try:
-                self._on_failure(err)
-            except Exception:  # the error itself is what matters; keep going
-                log.exception("rank %d: abort after %s failed", self.rank, what)
         else:
             # The group broke while this job ran (abort() closed its links):
             # the group's first failure is the cause, not what the job then saw.
+            first = state.error
+            assert first is not None
             err = type(first)(
                 f"rank {self.rank}: {what} interrupted: this process group failed at "
-                f"{self._failed_at} ({first}); the collective then saw: {err}"
+                f"{state.failed_at} ({first}); the collective then saw: {err}"
             )
             err.__cause__ = e
         job.future.set_exception(err)
@@ -254,44 +235,22 @@ class Engine:
             queued = list(self._queue)
             self._queue.clear()
         for other in queued:
-            other.future.set_exception(self.broken_error(f"{other.kind}#{other.seq}"))
+            other.future.set_exception(state.broken_error(f"{other.kind}#{other.seq}"))
 
-    def abort(self, error: EntrenarError) -> None:
-        """Break the group with ``error`` (unless it failed already): ``errored()``
-        says so at once, and every job that runs from now on fails with it. The
-        running one fails once its links are gone; ``shutdown`` then stops the
-        thread (the caller does both, in that order)."""
+    def stop(self, phase: Phase, timeout_s: float = 10.0) -> None:
+        """Stop after the running job (``abort()``: ``ABORTED``; ``shutdown``:
+        ``CLOSED``); queued jobs fail. Idempotent."""
+        state = self._state
         with self._mutex:
-            if self._error is None:
-                self._error = error
-                self._failed_at = "abort()"
-
-    def fail_from_outside(self, error: EntrenarError, where: str) -> bool:
-        """Break the group with a failure found outside any job (a p2p link);
-        True if it is the group's first. Queued jobs fail with it."""
-        with self._mutex:
-            if self._error is not None:
-                return False
-            self._error = error
-            self._failed_at = where
-            queued = list(self._queue)
-            self._queue.clear()
-        for job in queued:
-            job.future.set_exception(self.broken_error(f"{job.kind}#{job.seq}"))
-        return True
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop after the running job; queued jobs fail. Idempotent."""
-        with self._mutex:
-            self._stopping = True
+            state.stop(phase)
             queued = list(self._queue)
             self._queue.clear()
             self._cv.notify_all()
         for job in queued:
             what = f"{job.kind}#{job.seq}"
             job.future.set_exception(
-                self.broken_error(what)
-                if self._error is not None
+                state.broken_error(what)
+                if state.error is not None
                 else PeerConnectionError(
                     f"rank {self.rank}: {what}: the process group was destroyed "
                     "before this collective ran"

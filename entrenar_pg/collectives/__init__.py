@@ -1,16 +1,22 @@
-"""Collective algorithms. Each builds a transport ``Plan`` and runs it; none touches a socket."""
+"""Collective algorithms (pure plan builders) and the policy that picks them.
+
+Each algorithm builds a transport ``Plan`` and runs it; none touches a socket
+or reads the Options: ``policy.choose`` decides, the ``Choice`` travels on the ``Call``.
+"""
 
 from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .deterministic import allreduce_tree_ring, reduce_scatter_tree
 from .direct import allreduce_direct
+from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
 from .star import allreduce_star, barrier
 
 __all__ = [
     "Call",
+    "Choice",
     "ScratchPool",
     "allgather_ring",
     "allreduce_direct",
@@ -21,6 +27,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "bytes_of",
+    "choose",
     "chunk_bounds",
     "gather",
     "op_name",

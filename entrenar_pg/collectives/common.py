@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import operator
 import struct
 import zlib
@@ -13,9 +12,10 @@ from typing import Any
 
 import torch
 
-from ..config import Options
 from ..transport import Mesh
-from ..wire import Algo, Flags, Header, OpCode
+from ..transport import bytes_of as bytes_of  # re-exported: the algorithms take it from here
+from ..wire import Algo, Header, OpCode
+from .policy import Choice
 
 
 class ScratchPool:
@@ -70,11 +70,11 @@ class ScratchPool:
 
 @dataclass(slots=True)
 class Call:
-    """One collective as seen by one rank: where it runs and how it is tuned."""
+    """One collective as seen by one rank: where it runs and how (the policy's ``Choice``)."""
 
     mesh: Mesh
     seq: int
-    options: Options
+    choice: Choice
     scratch: ScratchPool = field(default_factory=ScratchPool)
 
     @property
@@ -95,11 +95,10 @@ class Call:
         numel: int = 0,
         aux: int = 0,
     ) -> Header:
-        flags = Flags.DETERMINISTIC if self.options.deterministic else Flags.NONE
-        return Header(self.seq, op, algo, dtype, reduce_op, numel, aux, flags)
+        return Header(self.seq, op, algo, dtype, reduce_op, numel, aux, self.choice.flags)
 
     def segment_elems(self, dtype: torch.dtype) -> int:
-        return max(1, self.options.segment_bytes // _itemsize(dtype))
+        return self.choice.segment_elems(dtype)
 
     def what(self, op: OpCode) -> str:
         return f"{_OP_NAMES[op]}#{self.seq}"
@@ -114,36 +113,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous 1-D CPU tensor's memory (no copy).
-
-    Through ctypes, not ``Tensor.numpy()``: numpy marks the tensor's storage
-    non-resizable for good, and user code resizes buffers it passed to a
-    collective (DDP's batched PowerSGD hook resizes the bucket buffer). The
-    view does not keep ``t`` alive: callers hold ``t`` while it is in use.
-    """
-    assert t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu", "internal: flat CPU"
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    key = (t.data_ptr(), n)
-    view = _VIEWS.get(key)
-    if view is None:
-        # Keyed by address and length, a cached view is exactly the memory
-        # asked for, whichever tensor owns it now.
-        if len(_VIEWS) >= _MAX_CACHED_VIEWS:
-            _VIEWS.clear()
-        view = _VIEWS[key] = memoryview((ctypes.c_char * n).from_address(key[0])).cast("B")
-    return view
-
-
 _OP_NAMES = {op: op.name.lower() for op in OpCode}
 _MAX_CACHED_VIEWS = 256
 _MAX_CACHED_PLANS = 64
 # Plans of messages up to this size are cached (above it, building the plan is
 # noise next to moving the bytes, and a cached plan would pin scratch memory).
 PLAN_CACHE_MAX_BYTES = 1 << 20
-_VIEWS: dict[tuple[int, int], memoryview] = {}
 
 
 def sizes_digest(sizes: Sequence[int]) -> int:

@@ -1,0 +1,90 @@
+"""The algorithm policy: the one place that turns a call and the Options into a plan choice.
+
+``choose(op, nbytes, world, options)`` returns a ``Choice``: which algorithm
+runs (the ``wire.Algo`` its headers carry), whether contributions are summed
+in the canonical tree order over ranks (``Options.deterministic``) or in rank
+/ ring order, the pipelining segment and the header flags. Nothing else reads
+``Options.algorithm``, ``deterministic``, ``direct_max_bytes``,
+``star_max_bytes`` or ``segment_bytes``: the runtime asks here, and the plan
+builders follow the ``Choice`` they are handed (``Call.choice``).
+
+The table (docs/architecture.md, "The policy table", lists it row by row):
+
+- One rank, any op: ``NONE`` (nothing moves; local copies only).
+- ``ALLREDUCE``: ``algorithm="auto"``: with two
+  ranks ``DIRECT`` up to ``direct_max_bytes``, else ``RING``; with more,
+  ``STAR`` up to ``star_max_bytes``, else ``RING`` (crossovers measured on 2
+  cores, docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
+  Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
+  chunk); ``STAR`` and ``DIRECT`` keep their plan and sum in tree order.
+- ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
+- ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
+  ``star_max_bytes``; ``CHAIN`` (pipelined, in rank order from the root) above.
+- ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
+  reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
+  deterministic), then each rank's chunk straight to the root.
+- ``REDUCE_SCATTER``: ``RING``; ``DIRECT`` (the tree exchange) when deterministic.
+- ``ALLGATHER``: ``RING``. Everything else (gather, scatter, all-to-all,
+  sparse allreduce, the checker's exchange): ``DIRECT``.
+- Every row: ``tree`` and the header's ``DETERMINISTIC`` flag follow
+  ``deterministic``; the segment is ``segment_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..config import Options
+from ..wire import Algo, Flags, OpCode
+
+
+class Choice(NamedTuple):
+    """How one collective runs on one rank (every rank computes the same one)."""
+
+    algo: Algo  # the plan, as its headers name it
+    tree: bool  # sum in the canonical tree order over ranks (else rank / ring order)
+    segment_bytes: int  # pipelining unit of ring, star, chain and the tree exchange
+    flags: Flags  # the header's flags
+
+    def segment_elems(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` per segment (at least one)."""
+        return max(1, self.segment_bytes // dtype.itemsize)
+
+
+_NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
+
+
+def choose(op: OpCode, nbytes: int, world: int, options: Options) -> Choice:
+    """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks."""
+    tree = options.deterministic
+    if world == 1:
+        algo = Algo.NONE
+    elif op is OpCode.ALLREDUCE:
+        name = options.algorithm
+        if name != "auto":
+            algo = _NAMED[name]
+        elif world == 2:
+            algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
+        else:
+            algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
+        if algo is Algo.RING and tree:
+            algo = Algo.TREE_RING
+    elif op is OpCode.BROADCAST:
+        algo = Algo.DIRECT if world <= 2 or nbytes <= options.star_max_bytes else Algo.CHAIN
+    elif op is OpCode.REDUCE:
+        if world <= 2 or nbytes <= options.star_max_bytes:
+            algo = Algo.STAR
+        else:
+            algo = Algo.DIRECT if tree else Algo.RING
+    elif op is OpCode.REDUCE_SCATTER:
+        algo = Algo.DIRECT if tree else Algo.RING
+    elif op is OpCode.ALLGATHER:
+        algo = Algo.RING
+    elif op is OpCode.BARRIER:
+        algo = Algo.STAR
+    else:
+        algo = Algo.DIRECT
+    flags = Flags.DETERMINISTIC if tree else Flags.NONE
+    return Choice(algo, tree, options.segment_bytes, flags)

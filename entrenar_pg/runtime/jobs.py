@@ -1,0 +1,230 @@
+"""The job of each request kind: what runs, in the token-holding thread, on staged host tensors.
+
+Each job is a plain function ``job(rt, seq, req, hosts)``: ``hosts[i]`` are
+the flat host tensors of ``req.io[i]`` (``runtime/staging.py`` made them and
+copies results back afterwards). A job asks the runtime for a ``Call``
+(``rt.call(seq, op, nbytes)``), which carries the policy's ``Choice``
+(collectives/policy.py) for that op and size, and runs the algorithm it
+names. ``JOBS`` maps each request class to its job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import collectives as alg
+from .. import sparse
+from ..api import requests as rq
+from ..reduce_ops import Reduction, finish_, prepare_
+from ..wire import Algo, OpCode
+
+if TYPE_CHECKING:
+    from .dispatch import Runtime
+
+Hosts = list[list[torch.Tensor]]
+
+_ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
+    Algo.DIRECT: alg.allreduce_direct,  # rank order, or tree order (choice.tree)
+    Algo.STAR: alg.allreduce_star,  # the same, at the root
+    Algo.RING: alg.allreduce_ring,
+    Algo.TREE_RING: alg.allreduce_tree_ring,
+}
+_REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
+
+
+# ---------------------------------------------------------------------- reductions
+
+
+def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction, nbytes: int) -> None:
+    """The one allreduce of a flat host tensor (of ``nbytes``) every allreduce request ends in."""
+    call = rt.call(seq, OpCode.ALLREDUCE, nbytes)
+    checker = rt.checker
+    if checker is not None:
+        checker.before_allreduce(call, flat, red)
+    prepare_(flat, red)
+    if call.choice.algo is not Algo.NONE:
+        _ALLREDUCE[call.choice.algo](call, flat, red)
+    if checker is not None:
+        checker.after_allreduce(call, flat, red)
+
+
+def allreduce(rt: Runtime, seq: int, req: rq.Allreduce, hosts: Hosts) -> None:
+    (tensors,) = hosts
+    if len(tensors) == 1:
+        allreduce_flat(rt, seq, tensors[0], req.red, req.nbytes)
+        return
+    total = sum(h.numel() for h in tensors)
+    flat = rt.scratch.get("coalesced", total, tensors[0].dtype)
+    torch.cat(tensors, out=flat)
+    allreduce_flat(rt, seq, flat, req.red, req.nbytes)  # the same bytes, packed
+    offset = 0
+    for h in tensors:
+        h.copy_(flat[offset : offset + h.numel()])
+        offset += h.numel()
+
+
+def sparse_allreduce(rt: Runtime, seq: int, req: rq.SparseAllreduce, hosts: Hosts) -> None:
+    sparse.allreduce(rt.call(seq, req.op, req.nbytes), req.tensor)
+
+
+def reduce(rt: Runtime, seq: int, req: rq.Reduce, hosts: Hosts) -> None:
+    buf = hosts[0][0]
+    call = rt.call(seq, OpCode.REDUCE, buf.numel() * buf.element_size())
+    if call.rank != req.root:  # the algorithm works in place: keep the user's input
+        copy = call.scratch.get("reduce_in", buf.numel(), buf.dtype)
+        copy.copy_(buf)
+        buf = copy
+    prepare_(buf, req.red)
+    alg.reduce(call, buf, req.red, req.root)
+
+
+def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -> None:
+    """The one reduce-scatter every form ends in.
+
+    ``pieces[p]`` are this rank's contributions to rank p (flat host
+    tensors, same sizes on every rank); chunk p is their concatenation in
+    a scratch buffer (the inputs are never written), the chunks are
+    reduce-scattered (the policy's algorithm) and this rank's reduced chunk
+    is unpacked into the outputs.
+    """
+    inputs, outs = hosts
+    n = rt.mesh.world
+    if req.sizes is None:
+        pieces: list[list[torch.Tensor]] = [[h] for h in inputs]
+    else:
+        sizes = req.sizes
+        pieces = [
+            [h[p * m : (p + 1) * m] for h, m in zip(inputs, sizes, strict=True)] for p in range(n)
+        ]
+    red = req.red
+    chunk_sizes = [sum(t.numel() for t in ps) for ps in pieces]
+    flat = rt.scratch.get("rs_packed", sum(chunk_sizes), outs[0].dtype)
+    chunks, at = [], 0
+    for ps, size in zip(pieces, chunk_sizes, strict=True):
+        chunk = flat[at : at + size]
+        if size:
+            torch.cat([t.view(-1) for t in ps], out=chunk)
+        chunks.append(chunk)
+        at += size
+    prepare_(flat, red)
+    call = rt.call(seq, OpCode.REDUCE_SCATTER, flat.numel() * flat.element_size())
+    if call.choice.algo is Algo.NONE:
+        finish_(chunks[0], red, 1)
+    else:
+        # The header's aux is a digest of the chunk sizes: ranks that agree on
+        # the total but split it differently would otherwise pass the check.
+        aux = alg.sizes_digest(chunk_sizes)
+        _REDUCE_SCATTER[call.choice.algo](call, chunks, red, OpCode.REDUCE_SCATTER, aux=aux)
+    mine, at = chunks[call.rank], 0
+    for o in outs:
+        o.copy_(mine[at : at + o.numel()])
+        at += o.numel()
+
+
+# ---------------------------------------------------------------------- data movement
+
+
+def broadcast(rt: Runtime, seq: int, req: rq.Broadcast, hosts: Hosts) -> None:
+    for h in hosts[0]:  # one broadcast per tensor, each sized by the policy on its own
+        call = rt.call(seq, OpCode.BROADCAST, h.numel() * h.element_size())
+        if call.choice.algo is not Algo.NONE:
+            alg.broadcast(call, h, req.root)
+
+
+def allgather(rt: Runtime, seq: int, req: rq.Allgather, hosts: Hosts) -> None:
+    (src,), dst = hosts
+    if req.split is None:
+        chunks = dst
+    else:
+        n, flat = req.split, dst[0]
+        chunks = [flat[i * n : (i + 1) * n] for i in range(rt.mesh.world)]
+    call = rt.call(seq, OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
+    chunks[call.rank].copy_(src)
+    if call.choice.algo is not Algo.NONE:
+        alg.allgather_ring(call, chunks)
+
+
+def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Hosts) -> None:
+    """The one all-gather the coalesced forms end in.
+
+    This rank's pieces are concatenated into its chunk of a scratch buffer,
+    the chunks are all-gathered round the ring, and rank p's piece j is
+    unpacked into its destination ``dests[p][j]``.
+    """
+    pieces = hosts[0]
+    n = rt.mesh.world
+    dests: Sequence[Sequence[torch.Tensor]]
+    if req.sizes is None:
+        dests = hosts[1:]
+    else:
+        sizes, outs = req.sizes, hosts[1]
+        dests = [
+            [o[p * m : (p + 1) * m] for o, m in zip(outs, sizes, strict=True)] for p in range(n)
+        ]
+    size = sum(t.numel() for t in pieces)
+    flat = rt.scratch.get("ag_packed", size * n, pieces[0].dtype)
+    chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
+    call = rt.call(seq, OpCode.ALLGATHER, flat.numel() * flat.element_size())
+    if size:
+        torch.cat([t.view(-1) for t in pieces], out=chunks[call.rank])
+    if call.choice.algo is not Algo.NONE:
+        alg.allgather_ring(call, chunks)
+    for p in range(n):
+        at = 0
+        for d in dests[p]:
+            d.copy_(chunks[p][at : at + d.numel()])
+            at += d.numel()
+
+
+def rooted(rt: Runtime, seq: int, req: rq.Rooted, hosts: Hosts) -> None:
+    """Gather (every rank's input to the root's outputs) or scatter (the reverse)."""
+    call = rt.call(seq, req.op, req.nbytes)
+    is_root = call.rank == req.root
+    if req.op is OpCode.GATHER:
+        (inp,), outs = hosts
+        alg.gather(call, inp, outs if is_root else None, req.root)
+    else:
+        ins, (out,) = hosts
+        alg.scatter(call, ins if is_root else None, out, req.root)
+
+
+def alltoall(rt: Runtime, seq: int, req: rq.Alltoall, hosts: Hosts) -> None:
+    call = rt.call(seq, OpCode.ALLTOALL, req.nbytes)
+    if req.bounds is None:
+        alg.alltoall(call, hosts[0], hosts[1])
+        return
+    (inp,), (out,) = hosts
+    if inp.numel() and inp.data_ptr() == out.data_ptr():  # in place: keep the input
+        copy = call.scratch.get("alltoall_in", inp.numel(), inp.dtype)
+        copy.copy_(inp)
+        inp = copy
+    in_bounds, out_bounds = req.bounds
+    alg.alltoall(call, [inp[a:b] for a, b in in_bounds], [out[a:b] for a, b in out_bounds])
+
+
+def barrier(rt: Runtime, seq: int, req: rq.Barrier, hosts: Hosts) -> None:
+    call = rt.call(seq, OpCode.BARRIER, 0)
+    if call.choice.algo is not Algo.NONE:
+        alg.barrier(call)
+
+
+def custom(rt: Runtime, seq: int, req: rq.Custom, hosts: Hosts) -> None:
+    req.run(rt.call(seq, req.op, req.nbytes))
+
+
+JOBS: dict[type, Callable[[Runtime, int, Any, Hosts], None]] = {
+    rq.Allreduce: allreduce,
+    rq.SparseAllreduce: sparse_allreduce,
+    rq.Reduce: reduce,
+    rq.ReduceScatter: reduce_scatter,
+    rq.Broadcast: broadcast,
+    rq.Allgather: allgather,
+    rq.AllgatherPacked: allgather_packed,
+    rq.Rooted: rooted,
+    rq.Alltoall: alltoall,
+    rq.Barrier: barrier,
+    rq.Custom: custom,
+}
