@@ -279,3 +279,21 @@ def test_functional_collectives_wait_raises_the_entrenar_class() -> None:
         for name, g in zip(names, gs, strict=True):
             c10d._unregister_process_group(name)
             g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_interrupted_by_the_groups_failure_keeps_its_culprit() -> None:
+    """The group fails (here: a failure naming rank 1 recorded from outside the
+    job) while rank 0's allreduce waits for a peer; the job's error names the
+    group's first failure and keeps its culprit (before: culprit None)."""
+    groups = make_groups(2, timeout_s=20.0)
+    try:
+        work = groups[0].allreduce([torch.ones(4)])  # rank 1 never joins
+        time.sleep(0.2)
+        groups[0]._runtime.state.fail(PeerConnectionError("rank 0: injected", culprit=1), "test")
+        with pytest.raises(PeerConnectionError, match="interrupted.*injected") as info:
+            work.wait()
+        assert info.value.culprit == 1
+    finally:
+        for g in groups:
+            g.abort()

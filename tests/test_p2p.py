@@ -364,7 +364,7 @@ def test_a_stalled_p2p_link_names_the_peer_and_breaks_the_group() -> None:
     does: "no progress", the peer blamed by the wait-for walk (culprit 1),
     and rank 0's group is broken by it."""
     groups = make_groups(2, timeout_s=1.0)
-    channel = groups[1]._p2p
+    channel = groups[1]._runtime.p2p
     real_pump = channel._pump
 
     def no_reads(link: object, *, receiving: bool) -> None:

@@ -115,7 +115,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
     # it only for capabilities (init_process_group(device_id=...), new_group,
     # FSDP2's allocator, destroy): this group answers for every device itself.
 
-    supports_splitting = False  # no communicator splitting: new_group builds fresh meshes
+    supports_splitting = False  # no communicator splitting: new_group builds a fresh mesh
     supports_coalescing = False  # batch_isend_irecv issues each op (p2p never blocks)
     supports_shrinking = False
     supports_time_estimate = False
@@ -267,7 +267,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """A barrier that raises if it is not passed within ``timeout`` (default: the group's)."""
         if timeout is None:
-            timeout = timedelta(seconds=self._runtime.p2p.timeout_s)
+            timeout = timedelta(seconds=self._runtime.timeout_s)
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
         self.barrier().wait(timeout)

@@ -227,7 +227,8 @@ class Engine:
             assert first is not None
             err = type(first)(
                 f"rank {self.rank}: {what} interrupted: this process group failed at "
-                f"{state.failed_at} ({first}); the collective then saw: {err}"
+                f"{state.failed_at} ({first}); the collective then saw: {err}",
+                culprit=first.culprit,
             )
             err.__cause__ = e
         job.future.set_exception(err)

@@ -1,8 +1,9 @@
 """Device staging: give the comm thread flat, contiguous host tensors, and put results back.
 
 The algorithms only ever see flat host tensors. A ``Staging`` is made in the
-caller's thread when a collective is issued, and used by the group's comm
-thread when the job runs: ``load()`` before the algorithm, ``store()`` after.
+caller's thread when a collective is issued, and used by whichever thread
+runs the job (the comm thread, or the caller's own for an inline job):
+``load()`` before the algorithm, ``store()`` after.
 
 CPU tensors
     Contiguous ones are used in place (the host tensor is a flat view of the

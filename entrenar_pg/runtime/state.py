@@ -10,8 +10,9 @@ group all read and change this one object; no other part keeps a flag of its
 own for the group (the transport's sockets have their own open/closed state,
 which the break hooks drive).
 
-``fail`` records the first failure and then runs the break hooks once (the
-transport's abort, which tells the peers, and the p2p channel's), outside
+``fail`` records the first failure and then runs the break hooks once, in
+the order registered (the runtime's: the p2p channel's abort, which fails its
+pending ops with the error, then the transport's, which tells the peers), outside
 the lock. The engine's condition variable is built on ``lock``, so a stop and
 the queue's emptying are one step for every thread that waits on the queue.
 """

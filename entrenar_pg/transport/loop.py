@@ -140,7 +140,7 @@ class Links:
         """The peer whose link ``fd`` is; None for the wake-up and control fds."""
         return self._fd_peer.get(fd)
 
-    # ------------------------------------------------------------------ collectives
+    # ---------------------------------------------------------- pumps (collectives and p2p)
     def pump_send(self, st: LinkState, what: str) -> bool:
         """Send what the kernel takes on one link; True if anything moved.
 
@@ -397,7 +397,7 @@ class Progress(Links):
             receiving.append(st)
         return sending, receiving
 
-    # ------------------------------------------------------------------ pumps
+    # ---------------------------------------------------------- a plan's wait and its failures
 
     def _wait(self, sending: list[LinkState], receiving: list[LinkState], what: str) -> None:
         """Sleep until a blocked link of this plan can move, a peer hangs up or
