@@ -471,10 +471,12 @@ class P2PChannel:
                     self._expire()
                     done = self._matching.take_done()
                     failures, self._failures = self._failures, []
-                complete(done)
+                # The group breaks before the failed ops complete: whoever
+                # wakes from their wait finds errored() set already.
                 for error in failures:
                     if self.on_failure is not None:
                         self.on_failure(error)
+                complete(done)
         except BaseException as e:  # keep the process alive; fail what is pending
             log.exception("rank %d: p2p thread failed", self.rank)
             error = PeerConnectionError(f"rank {self.rank}: the p2p thread failed: {e!r}")

@@ -185,8 +185,10 @@ def run_pods(pods: list[Pod], root: Path) -> dict[str, Path]:
         for mount_path, volume in pod.mounts.items():
             paths[mount_path] = root / "volumes" / volume
             paths[mount_path].mkdir(parents=True, exist_ok=True)
-        env = {**image_env(), "HOME": str(home), **pod.env}
-        env = {k: in_pod_fs(v, paths) for k, v in env.items()}
+        # Only the manifest's values name pod paths; the image's own (PYTHONPATH:
+        # this checkout, which may itself live under /tmp) and HOME are real.
+        pod_env = {k: in_pod_fs(v, paths) for k, v in pod.env.items()}
+        env = {**image_env(), "HOME": str(home), **pod_env}
         argv = [in_pod_fs(a, paths) for a in pod.argv] + TRAIN_ARGS
         assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
         (scripts / f"pod{i}.sh").write_text(
