@@ -327,7 +327,7 @@ class P2PChannel:
             host = tensor.detach().reshape(-1)
         else:
             host = tensor.detach().contiguous().reshape(-1)
-        op = self._op(dst, tag, tensor, host, what, is_recv=False)
+        op = _new_op(self.rank, self.timeout_s, dst, tag, tensor, host, what, is_recv=False)
         with self._lock:
             if dst == self.rank:
                 self._matching.deliver_local(op)
@@ -360,7 +360,7 @@ class P2PChannel:
             host = tensor.detach().reshape(-1)
         else:
             host = torch.empty(tensor.numel(), dtype=tensor.dtype)
-        op = self._op(src, tag, tensor, host, what, is_recv=True)
+        op = _new_op(self.rank, self.timeout_s, src, tag, tensor, host, what, is_recv=True)
         matching = self._matching
         with self._lock:
             if matching.post(op):
@@ -412,24 +412,6 @@ class P2PChannel:
             done = matching.take_done()
         complete(done)
         self._loop.close()
-
-    def _op(
-        self,
-        peer: int,
-        tag: int,
-        user: torch.Tensor,
-        host: torch.Tensor,
-        what: str,
-        *,
-        is_recv: bool,
-    ) -> _Op:
-        fut: torch.futures.Future[list[torch.Tensor]] = (
-            torch.futures.Future(devices=[user.device]) if user.is_cuda else torch.futures.Future()
-        )
-        src = peer if peer != ANY_SOURCE else -1
-        work = P2PWork(fut, what, self.rank, src)
-        deadline = time.monotonic() + self.timeout_s
-        return _Op(peer, tag, user, host, fut, work, deadline, what, is_recv)
 
     def _pending_ops(self) -> list[_Op]:
         ops = self._matching.pending()
@@ -534,8 +516,7 @@ class P2PChannel:
         """Give up on a link: fail everything pending with its peer, with ``error``."""
         if link.dead is not None:
             return
-        cls = PeerConnectionError if type(error) is EntrenarError else type(error)
-        link.dead = cls(str(error), culprit=error.culprit)
+        link.dead = _failure_class(error)(str(error), culprit=error.culprit)
         affected = list(link.sending)
         if link.incoming is not None and link.incoming.recv is not None:
             affected.append(link.incoming.recv)
@@ -597,5 +578,31 @@ class P2PChannel:
 def _op_error(rank: int, op: _Op, cause: EntrenarError) -> EntrenarError:
     """``op`` fails because its link (or the group) failed with ``cause``: same class
     and culprit, this op named."""
-    cls = PeerConnectionError if type(cause) is EntrenarError else type(cause)
-    return cls(f"rank {rank}: p2p {op.what} failed: {cause}", culprit=cause.culprit)
+    return _failure_class(cause)(
+        f"rank {rank}: p2p {op.what} failed: {cause}", culprit=cause.culprit
+    )
+
+
+def _failure_class(cause: EntrenarError) -> type[EntrenarError]:
+    """A p2p op's error class for ``cause``: its own, except that a bare
+    EntrenarError (a peer's or this group's abort()) reads as a lost peer."""
+    return PeerConnectionError if type(cause) is EntrenarError else type(cause)
+
+
+def _new_op(
+    rank: int,
+    timeout_s: float,
+    peer: int,
+    tag: int,
+    user: torch.Tensor,
+    host: torch.Tensor,
+    what: str,
+    *,
+    is_recv: bool,
+) -> _Op:
+    """A posted send or recv with its future (CUDA: stream-synchronizing) and Work."""
+    fut: torch.futures.Future[list[torch.Tensor]] = (
+        torch.futures.Future(devices=[user.device]) if user.is_cuda else torch.futures.Future()
+    )
+    work = P2PWork(fut, what, rank, peer if peer != ANY_SOURCE else -1)
+    return _Op(peer, tag, user, host, fut, work, time.monotonic() + timeout_s, what, is_recv)

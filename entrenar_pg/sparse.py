@@ -26,8 +26,7 @@ group's usual ones):
    ``CollectiveMismatchError`` on both sides, and the abort reaches the rest.
 4. Sum locally, from the gathered data only, so arrival order plays no part:
    - default: left to right in rank order, as gloo (the same bits as gloo);
-   - deterministic (``Options.deterministic``, through the policy's
-     ``Choice.tree``): for each index, the values of
+   - in tree order (the policy's ``Choice.tree``): for each index, the values of
      the ranks that have it are summed in the canonical tree over ranks of
      ``reduce_ops`` (split at ``(k + 1) // 2``); a rank without the index is
      skipped, not added as zero, so a lone ``-0.0`` stays ``-0.0``. The result

@@ -145,7 +145,7 @@ def test_flow_control_with_a_slow_rank(slow_rank: int, monkeypatch: pytest.Monke
     import threading
     import time
 
-    from entrenar_pg.collectives import deterministic
+    from entrenar_pg.collectives import tree as deterministic
 
     world, numel = 4, 40_000
     xs = inputs(world, numel, torch.float32, seed=11)

@@ -7,12 +7,12 @@ or reads the Options: ``policy.choose`` decides, the ``Choice`` travels on the `
 from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
-from .deterministic import allreduce_tree_ring, reduce_scatter_tree
 from .direct import allreduce_direct
 from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
 from .star import allreduce_star, barrier
+from .tree import allreduce_tree_ring, reduce_scatter_tree
 
 __all__ = [
     "Call",

@@ -17,9 +17,9 @@ from ..reduce_ops import Reduction, finish_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds
-from .deterministic import reduce_scatter_tree
 from .ring import reduce_scatter_ring
 from .star import gather_reduce
+from .tree import reduce_scatter_tree
 
 
 def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:

@@ -82,9 +82,7 @@ def consume(st: LinkState, n: int) -> None:
         i += 1
         off = 0
         if piece.done is not None:
-            st.index = i  # a done() may push pieces or read the state: keep it current
-            st.offset = 0
-            piece.done()
+            piece.done()  # may push pieces (a p2p stream), never reads index/offset
     st.index = i
     st.offset = off
 
