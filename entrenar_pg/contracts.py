@@ -54,9 +54,7 @@ import hashlib
 import logging
 import math
 import struct
-import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -65,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import step_hook
 from .api import requests
 from .collectives.common import Call, bytes_of
 from .errors import ContractViolation
@@ -317,33 +316,6 @@ def _groups(values: Sequence[int]) -> tuple[list[int], str]:
 # ---------------------------------------------------------------------- the checker
 
 
-_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with their own hook
-_hook_lock = threading.Lock()
-_hook_handle: Any = None
-
-
-def _global_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """After every optimizer step in this process: C-DDP-001 on the default group, if checked."""
-    if optimizer in _watched or not dist.is_available() or not dist.is_initialized():
-        return
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-    except (RuntimeError, ValueError):
-        return
-    checker = getattr(pg, "checker", None)
-    if isinstance(checker, ContractChecker):
-        checker.after_optimizer_step(optimizer)
-
-
-def _install_global_hook() -> None:
-    global _hook_handle
-    with _hook_lock:
-        if _hook_handle is None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            _hook_handle = register_optimizer_step_post_hook(_global_post_hook)
-
-
 class ContractChecker:
     """Checks C-RING-001 and F-DP-003 on every allreduce of ``group``, C-DDP-001 per step.
 
@@ -373,7 +345,7 @@ class ContractChecker:
         self._pending: tuple[int, int, int, int, list[int]] | None = None
         self._warned_overflow = False
         if watch_optimizers:
-            _install_global_hook()
+            step_hook.install()
 
     @classmethod
     def install(cls, group: Any = None, **kwargs: Any) -> ContractChecker:
@@ -542,7 +514,7 @@ class ContractChecker:
 
         Returns the hook handle; the global hook then skips this optimizer.
         """
-        _watched.add(optimizer)
+        step_hook.watched(optimizer)
         return optimizer.register_step_post_hook(
             lambda opt, args, kwargs: self.after_optimizer_step(opt)
         )

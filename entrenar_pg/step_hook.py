@@ -1,0 +1,52 @@
+"""The one optimizer step post-hook: what runs after every optimizer step in this process.
+
+Unmodified DDP and FSDP scripts never call us at a step boundary, so the
+per-step work (the contract checker's C-DDP-001, the run ledger's line) hangs
+off torch's *global* optimizer post-hook. There is one such hook for the whole
+library, registered once, so the order is fixed: the checker first (its
+verdict for this step is then known), the ledger second (it records it).
+
+Only the default group is consulted: a step belongs to a training loop, and a
+program's training loop runs on its default group. Optimizers registered with
+``watch`` (a checker or ledger on another group) have their own hooks and are
+skipped here.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with their own hook
+_lock = threading.Lock()
+_handle: Any = None
+
+
+def watched(optimizer: Any) -> None:
+    """``optimizer`` has its own post-hook (``ContractChecker.watch``): skip it here."""
+    _watched.add(optimizer)
+
+
+def install() -> None:
+    """Register the global hook (once per process; idempotent)."""
+    global _handle
+    with _lock:
+        if _handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _handle = register_optimizer_step_post_hook(_after_step)
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if optimizer in _watched or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):
+        return
+    for listener in (getattr(pg, "checker", None), getattr(pg, "ledger", None)):
+        if listener is not None:
+            listener.after_optimizer_step(optimizer)
