@@ -27,6 +27,7 @@ ENV_SPIN_US = "ENTRENAR_SPIN_US"
 ENV_CALLER_SPIN_US = "ENTRENAR_CALLER_SPIN_US"
 ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
+ENV_LEDGER = "ENTRENAR_LEDGER"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -67,6 +68,12 @@ class Options:
             step). Env ``ENTRENAR_CHECK``.
         check_tolerance: relative tolerance of the C-RING-001 float checksum
             comparison. Env ``ENTRENAR_CHECK_TOLERANCE``.
+        ledger: path of the run ledger (empty: none). After every optimizer
+            step, rank 0 appends one JSON line: the step, the world size, a
+            SHA-256 of the parameters, the checker's verdicts and the previous
+            line's hash (a hash chain); ``python -m entrenar_pg.ledger`` verifies
+            and compares ledgers (``entrenar_pg/ledger_writer.py``).
+            Env ``ENTRENAR_LEDGER``.
         host: address to listen on and publish to peers. Empty: the address of
             ``ifname`` if set, else the local address that routes to
             ``MASTER_ADDR``, else 127.0.0.1. Env ``ENTRENAR_HOST``.
@@ -110,6 +117,7 @@ class Options:
     deterministic: bool = False
     check: bool = False
     check_tolerance: float = 1e-3
+    ledger: str = ""
     host: str = ""
     ifname: str = ""
     socket_buffer_bytes: int = 0
@@ -169,6 +177,8 @@ class Options:
                 raise ValueError(
                     f"{ENV_CHECK_TOLERANCE} must be a float, got {env[ENV_CHECK_TOLERANCE]!r}"
                 ) from None
+        if ENV_LEDGER in env:
+            kw["ledger"] = env[ENV_LEDGER].strip()
         kw["host"] = env.get(ENV_HOST, "")
         kw["ifname"] = env.get(ENV_IFNAME, "")
         kw["master_addr"] = env.get(ENV_MASTER_ADDR, "")

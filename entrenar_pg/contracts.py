@@ -344,6 +344,7 @@ class ContractChecker:
         self._projection = _Projection()
         self._pending: tuple[int, int, int, int, list[int]] | None = None
         self._warned_overflow = False
+        self._verdicts_taken: dict[str, int] = {}
         if watch_optimizers:
             step_hook.install()
 
@@ -356,6 +357,16 @@ class ContractChecker:
         checker = cls(pg, **kwargs)
         pg.checker = checker
         return checker
+
+    def take_verdicts(self) -> dict[str, int]:
+        """Checks passed per contract id since the previous call (the run ledger records them).
+
+        A failed check raises instead of returning, so every count is of passed checks.
+        """
+        now = {"C-RING-001": self.allreduces_checked, "C-DDP-001": self.steps_checked}
+        taken = {k: v - self._verdicts_taken.get(k, 0) for k, v in now.items()}
+        self._verdicts_taken = now
+        return taken
 
     # ------------------------------------------------------------ allreduce
 

@@ -59,18 +59,60 @@ def load_backend(backend: str) -> None:
             ) from e
 
 
-def group_options(backend: str, deterministic: bool) -> Any:
+def group_options(backend: str, deterministic: bool, ledger: str = "") -> Any:
     """The ``pg_options`` for ``init_process_group``: entrenar's ``Options``, else None.
 
     The ``ENTRENAR_*`` environment still applies (``Options.from_env``); only
-    what the trainer itself decides (deterministic reductions) is set on top.
-    Other backends get None: their defaults.
+    what the trainer itself decides (deterministic reductions, the run
+    ledger's path) is set on top. Other backends get None: their defaults.
     """
     if backend != "entrenar":
+        if ledger:
+            raise ValueError(f"--ledger needs the entrenar backend, not {backend!r}")
         return None
     from entrenar_pg import Options
 
-    return Options.from_env(deterministic=True) if deterministic else Options.from_env()
+    chosen: dict[str, Any] = {}
+    if deterministic:
+        chosen["deterministic"] = True
+    if ledger:
+        chosen["ledger"] = ledger
+    return Options.from_env(**chosen)
+
+
+def run_ledger() -> Any:
+    """The default group's run ledger (entrenar with ``Options.ledger``), else None."""
+    return getattr(dist.distributed_c10d._get_default_group(), "ledger", None)
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters, detached, in the run ledger's order (groups, then params).
+
+    A checkpoint stores them as ``ledger_parameters`` so that
+    ``python -m entrenar_pg.ledger verify --checkpoint`` can hash its weights as
+    the ledger did; they share storage with the model's state_dict, which
+    ``torch.save`` writes once.
+    """
+    return [p.detach() for group in optimizer.param_groups for p in group["params"]]
+
+
+class BitFlip:
+    """Test hook: flips one bit of the first parameter's first byte after step ``at``.
+
+    An optimizer step post-hook; the optimizer's own hooks run before torch's
+    global ones, so the run ledger records the step with the flipped bit.
+    """
+
+    def __init__(self, at: int, steps_done: int) -> None:
+        self.at = at
+        self.steps_done = steps_done
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.steps_done += 1
+        if self.steps_done == self.at:
+            first = optimizer.param_groups[0]["params"][0]
+            with torch.no_grad():
+                first.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
 
 
 def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, float]:

@@ -92,12 +92,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer import checkpoint as ckpt
 from trainer.common import (
     BACKENDS,
+    BitFlip,
     comm_stats,
     free_port,
     group_options,
     is_power_of_two,
     load_backend,
+    optimizer_parameters,
     param_hash,
+    run_ledger,
     tree_sum,
 )
 from trainer.data import (
@@ -158,6 +161,7 @@ class TrainConfig:
     checkpoint_dir: str = _opt("", "default <out_dir>/ckpt; 'none' disables checkpoints")
     checkpoint_every: int = _opt(100, "steps between checkpoints (and one at the end); 0: end only")
     resume: bool = _opt(False, "resume from <checkpoint_dir>/latest.pt if it exists")
+    ledger: str = _opt("", "run ledger JSONL (entrenar: one chained line per step); '': none")
     progress: bool = _opt(True, "tqdm bar on rank 0")
     plot: bool = _opt(True, "loss/throughput PNG at the end")
     sample_bytes: int = _opt(300, "bytes of text generated at the end; 0: none")
@@ -165,6 +169,8 @@ class TrainConfig:
     # reaches fail_at_step (fail_at_step steps done), on the first attempt only
     fail_at_step: int = _opt(-1, "test hook: exit when the step counter reaches this")
     fail_rank: int = _opt(1, "test hook: the rank that exits")
+    # (tests) every rank flips one bit of the weights right after this step's update
+    flip_bit_at_step: int = _opt(-1, "test hook: corrupt one weight bit at this step")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -363,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     # count itself, so a restarted attempt never reads a dead attempt's addresses.
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     # entrenar's deterministic reductions are an option of the group, passed here.
-    pg_options = group_options(cfg.backend, cfg.deterministic)
+    pg_options = group_options(cfg.backend, cfg.deterministic, cfg.ledger)
+    resuming = cfg.resume and ckpt.latest_checkpoint(cfg.ckpt_dir) is not None
+    if cfg.ledger and master and not resuming:
+        # A fresh run starts a fresh chain; a resumed one appends to its ledger.
+        Path(cfg.ledger).unlink(missing_ok=True)
     dist.init_process_group(backend=cfg.backend, timeout=timeout, pg_options=pg_options)
 
     # -- global batch geometry ------------------------------------------------
@@ -425,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.set_rng_state(state["rng"], device)
         step, samples_consumed = int(state["step"]), int(state["samples_consumed"])
         resumed_from = {"step": step, "path": str(ckpt_file), "world_size": state["world_size"]}
+    ledger = run_ledger() if cfg.ledger else None
+    if ledger is not None:
+        ledger.start_at(step)  # its next line is the next step, whatever it wrote before
+    if cfg.flip_bit_at_step >= 0:
+        optimizer.register_step_post_hook(BitFlip(cfg.flip_bit_at_step, step))
 
     # DDP checks shapes and broadcasts rank 0's parameters (a fresh run's init
     # or a checkpoint's, identical anyway). GPT has no buffers to keep in sync.
@@ -446,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if resumed_from:
             print(f"  resumed from {ckpt_file} at step {step}", flush=True)
+        if cfg.ledger:
+            print(f"  ledger: {cfg.ledger} (one line per step)", flush=True)
         metrics.write(
             {
                 "event": "start",
@@ -490,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                     "train_config": dataclasses.asdict(cfg),
                     "corpus_sha256": corpus.sha256,
                     "param_hash": param_hash(model),
+                    # what `python -m entrenar_pg.ledger verify --checkpoint` hashes
+                    "ledger_parameters": optimizer_parameters(optimizer),
                 },
                 ckpt.checkpoint_path(ckpt_dir),
             )
@@ -659,6 +678,11 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             (out / "sample.txt").write_text(text, encoding="utf-8")
             print("sample:\n" + text, flush=True)
+        if cfg.ledger:
+            check = f"python -m entrenar_pg.ledger verify {cfg.ledger}"
+            if ckpt_dir is not None:
+                check += f" --checkpoint {ckpt.checkpoint_path(ckpt_dir)}"
+            print(f"ledger: {cfg.ledger} (check it: {check})", flush=True)
         if not replicas_agree:
             print("ERROR: replicas hold different parameters", file=sys.stderr, flush=True)
             return 1

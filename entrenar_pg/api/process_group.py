@@ -31,6 +31,7 @@ from .._plugin import BACKEND_NAME
 from ..config import Options
 from ..contracts import ContractChecker
 from ..errors import EntrenarError
+from ..ledger_writer import RunLedger
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
 from ..runtime.dispatch import Runtime
@@ -63,6 +64,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime = Runtime(store, rank, size, self.options, timeout, group_name)
         self._checks = rq.Checks(rank, size, self._runtime.state)
         self.checker = ContractChecker(self) if self.options.check else None
+        # The run ledger (one line per optimizer step on rank 0): ledger_writer.py.
+        self.ledger = RunLedger(self, self.options.ledger) if self.options.ledger else None
         _LIVE_GROUPS.add(self)
         log.info(
             "rank %d: entrenar group %r up: world %d, options %s",

@@ -1,0 +1,234 @@
+"""The run ledger: its line format, hash chain and parameter hash, and the writer.
+
+With ``ENTRENAR_LEDGER=PATH`` (``Options.ledger``), rank 0 of the group appends
+one JSON line per optimizer step (the one global post-hook, ``step_hook.py``,
+calls ``after_optimizer_step`` after the checker's own check)::
+
+    {"hash": ..., "ledger": 1, "n_tensors": 18, "param_hash": ..., "prev": ...,
+     "step": 7, "verdicts": {"C-DDP-001": 1, "C-RING-001": 1}, "world_size": 2}
+
+- ``param_hash``: SHA-256 over the per-parameter digests, in the optimizer's
+  order (its param groups in order, each group's parameters in order); a
+  parameter's digest is SHA-256 over ``"<dtype> <shape>\\n"`` then its values'
+  bytes (C order, the machine's byte order). A sharded DTensor (FSDP2) is
+  hashed as its full tensor, so the hash depends on the weights only: the
+  same weights give the same hash at any world size and any sharding.
+- ``verdicts``: the checker's ``take_verdicts()`` (checks passed per contract
+  since the previous line), or null when the group has no checker.
+- ``prev``: the previous line's ``hash`` (``GENESIS`` for the first line);
+  ``hash``: SHA-256 of the line's canonical JSON without ``hash`` (sorted keys,
+  no spaces). Changing, removing or inserting a line breaks the chain at
+  that line (or, when the changed line's own hash was recomputed, at the next
+  one); only the last line can be rewritten consistently, which is what
+  checking a checkpoint against it (``verify --checkpoint``) catches.
+
+Each line is written with one ``write`` and flushed, so a killed run leaves
+a valid prefix; an incomplete last line (killed mid-write) is cut when the
+file is opened again, and a reopened ledger continues the chain from its last
+line (a resumed run: ``start_at(step)`` says which step comes next).
+
+Cost: rank 0 hashes the parameters each step (SHA-256, about 1-2 GB/s a core;
+docs/contracts.md has the measured figure); other ranks hash nothing. A
+sharded DTensor is gathered (``full_tensor()``, one all-gather of that
+parameter on its mesh, every rank of the mesh taking part): one extra
+all-gather of the whole model per step, as much traffic as FSDP2's forward
+gathers, and rank 0 holds one full parameter at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from . import step_hook
+
+FORMAT = 1
+GENESIS = "0" * 64  # the ``prev`` of a ledger's first line
+HASH_NAME = "sha256"
+
+
+# ---------------------------------------------------------------------- hashing
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """SHA-256 over ``"<dtype> <shape>\\n"`` and the tensor's values' bytes (C order)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}\n".encode())
+    if flat.numel():
+        h.update(flat.view(torch.uint8).numpy())
+    return h.digest()
+
+
+def parameter_hash(tensors: Iterable[torch.Tensor]) -> tuple[str, int]:
+    """(SHA-256 hex over the tensors' digests in order, number of tensors)."""
+    h = hashlib.sha256()
+    n = 0
+    for t in tensors:
+        h.update(tensor_digest(t))
+        n += 1
+    return h.hexdigest(), n
+
+
+def optimizer_parameters(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's parameters in the ledger's order: param groups, then their parameters."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_tensors(params: Iterable[torch.Tensor], *, keep: bool) -> Iterator[torch.Tensor]:
+    """Each parameter's full value; a sharded DTensor is gathered (a collective on its mesh).
+
+    Every rank of a sharded parameter's mesh must iterate, in the same order;
+    with ``keep=False`` (ranks that hash nothing) plain tensors are skipped.
+    """
+    dtensor: Any = None
+    try:
+        from torch.distributed.tensor import DTensor as dtensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        pass
+    for p in params:
+        if dtensor is not None and isinstance(p, dtensor):
+            full = p.full_tensor()  # replicated: a local copy; sharded: an all-gather
+            if keep:
+                yield full
+        elif keep:
+            yield p
+
+
+def checkpoint_parameters(optimizer: Any) -> list[torch.Tensor]:
+    """What a checkpoint stores under ``"ledger_parameters"`` for ``verify --checkpoint``.
+
+    The optimizer's parameters, detached, in the ledger's order (CPU tensors
+    share storage with the model's state_dict, which ``torch.save`` writes
+    once). Gathers sharded DTensors: call it on every rank.
+    """
+    return [t.detach() for t in full_tensors(optimizer_parameters(optimizer), keep=True)]
+
+
+# ---------------------------------------------------------------------- lines
+
+
+def canonical(body: dict[str, Any]) -> str:
+    """The one JSON text of a line's fields: sorted keys, no spaces, ASCII."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def line_hash(body: dict[str, Any]) -> str:
+    """SHA-256 hex of the canonical JSON of ``body`` without its ``hash`` field."""
+    fields = {k: v for k, v in body.items() if k != "hash"}
+    return hashlib.sha256(canonical(fields).encode()).hexdigest()
+
+
+def seal(body: dict[str, Any], prev: str) -> dict[str, Any]:
+    """``body`` chained to ``prev``, with its own ``hash``."""
+    line = dict(body, prev=prev)
+    line["hash"] = line_hash(line)
+    return line
+
+
+def _last_hash_and_repair(path: Path) -> str:
+    """The ``hash`` of the ledger's last complete line (GENESIS if none); cuts a torn tail."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return GENESIS
+    end = data.rfind(b"\n") + 1
+    if end < len(data):  # killed mid-write: the tail is not a line
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    lines = data[:end].splitlines()
+    if not lines:
+        return GENESIS
+    try:
+        return str(json.loads(lines[-1])["hash"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: the last line is not a ledger line ({e})") from None
+
+
+# ---------------------------------------------------------------------- the writer
+
+
+class RunLedger:
+    """Appends one chained line per optimizer step to ``path`` (rank 0 of ``group``).
+
+    The file is opened at the first line, so a group that never records (a
+    subgroup: the global hook consults the default group only) never
+    touches it. ``step`` counts the optimizer steps recorded.
+    """
+
+    def __init__(self, group: Any, path: str | os.PathLike[str]) -> None:
+        self.group = group
+        self.path = Path(path)
+        self.rank = group.rank()
+        self.step = 0
+        self._file: TextIO | None = None
+        self._prev = GENESIS
+        step_hook.install()
+
+    def start_at(self, step: int) -> None:
+        """The next line is step ``step + 1`` (a run resumed from a checkpoint at ``step``)."""
+        if step < 0:
+            raise ValueError(f"rank {self.rank}: ledger.start_at: step must be >= 0, got {step}")
+        self.step = step
+
+    def watch(self, optimizer: Any) -> Any:
+        """Record after every step of ``optimizer`` (for a group that is not the default one).
+
+        Call it after the checker's ``watch`` (its verdicts are then known).
+        Returns the hook handle; the global hook then skips this optimizer.
+        """
+        step_hook.watched(optimizer)
+        return optimizer.register_step_post_hook(self._on_step)
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.after_optimizer_step(optimizer)
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        """Record the step: hash the parameters (gathering shards on every rank), write a line."""
+        self.step += 1
+        writer = self.rank == 0
+        tensors = full_tensors(optimizer_parameters(optimizer), keep=writer)
+        if not writer:
+            for _ in tensors:  # take part in the gathers; rank 0 alone hashes and writes
+                pass
+            checker = getattr(self.group, "checker", None)
+            if checker is not None:
+                checker.take_verdicts()  # keep every rank's counts in step
+            return
+        param_hash, n_tensors = parameter_hash(tensors)
+        checker = getattr(self.group, "checker", None)
+        self.write(
+            {
+                "ledger": FORMAT,
+                "step": self.step,
+                "world_size": self.group.size(),
+                "param_hash": param_hash,
+                "n_tensors": n_tensors,
+                "verdicts": checker.take_verdicts() if checker is not None else None,
+            }
+        )
+
+    def write(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Chain ``body`` to the previous line and append it (one write, flushed)."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._prev = _last_hash_and_repair(self.path)
+            self._file = open(self.path, "a", encoding="ascii")  # noqa: SIM115 (lives with the group)
+        line = seal(body, self._prev)
+        self._file.write(canonical(line) + "\n")
+        self._file.flush()
+        self._prev = line["hash"]
+        return line
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
