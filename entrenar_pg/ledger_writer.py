@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -64,7 +65,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     flat = t.contiguous().reshape(-1)
     h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}\n".encode())
     if flat.numel():
-        h.update(flat.view(torch.uint8).numpy())
+        h.update(memoryview(flat.view(torch.uint8).numpy()))
     return h.digest()
 
 
@@ -89,11 +90,10 @@ def full_tensors(params: Iterable[torch.Tensor], *, keep: bool) -> Iterator[torc
     Every rank of a sharded parameter's mesh must iterate, in the same order;
     with ``keep=False`` (ranks that hash nothing) plain tensors are skipped.
     """
-    dtensor: Any = None
-    try:
-        from torch.distributed.tensor import DTensor as dtensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        pass
+    # No DTensor exists unless its module was imported (which costs seconds):
+    # look it up instead of importing it.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
     for p in params:
         if dtensor is not None and isinstance(p, dtensor):
             full = p.full_tensor()  # replicated: a local copy; sharded: an all-gather

@@ -173,6 +173,70 @@ def test_group_with_a_ledger_writes_on_rank_0_only_with_the_checker_verdicts(tmp
     assert chain_errors(lines) is None
 
 
+# ---------------------------------------------------------------------- FSDP2
+
+
+def _mlp_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, [
+        (torch.randn(5, 12, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)
+    ]
+
+
+def _train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """SGD on ``batches`` (the same on every rank); the parameter hash after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hashes = []
+    for x, y in batches:
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        hashes.append(
+            parameter_hash(
+                [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+            )[0]
+        )
+    return hashes
+
+
+def _fsdp_ledger_worker(rank: int, world: int, path: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group(
+        "entrenar", timeout=timedelta(seconds=60), pg_options=Options(ledger=path)
+    )
+    model, batches = _mlp_and_batches()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+    _train(model, batches)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_fsdp2_sharded_parameters_are_hashed_whole(tmp_path):
+    """FSDP2 at N=2 (every rank sees the same batch, so the averaged gradient is
+    exactly one rank's): the ledger's hashes equal an unsharded model's, step by step."""
+    from test_api_collectives import spawn_ranks
+
+    path = tmp_path / "fsdp.jsonl"
+    spawn_ranks(2, _fsdp_ledger_worker, str(path), timeout_s=100)
+    lines = read_lines(path)
+    assert [line.step for line in lines] == [1, 2, 3]
+    assert {line.fields["world_size"] for line in lines} == {2}
+    model, batches = _mlp_and_batches()
+    assert [line.param_hash for line in lines] == _train(model, batches)
+
+
 # ---------------------------------------------------------------------- trainer runs
 
 
