@@ -48,6 +48,7 @@ from typing import Any, TextIO
 import torch
 
 from . import step_hook
+from .transport import bytes_of
 
 FORMAT = 1
 GENESIS = "0" * 64  # the ``prev`` of a ledger's first line
@@ -64,8 +65,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
         t = t.cpu()
     flat = t.contiguous().reshape(-1)
     h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}\n".encode())
-    if flat.numel():
-        h.update(memoryview(flat.view(torch.uint8).numpy()))
+    h.update(bytes_of(flat))  # through ctypes: numpy would pin the storage's size for good
     return h.digest()
 
 
