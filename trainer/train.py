@@ -34,6 +34,12 @@ workers)::
     torchrun --standalone --nproc_per_node=2 trainer/train.py --deterministic \\
         --micro-batches 4
 
+Record a verifiable run ledger (one hash-chained line per step; entrenar
+only), then check it and the final checkpoint against each other::
+
+    torchrun --standalone --nproc_per_node=2 trainer/train.py --ledger runs/ledger.jsonl
+    python -m entrenar_pg.ledger verify runs/ledger.jsonl --checkpoint runs/train/ckpt/latest.pt
+
 Bigger model (flags ``--n-layer --n-head --n-embd --block-size --dropout``),
 more data (``--corpus-bytes``), multi-node and cluster launchers: see
 docs/trainer.md and launch/.
