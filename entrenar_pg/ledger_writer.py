@@ -240,9 +240,12 @@ class RunLedger:
     def write(self, body: dict[str, Any]) -> dict[str, Any]:
         """Chain ``body`` to the previous line and append it (one write, flushed)."""
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._prev = _last_hash_and_repair(self.path)
-            self._file = open(self.path, "a", encoding="ascii")  # noqa: SIM115 (lives with the group)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._prev = _last_hash_and_repair(self.path)
+                self._file = open(self.path, "a", encoding="ascii")  # noqa: SIM115 (lives with the group)
+            except OSError as e:
+                raise OSError(f"rank {self.rank}: ledger: cannot write {self.path}: {e}") from e
         line = seal(body, self._prev)
         self._file.write(canonical(line) + "\n")
         self._file.flush()
