@@ -139,6 +139,18 @@ def test_options_read_the_ledger_path():
     assert Options.from_env({}).ledger == ""
 
 
+def test_trainer_passes_the_ledger_path_to_entrenar_only():
+    from trainer.common import group_options
+    from trainer.train import parse_args
+
+    assert parse_args(["--ledger", "run.jsonl"]).ledger == "run.jsonl"
+    options = group_options("entrenar", True, "run.jsonl")
+    assert options.ledger == "run.jsonl" and options.deterministic
+    assert group_options("entrenar", False).ledger == ""
+    with pytest.raises(ValueError, match="--ledger needs the entrenar backend"):
+        group_options("gloo", False, "run.jsonl")
+
+
 def test_take_verdicts_returns_the_checks_since_the_last_call():
     checker = ContractChecker(_OneRank(), watch_optimizers=False)
     checker.allreduces_checked, checker.steps_checked = 5, 1
