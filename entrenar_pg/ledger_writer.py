@@ -22,10 +22,13 @@ calls ``after_optimizer_step`` after the checker's own check)::
   one); only the last line can be rewritten consistently, which is what
   checking a checkpoint against it (``verify --checkpoint``) catches.
 
-Each line is written with one ``write`` and flushed, so a killed run leaves
-a valid prefix; an incomplete last line (killed mid-write) is cut when the
-file is opened again, and a reopened ledger continues the chain from its last
-line (a resumed run: ``start_at(step)`` says which step comes next).
+A line is one ``optimizer.step()`` of any optimizer on the default group
+(a program stepping two optimizers per iteration gets two lines; ``watch``
+one optimizer on a group of its own instead). Each line is written with one
+``write`` and flushed (not fsync'ed), so a killed run leaves a valid prefix;
+an incomplete last line (killed mid-write) is cut when the file is opened
+again, and a reopened ledger continues the chain from its last line (a
+resumed run: ``start_at(step)`` says which step comes next).
 
 Cost, per step: the parameters' bytes through SHA-256 (about 0.8 GB/s a
 core on the development machine: 4 ms for the trainer's 0.84 M-parameter
