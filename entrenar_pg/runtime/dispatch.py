@@ -37,6 +37,10 @@ from .state import GroupState, Phase
 _CPU = torch.device("cpu")
 _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
+# How long abort() waits for the comm thread to end: a job blocked on the
+# network fails within milliseconds of its links dropping; abort() must return
+# within a second even if the thread is busy elsewhere (a future callback).
+ABORT_JOIN_S = 0.4
 
 
 class Runtime:
@@ -221,10 +225,18 @@ class Runtime:
 
     def abort(self, error: EntrenarError) -> None:
         """Break the group with ``error`` (first, so ``errored()`` never misses it;
-        the break hooks drop the links, which fails a job blocked on the
-        network at once), then stop the comm thread."""
+        the break hooks fail pending p2p, tell the peers and drop the links,
+        which fails a job blocked on the network at once), then stop the comm
+        thread and fail the queued jobs.
+
+        Returns within ``ABORT_JOIN_S`` (plus a few syscalls) whatever the
+        peers and the store do: nothing here touches the store, sends block
+        (sockets are non-blocking and close without lingering), and the two
+        thread joins are bounded; a thread still busy after its bound (a
+        future callback of the caller's) ends on its own, as a daemon, once
+        its job fails."""
         self.state.fail(error, "abort()")
-        self.engine.stop(Phase.ABORTED, timeout_s=1.0)
+        self.engine.stop(Phase.ABORTED, timeout_s=ABORT_JOIN_S)
 
     # ------------------------------------------------------------ timeouts
 
