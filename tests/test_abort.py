@@ -265,3 +265,34 @@ def test_shutdown_drains_queued_work_and_closes_everything() -> None:
         with pytest.raises(ValueError, match="destroyed"):
             g.allreduce([torch.ones(1)])
     assert seconds < 10, f"shutdown took {seconds:.1f}s"
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_with_a_job_stuck_on_a_silent_peer_fails_it_after_the_drain_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The running job gets ``SHUTDOWN_DRAIN_S`` to finish; then its links are
+    shut down under it, so it fails at once instead of holding its thread until
+    its own (here 20 s) timeout."""
+    from entrenar_pg.runtime import dispatch
+    from tests.conftest import make_groups
+
+    monkeypatch.setattr(dispatch, "SHUTDOWN_DRAIN_S", 0.5)
+    gs = make_groups(2, timeout_s=20)
+    try:
+        in_flight = gs[0].allreduce([torch.ones(1000)])  # rank 1 never joins it
+        queued = gs[0].allreduce([torch.ones(10)])
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        gs[0].shutdown()
+        seconds = time.monotonic() - t0
+        err = wait_error(in_flight, within_s=1.0)
+        assert isinstance(err, PeerConnectionError) and "shut down" in str(err), err
+        err = wait_error(queued, within_s=1.0)
+        assert isinstance(err, PeerConnectionError) and "destroyed" in str(err), err
+        assert seconds < 2.0, f"shutdown took {seconds:.2f}s"
+        assert entrenar_threads(gs[0]) == []
+        assert all(s.fileno() == -1 for s in gs[0]._runtime.mesh._links.values())
+    finally:
+        for g in gs:
+            g.shutdown()
