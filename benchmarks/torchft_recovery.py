@@ -11,8 +11,11 @@ torchft: ``pip install torch==2.13.0 torchft==0.2.0``). For each backend
    through ``Manager.allreduce`` (torchft 0.2.0's own DDP wrapper asserts when
    a Work's ``wait()`` raises) and healing through torchft's ``PGTransport``
    (the state dict sent with ``send``/``recv`` on the inner group);
-2. once both committed ``--steps-before`` steps, ``replica_1`` is SIGKILLed
-   and a replacement ``replica_1`` started at once;
+2. ``replica_1`` SIGKILLs itself in the first step after it committed
+   ``steps_before`` steps that both replicas are in, just before its allreduce (so
+   the survivor's allreduce is waiting on it: the inner group's failure path,
+   not only the lighthouse's heartbeat timeout), and a replacement
+   ``replica_1`` is started at once;
 3. the survivor keeps stepping; the replacement joins, heals (receives the
    survivor's state) and steps with it until it committed ``--steps-after``.
 
@@ -127,10 +130,16 @@ def replica_main(args: argparse.Namespace) -> None:
     up = {"t": time.time(), "event": "manager up", "backend": pg.getBackendName()}
     log.write(json.dumps(up) + "\n")
     deadline = time.monotonic() + args.max_seconds
+    commits = 0
     try:
         while not Path(args.stop).exists() and time.monotonic() < deadline:
             optimizer.zero_grad()  # starts the step's quorum
             step = manager.current_step()
+            if 0 <= args.die_after_commits <= commits and manager.num_participants() > 1:
+                # Die inside a step both replicas are in, before this replica's
+                # allreduce: the survivor's allreduce is waiting on it.
+                log.write(json.dumps({"t": time.time(), "event": "killed"}) + "\n")
+                os.kill(os.getpid(), signal.SIGKILL)
             gen = torch.Generator().manual_seed(1000 * replica_index + step)
             x = torch.randn(16, 32, generator=gen)
             y = torch.randn(16, 8, generator=gen)
@@ -145,15 +154,18 @@ def replica_main(args: argparse.Namespace) -> None:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
                 offset += n
+            failure = manager.errored()  # the allreduce's error, if it failed
             before = manager.current_step()
             optimizer.step()  # should_commit(): the optimizer steps only if True
             committed = manager.current_step() > before
+            commits += committed
             record = {
                 "t": time.time(),
                 "step": manager.current_step(),
                 "committed": committed,
                 "participants": manager.num_participants(),
                 "hash": state_hash(model, inner),
+                "error": None if failure is None else repr(failure.original_exception)[:300],
                 # the inner group this step ran on (torchft's configure replaces it)
                 "inner": type(pg._pg).__name__ if pg._pg is not None else None,
             }
@@ -174,6 +186,8 @@ class Outcome:
 
     backend: str
     survivor_recovery_s: float  # kill -> the survivor's next committed step
+    # kill -> the survivor's step whose allreduce failed (None: it never waited on the dead one)
+    survivor_failed_s: float | None
     replacement_recovery_s: float  # kill -> the replacement's first committed step
     # the replacement's Manager up -> its first committed step (quorum, the new
     # groups' configure, healing: what the backend takes part in; the rest of
@@ -199,7 +213,9 @@ def committed_steps(records: list[dict[str, Any]]) -> int:
     return sum(1 for r in records if r["committed"])
 
 
-def _spawn(backend: str, replica: str, lighthouse: str, log: Path, stop: Path, max_s: float):  # type: ignore[no-untyped-def]
+def _spawn(  # type: ignore[no-untyped-def]
+    backend: str, replica: str, lighthouse: str, log: Path, stop: Path, max_s: float, die_after=-1
+):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable,
@@ -217,6 +233,8 @@ def _spawn(backend: str, replica: str, lighthouse: str, log: Path, stop: Path, m
         str(stop),
         "--max-seconds",
         str(max_s),
+        "--die-after-commits",
+        str(die_after),
     ]
     err = open(log.with_suffix(".stderr"), "w")  # noqa: SIM115 (the child writes it)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=err, stderr=subprocess.STDOUT)
@@ -261,17 +279,20 @@ def run_scenario(
     try:
         addr = lighthouse.address()
         r0 = _spawn(backend, "replica_0", addr, logs["r0"], stop, budget_s)
-        r1 = _spawn(backend, "replica_1", addr, logs["r1"], stop, budget_s)
-        procs = [r0, r1]
+        r1 = _spawn(backend, "replica_1", addr, logs["r1"], stop, budget_s, steps_before)
+        procs = [r0]
+        # replica_1 SIGKILLs itself in its first step after steps_before
+        # commits that both replicas are in, before its allreduce (replica_main).
         _wait_until(
-            lambda: all(committed_steps(read_log(logs[n])) >= steps_before for n in ("r0", "r1")),
+            lambda: r1.poll() is not None,
             deadline,
-            f"{backend}: both replicas committing {steps_before} steps",
+            f"{backend}: replica_1 dying after {steps_before} commits",
             procs,
         )
-        os.kill(r1.pid, signal.SIGKILL)
-        killed_at = time.time()
-        r1.wait(10)
+        killed = read_log(logs["r1"], "killed")
+        if r1.returncode != -signal.SIGKILL or not killed:
+            raise RuntimeError(f"{backend}: replica_1 exited with {r1.returncode}, not killed")
+        killed_at = killed[0]["t"]
         before = read_log(logs["r0"])
         r1b = _spawn(backend, "replica_1", addr, logs["r1b"], stop, budget_s)
         procs = [r0, r1b]
@@ -296,6 +317,7 @@ def run_scenario(
     replacement = read_log(logs["r1b"])
     after_kill = [r for r in survivor if r["t"] > killed_at and r["committed"]]
     first_new = [r for r in replacement if r["committed"]]
+    failed = [r for r in survivor if r["t"] > killed_at and r["error"]]
     if not after_kill or not first_new:
         raise RuntimeError(f"{backend}: no committed step after the kill")
     by_step = {r["step"]: r["hash"] for r in survivor if r["committed"]}
@@ -309,6 +331,7 @@ def run_scenario(
     return Outcome(
         backend=backend,
         survivor_recovery_s=after_kill[0]["t"] - killed_at,
+        survivor_failed_s=failed[0]["t"] - killed_at if failed else None,
         replacement_recovery_s=first_new[0]["t"] - killed_at,
         replacement_join_s=first_new[0]["t"] - read_log(logs["r1b"], "manager up")[0]["t"],
         common_steps=common,
@@ -326,6 +349,7 @@ def main() -> None:
     parser.add_argument("--log")
     parser.add_argument("--stop")
     parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--die-after-commits", type=int, default=-1, help="(internal)")
     parser.add_argument("--runs", type=int, default=3, help="runs per backend (interleaved)")
     parser.add_argument("--workdir", default="/tmp/torchft_recovery")
     args = parser.parse_args()
@@ -338,7 +362,8 @@ def main() -> None:
             out = run_scenario(backend, Path(args.workdir) / f"run{i}")
             rows[backend].append(out)
             print(
-                f"run {i} {backend:8s} survivor {out.survivor_recovery_s:6.2f}s  "
+                f"run {i} {backend:8s} survivor's failed step {out.survivor_failed_s}s, "
+                f"next commit {out.survivor_recovery_s:6.2f}s  "
                 f"replacement {out.replacement_recovery_s:6.2f}s "
                 f"(of which joining {out.replacement_join_s:5.2f}s)  common steps "
                 f"{len(out.common_steps)}  mismatched {out.mismatched_steps}",

@@ -178,6 +178,12 @@ def test_a_killed_replica_is_replaced_and_heals_to_the_survivors_weights(
         if r["committed"] and r["t"] < replacement_first and r["participants"] == 1
     ]
     assert survivor_alone, "the survivor did not step on its own"
+    # The survivor's allreduce was waiting on the killed replica: our group
+    # failed it (naming the dead rank) and the Manager skipped that step.
+    failed = [r for r in out.logs["r0"] if r["error"]]
+    assert failed and not failed[0]["committed"], failed[:1]
+    assert "PeerConnectionError" in failed[0]["error"], failed[0]["error"]
+    assert "closed the connection without a word" in failed[0]["error"], failed[0]["error"]
     # The replacement healed: its first committed step continues the survivor's
     # count (it did not start over at 1), and the states agree bit for bit.
     assert min(r["step"] for r in out.logs["r1b"] if r["committed"]) > out.steps_before_kill
