@@ -19,8 +19,11 @@ torchft: ``pip install torch==2.13.0 torchft==0.2.0``). For each backend
 3. the survivor keeps stepping; the replacement joins, heals (receives the
    survivor's state) and steps with it until it committed ``--steps-after``.
 
-Reported per backend: kill → the survivor's next committed step, kill → the
-replacement's first committed step (process start, imports and Manager
+Reported per backend: kill → the survivor's step whose allreduce failed
+(the inner group's detection), kill → the survivor's next committed step
+(bounded below by the lighthouse's heartbeat timeout, ``HEARTBEAT_TIMEOUT_MS``:
+the quorum without the dead replica forms only once its heartbeats stop),
+kill → the replacement's first committed step (process start, imports and Manager
 set-up included: a supervisor restarting a replica pays them too), and
 whether the two replicas' states were bit-identical at every common step
 (SHA-256 of every parameter and momentum buffer). ``run_scenario`` is what
@@ -362,7 +365,7 @@ def main() -> None:
             out = run_scenario(backend, Path(args.workdir) / f"run{i}")
             rows[backend].append(out)
             print(
-                f"run {i} {backend:8s} survivor's failed step {out.survivor_failed_s}s, "
+                f"run {i} {backend:8s} survivor's failed step {_seconds(out.survivor_failed_s)}, "
                 f"next commit {out.survivor_recovery_s:6.2f}s  "
                 f"replacement {out.replacement_recovery_s:6.2f}s "
                 f"(of which joining {out.replacement_join_s:5.2f}s)  common steps "
@@ -370,18 +373,29 @@ def main() -> None:
                 flush=True,
             )
     print(
-        "\nseconds, median (min-max): kill -> survivor's next commit | kill -> replacement's "
-        "first commit | replacement's Manager up -> first commit"
+        "\nseconds, median (min-max): kill -> survivor's failed step | kill -> survivor's next "
+        "commit | kill -> replacement's first commit | replacement's Manager up -> first commit"
     )
     for backend, outs in rows.items():
         cells = [
-            _spread([getattr(o, name) for o in outs])
-            for name in ("survivor_recovery_s", "replacement_recovery_s", "replacement_join_s")
+            _spread([getattr(o, name) for o in outs if getattr(o, name) is not None])
+            for name in (
+                "survivor_failed_s",
+                "survivor_recovery_s",
+                "replacement_recovery_s",
+                "replacement_join_s",
+            )
         ]
         print(f"{backend:8s}  " + " | ".join(cells))
 
 
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.3f}s"
+
+
 def _spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
     v = sorted(values)
     return f"{v[len(v) // 2]:5.2f} ({v[0]:.2f}-{v[-1]:.2f})"
 

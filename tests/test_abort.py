@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import make_groups
 
 from entrenar_pg import EntrenarProcessGroup, PeerConnectionError
 
@@ -224,8 +225,6 @@ def test_shutdown_drains_queued_work_and_closes_everything() -> None:
     """shutdown() with async work queued on both ranks: each Work completes with
     the right sum or fails saying the group was destroyed (never hangs or lies);
     the threads are joined and every socket is closed."""
-    from tests.conftest import make_groups
-
     gs = make_groups(2, timeout_s=20)
     works: list[list[tuple[Any, torch.Tensor]]] = [[], []]
 
@@ -275,7 +274,6 @@ def test_shutdown_with_a_job_stuck_on_a_silent_peer_fails_it_after_the_drain_bou
     shut down under it, so it fails at once instead of holding its thread until
     its own (here 20 s) timeout."""
     from entrenar_pg.runtime import dispatch
-    from tests.conftest import make_groups
 
     monkeypatch.setattr(dispatch, "SHUTDOWN_DRAIN_S", 0.5)
     gs = make_groups(2, timeout_s=20)

@@ -230,6 +230,8 @@ class Runtime:
             # Closing an fd does not wake a thread polling it; shutting the
             # socket down does.
             self.mesh.close(hard=not drained)
+            if not drained:  # the job fails at once now: join its thread
+                self.engine.stop(Phase.CLOSED, timeout_s=ABORT_JOIN_S)
 
     def abort(self, error: EntrenarError) -> None:
         """Break the group with ``error`` (first, so ``errored()`` never misses it;
