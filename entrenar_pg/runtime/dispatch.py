@@ -239,12 +239,13 @@ class Runtime:
         which fails a job blocked on the network at once), then stop the comm
         thread and fail the queued jobs.
 
-        Returns within ``ABORT_JOIN_S`` (plus a few syscalls) whatever the
-        peers and the store do: nothing here touches the store, sends block
-        (sockets are non-blocking and close without lingering), and the two
-        thread joins are bounded; a thread still busy after its bound (a
-        future callback of the caller's) ends on its own, as a daemon, once
-        its job fails."""
+        Returns within a second whatever the peers and the store do: nothing
+        here touches the store, no send blocks (sockets are non-blocking and
+        close without lingering), and its only waits are two bounded joins
+        (the p2p thread's, ``p2p.ABORT_JOIN_S``, and the comm thread's,
+        ``ABORT_JOIN_S``); a thread still busy after its bound (a future
+        callback of the caller's) ends on its own, as a daemon, once its job
+        fails."""
         self.state.fail(error, "abort()")
         self.engine.stop(Phase.ABORTED, timeout_s=ABORT_JOIN_S)
 
