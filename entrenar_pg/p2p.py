@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 ANY_SOURCE = -1
 _TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
+# How long a break hook (abort() among them) waits for the p2p thread to end.
+ABORT_JOIN_S = 0.3
 
 
 class P2PWork(EntrenarWork):
@@ -384,20 +386,24 @@ class P2PChannel:
 
     def close(self) -> None:
         """Stop the thread and fail what is pending (the transport owns the sockets)."""
-        self._stop(None)
+        self._stop(None, join_s=5.0)
 
     def abort(self, error: EntrenarError) -> None:
-        """The group failed with ``error``: fail everything pending with it, stop."""
-        self._stop(error)
+        """The group failed with ``error``: fail everything pending with it, stop.
 
-    def _stop(self, error: EntrenarError | None) -> None:
+        A break hook, so it runs inside ``abort()``: the join is short (the
+        thread wakes at once; only a completion callback of the caller's can
+        keep it), and pending ops fail here either way."""
+        self._stop(error, join_s=ABORT_JOIN_S)
+
+    def _stop(self, error: EntrenarError | None, join_s: float) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
         self._loop.wake()
         if self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+            self._thread.join(join_s)
         matching = self._matching
         with self._lock:
             for op in self._pending_ops():

@@ -30,7 +30,7 @@ from .. import sparse
 from .._plugin import BACKEND_NAME
 from ..config import Options
 from ..contracts import ContractChecker
-from ..errors import EntrenarError
+from ..errors import EntrenarError, PeerConnectionError
 from ..ledger_writer import RunLedger
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
@@ -296,10 +296,16 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime.close()
 
     def abort(self) -> None:
-        """Break the group at once: the running collective fails, queued and later
-        ones raise; peers see this rank's abort. ``errored()`` then returns the error."""
+        """Break the group at once: the running collective and pending p2p fail,
+        queued and later calls raise, peers see this rank's abort; returns within
+        a second whatever the peers and the store do. ``errored()`` then returns
+        the error: a ``PeerConnectionError`` saying the group was aborted (as NCCL's
+        abort fails pending work with the class of any communicator failure)."""
         self._runtime.abort(
-            EntrenarError(f"rank {self._rank}: the process group was aborted (abort())")
+            PeerConnectionError(
+                f"rank {self._rank}: the process group was aborted (abort())",
+                culprit=self._rank,
+            )
         )
 
     def errored(self) -> EntrenarError | None:

@@ -37,6 +37,14 @@ from .state import GroupState, Phase
 _CPU = torch.device("cpu")
 _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
+# How long abort() waits for the comm thread to end: a job blocked on the
+# network fails within milliseconds of its links dropping; abort() must return
+# within a second even if the thread is busy elsewhere (a future callback).
+ABORT_JOIN_S = 0.4
+# How long shutdown() lets the running job finish before closing its links
+# under it (a job waiting on a silent peer would otherwise keep its thread
+# until the job's own timeout).
+SHUTDOWN_DRAIN_S = 10.0
 
 
 class Runtime:
@@ -200,10 +208,12 @@ class Runtime:
     def close(self, *, at_exit: bool = False) -> None:
         """Destroy: later calls are refused, queued jobs fail, threads stop, links close.
 
-        ``shutdown`` (``at_exit`` False) lets the running job finish, then says
-        BYE to every peer; at interpreter exit the links are dropped first
-        (that wakes a comm thread blocked in poll), so no thread of ours is
-        still inside torch when Python finalizes. Idempotent.
+        ``shutdown`` (``at_exit`` False) lets the running job finish (up to
+        ``SHUTDOWN_DRAIN_S``; a job still running then has its links dropped
+        under it, which fails it at once), then says BYE to every peer; at
+        interpreter exit the links are dropped first (that wakes a comm thread
+        blocked in poll), so no thread of ours is still inside torch when
+        Python finalizes. Idempotent.
         """
         with self.state.lock:
             if self.state.closed:
@@ -215,16 +225,29 @@ class Runtime:
             self.mesh.close(hard=True)
             self.engine.stop(Phase.CLOSED, timeout_s=2.0)
         else:
-            self.engine.stop(Phase.CLOSED)
+            drained = self.engine.stop(Phase.CLOSED, timeout_s=SHUTDOWN_DRAIN_S)
             self.p2p.close()
-            self.mesh.close()
+            # Closing an fd does not wake a thread polling it; shutting the
+            # socket down does.
+            self.mesh.close(hard=not drained)
+            if not drained:  # the job fails at once now: join its thread
+                self.engine.stop(Phase.CLOSED, timeout_s=ABORT_JOIN_S)
 
     def abort(self, error: EntrenarError) -> None:
         """Break the group with ``error`` (first, so ``errored()`` never misses it;
-        the break hooks drop the links, which fails a job blocked on the
-        network at once), then stop the comm thread."""
+        the break hooks fail pending p2p, tell the peers and drop the links,
+        which fails a job blocked on the network at once), then stop the comm
+        thread and fail the queued jobs.
+
+        Returns within a second whatever the peers and the store do: nothing
+        here touches the store, no send blocks (sockets are non-blocking and
+        close without lingering), and its only waits are two bounded joins
+        (the p2p thread's, ``p2p.ABORT_JOIN_S``, and the comm thread's,
+        ``ABORT_JOIN_S``); a thread still busy after its bound (a future
+        callback of the caller's) ends on its own, as a daemon, once its job
+        fails."""
         self.state.fail(error, "abort()")
-        self.engine.stop(Phase.ABORTED, timeout_s=1.0)
+        self.engine.stop(Phase.ABORTED, timeout_s=ABORT_JOIN_S)
 
     # ------------------------------------------------------------ timeouts
 

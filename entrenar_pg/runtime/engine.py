@@ -238,9 +238,10 @@ class Engine:
         for other in queued:
             other.future.set_exception(state.broken_error(f"{other.kind}#{other.seq}"))
 
-    def stop(self, phase: Phase, timeout_s: float = 10.0) -> None:
+    def stop(self, phase: Phase, timeout_s: float = 10.0) -> bool:
         """Stop after the running job (``abort()``: ``ABORTED``; ``shutdown``:
-        ``CLOSED``); queued jobs fail. Idempotent."""
+        ``CLOSED``); queued jobs fail. Idempotent. True once the comm thread
+        has ended (waited for up to ``timeout_s``)."""
         state = self._state
         with self._mutex:
             state.stop(phase)
@@ -259,3 +260,4 @@ class Engine:
             )
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()

@@ -200,6 +200,8 @@ class ControlChannel:
                     return p.abort
                 if p.ended is not None:
                     return p.ended
+                if self._closed:
+                    return None  # this rank closed its links: nothing more will be read
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -265,8 +267,8 @@ class ControlChannel:
                     if self._peers[q].state is None and self._peers[q].ended is None
                 ]
             left = deadline - time.monotonic()
-            if not pending or left <= 0:
-                break
+            if not pending or left <= 0 or self._closed:
+                break  # (closed: abort() or shutdown under this wait; no answer will come)
             for fd, _ in poller.poll(left * 1000.0):
                 p = self._by_fd[fd]
                 with self._lock:
