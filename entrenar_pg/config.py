@@ -27,11 +27,13 @@ ENV_SPIN_US = "ENTRENAR_SPIN_US"
 ENV_CALLER_SPIN_US = "ENTRENAR_CALLER_SPIN_US"
 ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
+ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
+TRANSPORTS = ("auto", "tcp", "shm")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -95,6 +97,13 @@ class Options:
             Blocking calls on CPU tensors always run in the caller's thread
             when the group is idle: the caller waits anyway.
             Env ``ENTRENAR_INLINE_MAX_BYTES``.
+        transport: how collective data moves between two ranks: ``"auto"``
+            (shared memory between ranks on the same host, TCP to the
+            others), ``"tcp"`` (TCP between every pair) or ``"shm"`` (shared
+            memory between every pair; group creation fails, naming the
+            ranks, if some peer is not on this host). The control channel,
+            p2p and set-up stay on TCP in every mode (docs/architecture.md,
+            "Shared-memory transport"). Env ``ENTRENAR_TRANSPORT``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
         attempt: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
             torchrun hands every restart attempt the same store, so every key
@@ -116,6 +125,7 @@ class Options:
     spin_us: int = 200
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
+    transport: str = "auto"
     master_addr: str = field(default="", repr=False)
     attempt: int = field(default=0, repr=False)
 
@@ -123,6 +133,10 @@ class Options:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"{ENV_ALGORITHM}/algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"{ENV_TRANSPORT}/transport must be one of {TRANSPORTS}, got {self.transport!r}"
             )
         if self.segment_bytes < 1:
             raise ValueError(
@@ -148,6 +162,8 @@ class Options:
         kw: dict[str, object] = {}
         if ENV_ALGORITHM in env:
             kw["algorithm"] = env[ENV_ALGORITHM].strip().lower()
+        if ENV_TRANSPORT in env:
+            kw["transport"] = env[ENV_TRANSPORT].strip().lower()
         for var, name in (
             (ENV_SEGMENT_BYTES, "segment_bytes"),
             (ENV_STAR_MAX_BYTES, "star_max_bytes"),
