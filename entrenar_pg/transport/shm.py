@@ -406,9 +406,16 @@ class _Exchange:
         return bytes(buf)
 
 
-def connect(
-    rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float
-) -> dict[int, ShmLink]:
+@dataclass(slots=True)
+class ShmPeers:
+    """What set-up found: the peers with this rank's host key, and the links to
+    those whose segments both sides mapped (normally all of them)."""
+
+    local: list[int]
+    links: dict[int, ShmLink]
+
+
+def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float) -> ShmPeers:
     """Shared-memory links to the peers on this host (``mode``: auto or shm).
 
     Three rounds over the authenticated data sockets: host keys (every
@@ -432,7 +439,7 @@ def connect(
             "use ENTRENAR_TRANSPORT=auto to reach them over TCP"
         )
     if not local:
-        return {}
+        return ShmPeers(local, {})
     seg = _make_segment(rank, local)
     try:
         offers = ex.all(
@@ -473,4 +480,4 @@ def connect(
             f"rank {rank}: ENTRENAR_TRANSPORT=shm: no shared memory with "
             + "; ".join(failed)
         )
-    return links
+    return ShmPeers(local, links)

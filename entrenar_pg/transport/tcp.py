@@ -14,6 +14,7 @@ link's wake-ups and hang-up. Control, p2p and set-up stay on TCP.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from datetime import timedelta
@@ -25,6 +26,8 @@ from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
 from .shm import ShmLink
 from .shm import connect as connect_shm
+
+log = logging.getLogger(__name__)
 
 
 class Mesh:
@@ -52,10 +55,20 @@ class Mesh:
         data: dict[int, Any] = self._channel(DATA)
         # Peers whose collective data goes through shared memory (Options.transport).
         self.shm: dict[int, ShmLink] = {}
+        # Every rank of the group is on this host (equal host keys: the same
+        # answer on every rank, so the policy may depend on it).
+        self.all_local = False
         if options.transport != "tcp" and data:
             try:
-                self.shm = connect_shm(
+                found = connect_shm(
                     rank, data, options.transport, max(timeout.total_seconds(), 0.001)
+                )
+                self.shm, self.all_local = found.links, len(found.local) == len(data)
+                log.info(
+                    "rank %d: collective data over shared memory with rank(s) %s, TCP with %s",
+                    rank,
+                    sorted(self.shm),
+                    sorted(set(data) - set(self.shm)),
                 )
             except BaseException:
                 for sock in self._links.values():
