@@ -60,9 +60,7 @@ class Choice(NamedTuple):
 _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
 
-def choose(
-    op: OpCode, nbytes: int, world: int, options: Options, local: bool = False
-) -> Choice:
+def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = False) -> Choice:
     """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks;
     ``local``: every rank is on this host (``Mesh.all_local``, the same on every rank)."""
     tree = options.deterministic

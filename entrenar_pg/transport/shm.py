@@ -308,6 +308,7 @@ def _make_segment(rank: int, peers: list[int]) -> _Segment:
     # root) only, so the segment is as private as a 0600 file.
     fd = os.memfd_create(f"entrenar-r{rank}", os.MFD_CLOEXEC)
     try:
+        os.fchmod(fd, 0o600)  # memfds start 0777; /proc's check comes first, this second
         os.ftruncate(fd, size)
         view = memoryview(mmap.mmap(fd, size))
     except BaseException:
@@ -474,10 +475,11 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
         else:
             reason = why[p] or f"rank {p} could not map ours: {theirs.get('why', '?')}"
             failed.append(f"rank {p}: {reason}")
-            log.warning("rank %d: TCP to rank %d, on this host: no shared memory: %s", rank, p, reason)
+            log.warning(
+                "rank %d: TCP to rank %d, on this host: no shared memory: %s", rank, p, reason
+            )
     if mode == "shm" and failed:
         raise ValueError(
-            f"rank {rank}: ENTRENAR_TRANSPORT=shm: no shared memory with "
-            + "; ".join(failed)
+            f"rank {rank}: ENTRENAR_TRANSPORT=shm: no shared memory with " + "; ".join(failed)
         )
     return ShmPeers(local, links)

@@ -3,7 +3,8 @@
 ``where``: print ``WHERE <rank> <peers over shared memory, comma-separated>``,
 then check one allreduce's sum and print ``OK <rank>``.
 ``loop``: print ``READY <rank> <pid>`` after the first allreduce, then
-allreduce 64 KiB forever (the test kills the ranks).
+allreduce 64 KiB until an error; print ``RESULT <rank> <ErrorClass>
+<culprit> <message>`` and wait to be killed (the test kills every rank).
 ``small``: time ``ITERS`` 4 KiB allreduces; print ``MEDIAN <rank> <seconds>``
 (median over blocks of 20 calls) and ``OK <rank>``.
 """
@@ -12,12 +13,14 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 mode = sys.argv[1]
-dist.init_process_group("entrenar")
+timeout = timedelta(seconds=float(os.environ.get("ENTRENAR_TEST_TIMEOUT_S", "60")))
+dist.init_process_group("entrenar", timeout=timeout)
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = dist.group.WORLD._get_backend(torch.device("cpu"))._runtime.mesh  # type: ignore[union-attr]
 
@@ -31,8 +34,13 @@ elif mode == "loop":
     t = torch.ones(16 << 10)
     dist.all_reduce(t)
     print(f"READY {rank} {os.getpid()}", flush=True)
-    while True:
-        dist.all_reduce(t)
+    try:
+        while True:
+            dist.all_reduce(t)
+    except Exception as e:
+        text = " ".join(str(e).split())
+        print(f"RESULT {rank} {type(e).__name__} {getattr(e, 'culprit', '-')} {text}", flush=True)
+    time.sleep(600)
 elif mode == "small":
     iters = int(os.environ.get("ITERS", "200"))
     t = torch.ones(1024)
