@@ -40,7 +40,6 @@ from entrenar_pg import (
     CollectiveMismatchError,
     EntrenarProcessGroup,
     Options,
-    PeerConnectionError,
 )
 from entrenar_pg.transport import shm
 
