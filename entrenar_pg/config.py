@@ -49,12 +49,13 @@ class Options:
             ``"direct"`` (everyone sends to everyone and reduces locally: 1 hop,
             (N-1) x the bytes) or ``"auto"`` (two ranks: direct up to
             ``direct_max_bytes``, ring above; more: star up to
-            ``star_max_bytes``, ring above). Env ``ENTRENAR_ALGO``.
+            ``star_max_bytes``, ring above, except that with every rank on
+            one host direct goes first, up to ``direct_max_bytes``). Env ``ENTRENAR_ALGO``.
         segment_bytes: pipelining unit of the ring/star/chain algorithms: a
             chunk moves in segments of this many bytes so that receiving,
             reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.
-        direct_max_bytes: with ``algorithm="auto"`` and two ranks, messages up
-            to this many bytes use direct, larger ones ring.
+        direct_max_bytes: with ``algorithm="auto"`` and two ranks (or every
+            rank on one host), messages up to this many bytes use direct.
             Env ``ENTRENAR_DIRECT_MAX_BYTES``.
         star_max_bytes: with ``algorithm="auto"`` and more than two ranks,
             messages up to this many bytes use star, larger ones ring; also
