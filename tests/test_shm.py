@@ -431,6 +431,51 @@ def test_a_peer_on_another_host(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
                 g.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal host keys but rank 1 cannot map rank 0's segment (as in another
+    pid namespace): under ``auto`` both ends of that pair use TCP (the
+    verdict round), the other pairs shared memory, and the sums are right."""
+    real = shm._map_peer
+
+    def map_peer(offer: dict[str, object]) -> tuple[Any, str]:
+        if threading.current_thread().name == "r1":
+            calls.append(offer)
+            if len(calls) == 1:  # rank 1 maps its peers in rank order: this is rank 0's
+                return None, "injected: cannot open its segment"
+        return real(offer)
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(shm, "_map_peer", map_peer)
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+
+    def make(rank: int) -> None:
+        groups[rank] = EntrenarProcessGroup(
+            dist.PrefixStore("m", store), rank, 3, timeout=timedelta(seconds=10), options=Options()
+        )
+
+    threads = [threading.Thread(target=make, args=(r,), name=f"r{r}") for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        assert sorted(groups[0]._runtime.mesh.shm) == [2]
+        assert sorted(groups[1]._runtime.mesh.shm) == [2]
+        assert sorted(groups[2]._runtime.mesh.shm) == [0, 1]
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.full((70_000,), float(rank + 1))
+            pg.allreduce([t]).wait()
+            return float(t[-1])
+
+        assert run_ranks(3, fn, groups=[groups[r] for r in range(3)]) == [6.0] * 3
+    finally:
+        for g in groups.values():
+            g.shutdown()
+
+
 def _netns_allowed() -> bool:
     if os.geteuid() != 0 or not shutil.which("ip"):
         return False
