@@ -24,6 +24,7 @@ import json
 import logging
 import mmap
 import os
+import platform
 import secrets
 import socket
 import struct
@@ -53,6 +54,7 @@ _TAIL = 128 // 8  # bytes ever read (the reader's)
 _READER_SLEEPS = 192 // 8
 _WRITER_SLEEPS = 256 // 8
 
+_ORDERED_MACHINES = ("x86_64", "amd64")
 _WAKE = b"w"
 _LEN = struct.Struct("<I")
 _MAX_SETUP_MSG = 1 << 16
@@ -66,7 +68,9 @@ class _Fence:
     wake-up. An uncontended ``threading.Lock`` round trip is an atomic
     read-modify-write (a locked instruction: a full barrier on x86-64), the
     cheapest one Python offers. On weaker architectures the loop's bounded
-    sleep (``loop.SHM_SLEEP_S``) bounds what a lost wake-up costs.
+    sleep (``loop.SHM_SLEEP_S``) would bound what a lost wake-up costs, but
+    the rings' data/index order needs x86-64 too, so ``connect`` offers
+    shared memory only there.
     """
 
     __slots__ = ("_lock",)
@@ -429,9 +433,16 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
     """
     ex = _Exchange(rank, data, time.monotonic() + timeout_s)
     peers = sorted(data)
-    key = host_key()
+    # The rings rely on x86-64's memory order (stores seen in program order,
+    # _Fence a full barrier); elsewhere no rank offers shared memory.
+    key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
     keys = ex.all(peers, {p: {"key": key} for p in peers})
-    local = [p for p in peers if keys[p].get("key") == key]
+    local = [p for p in peers if key and keys[p].get("key") == key]
+    if mode == "shm" and not key:
+        raise ValueError(
+            f"rank {rank}: ENTRENAR_TRANSPORT=shm: shared memory needs x86-64 "
+            f"(this machine is {platform.machine()!r}); use auto or tcp"
+        )
     if mode == "shm" and len(local) != len(peers):
         remote = [p for p in peers if p not in local]
         raise ValueError(
