@@ -67,7 +67,7 @@ def _data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # (dtype, op, elements): every op and dtype class once; sizes below, at and
-# beyond a ring (2 MiB), through direct, star and ring plans.
+# beyond a ring (shm.RING_BYTES), through direct, star and ring plans.
 ALLREDUCES = [
     (torch.float32, R.SUM, 7),
     (torch.float32, R.SUM, 70_000),  # direct (<= 256 KiB)
@@ -154,8 +154,8 @@ def test_every_collective_matches_tcp_bit_for_bit(world: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_piece_larger_than_the_ring_moves_in_parts() -> None:
-    """Ring allreduce at N=2 with one 5 MiB segment: each chunk (2.5 MiB) is a
-    single piece larger than the 2 MiB ring, so it must be written and read in
+    """Ring allreduce at N=2 with one segment: each chunk (1.25 rings) is a
+    single piece larger than the ring, so it must be written and read in
     parts, the writer waiting for room."""
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
@@ -163,7 +163,7 @@ def test_a_piece_larger_than_the_ring_moves_in_parts() -> None:
         pg.allreduce([t]).wait()
         return t
 
-    opts = dict(algorithm="ring", segment_bytes=16 << 20)
+    opts = dict(algorithm="ring", segment_bytes=4 * shm.RING_BYTES)
     tcp = _run(2, Options(transport="tcp", **opts), fn, shm_expected=False)
     mem = _run(2, Options(transport="shm", **opts), fn, shm_expected=True)
     assert torch.equal(tcp[0], mem[0]) and torch.equal(mem[0], mem[1])

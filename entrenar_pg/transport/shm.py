@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # Bytes of one direction's ring. Large enough that a big message costs few
 # trips through the Python pumps (each trip copies up to this much), small
 # enough to stay in the caches of a 2-core machine at mid sizes.
-RING_BYTES = 2 << 20
+RING_BYTES = 4 << 20
 _PAGE = mmap.PAGESIZE
 _CTL_BYTES = _PAGE  # the control words, then the ring's data from a page boundary
 BLOCK_BYTES = _CTL_BYTES + RING_BYTES
