@@ -28,11 +28,13 @@ ENV_CALLER_SPIN_US = "ENTRENAR_CALLER_SPIN_US"
 ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
 ENV_LEDGER = "ENTRENAR_LEDGER"
+ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
+TRANSPORTS = ("auto", "tcp", "shm")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -48,12 +50,13 @@ class Options:
             ``"direct"`` (everyone sends to everyone and reduces locally: 1 hop,
             (N-1) x the bytes) or ``"auto"`` (two ranks: direct up to
             ``direct_max_bytes``, ring above; more: star up to
-            ``star_max_bytes``, ring above). Env ``ENTRENAR_ALGO``.
+            ``star_max_bytes``, ring above, except that with every rank on
+            one host direct goes first, up to ``direct_max_bytes``). Env ``ENTRENAR_ALGO``.
         segment_bytes: pipelining unit of the ring/star/chain algorithms: a
             chunk moves in segments of this many bytes so that receiving,
             reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.
-        direct_max_bytes: with ``algorithm="auto"`` and two ranks, messages up
-            to this many bytes use direct, larger ones ring.
+        direct_max_bytes: with ``algorithm="auto"`` and two ranks (or every
+            rank on one host), messages up to this many bytes use direct.
             Env ``ENTRENAR_DIRECT_MAX_BYTES``.
         star_max_bytes: with ``algorithm="auto"`` and more than two ranks,
             messages up to this many bytes use star, larger ones ring; also
@@ -102,6 +105,13 @@ class Options:
             Blocking calls on CPU tensors always run in the caller's thread
             when the group is idle: the caller waits anyway.
             Env ``ENTRENAR_INLINE_MAX_BYTES``.
+        transport: how collective data moves between two ranks: ``"auto"``
+            (shared memory between ranks on the same host, TCP to the
+            others), ``"tcp"`` (TCP between every pair) or ``"shm"`` (shared
+            memory between every pair; group creation fails, naming the
+            ranks, if some peer is not on this host). The control channel,
+            p2p and set-up stay on TCP in every mode (docs/architecture.md,
+            "Shared-memory transport"). Env ``ENTRENAR_TRANSPORT``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
         attempt: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
             torchrun hands every restart attempt the same store, so every key
@@ -124,6 +134,7 @@ class Options:
     spin_us: int = 200
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
+    transport: str = "auto"
     master_addr: str = field(default="", repr=False)
     attempt: int = field(default=0, repr=False)
 
@@ -131,6 +142,10 @@ class Options:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"{ENV_ALGORITHM}/algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"{ENV_TRANSPORT}/transport must be one of {TRANSPORTS}, got {self.transport!r}"
             )
         if self.segment_bytes < 1:
             raise ValueError(
@@ -156,6 +171,8 @@ class Options:
         kw: dict[str, object] = {}
         if ENV_ALGORITHM in env:
             kw["algorithm"] = env[ENV_ALGORITHM].strip().lower()
+        if ENV_TRANSPORT in env:
+            kw["transport"] = env[ENV_TRANSPORT].strip().lower()
         for var, name in (
             (ENV_SEGMENT_BYTES, "segment_bytes"),
             (ENV_STAR_MAX_BYTES, "star_max_bytes"),

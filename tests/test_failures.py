@@ -31,13 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 BLAME = REPO / "tests" / "scripts" / "blame.py"
 
 
-def run_blame(mode: str, victim: int, world: int = 3, timeout_s: float = 3.0) -> dict[int, tuple]:
+def run_blame(
+    mode: str, victim: int, world: int = 3, timeout_s: float = 3.0, transport: str = "auto"
+) -> dict[int, tuple]:
     """Run tests/scripts/blame.py on ``world`` processes under env:// (rank 0 hosts
     the store); returns each survivor's (error class, culprit, message)."""
     port = free_port()
     extra = dict(
         TIMEOUT_S=str(timeout_s),
-        ENTRENAR_ALGORITHM="star" if mode == "stall" else "auto",
+        ENTRENAR_ALGO="star" if mode == "stall" else "auto",
+        ENTRENAR_TRANSPORT=transport,
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     procs = [
@@ -74,11 +77,12 @@ def run_blame(mode: str, victim: int, world: int = 3, timeout_s: float = 3.0) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [1, 2])
-def test_stalled_leaf_is_blamed_by_every_rank(victim: int) -> None:
+# Both transports: TCP data links, and shared memory between these local ranks.
+@pytest.mark.parametrize(("victim", "transport"), [(1, "tcp"), (2, "shm")])
+def test_stalled_leaf_is_blamed_by_every_rank(victim: int, transport: str) -> None:
     """SIGSTOP a leaf of a star allreduce at N=3: both survivors name it, never
     root 0 (before: the other leaf's timer fired first and blamed the root)."""
-    results = run_blame("stall", victim)
+    results = run_blame("stall", victim, transport=transport)
     assert sorted(results) == sorted({0, 1, 2} - {victim})
     for rank, (cls, culprit, message) in results.items():
         assert cls == "PeerConnectionError", (rank, message)
@@ -88,12 +92,13 @@ def test_stalled_leaf_is_blamed_by_every_rank(victim: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [1, 2])
-def test_killed_rank_is_blamed_even_when_the_store_host_exits(victim: int) -> None:
+# Both transports: TCP data links, and shared memory between these local ranks.
+@pytest.mark.parametrize(("victim", "transport"), [(1, "tcp"), (2, "shm")])
+def test_killed_rank_is_blamed_even_when_the_store_host_exits(victim: int, transport: str) -> None:
     """SIGKILL a rank mid-allreduce under env://: rank 0 (the store's host) exits
     right after its own error, and the other survivor still names the dead
     rank (the cause comes in rank 0's ABORT frame, not from the store)."""
-    results = run_blame("kill", victim)
+    results = run_blame("kill", victim, transport=transport)
     assert sorted(results) == sorted({0, 1, 2} - {victim})
     for rank, (cls, culprit, message) in results.items():
         assert cls == "PeerConnectionError", (rank, message)

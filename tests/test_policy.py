@@ -44,6 +44,7 @@ class Row(NamedTuple):
     deterministic: bool
     picks: Algo  # what policy.choose must return
     wire: frozenset[Algo]  # the algorithms this rank's headers carry
+    local: bool  # every rank on one host (transport shm), else tcp
 
 
 def row(op: OpCode, nbytes: int, world: int, picks: Algo, *wire: Algo, **kw: Any) -> Row:
@@ -55,6 +56,7 @@ def row(op: OpCode, nbytes: int, world: int, picks: Algo, *wire: Algo, **kw: Any
         kw.get("det", False),
         picks,
         frozenset(wire or (picks,)),
+        kw.get("local", False),
     )
 
 
@@ -70,7 +72,13 @@ ROWS = [
     row(A, STAR_MAX + 4, 3, Algo.RING),
     row(A, STAR_MAX, 3, Algo.STAR, det=True),
     row(A, STAR_MAX + 4, 3, Algo.TREE_RING, det=True),
-    row(A, DIRECT_MAX + 4, 3, Algo.STAR),  # direct_max_bytes is for two ranks only
+    row(A, DIRECT_MAX + 4, 3, Algo.STAR),  # direct_max_bytes is for two ranks only...
+    # ...or every rank on one host (shared memory): direct up to it, then star, then ring
+    row(A, DIRECT_MAX, 3, Algo.DIRECT, local=True),
+    row(A, DIRECT_MAX, 3, Algo.DIRECT, det=True, local=True),
+    row(A, DIRECT_MAX + 4, 3, Algo.STAR, local=True),
+    row(A, STAR_MAX + 4, 3, Algo.RING, local=True),
+    row(A, 8, 3, Algo.RING, algorithm="ring", local=True),
     # an explicit algorithm, whatever the size
     row(A, 8 * STAR_MAX, 3, Algo.DIRECT, algorithm="direct"),
     row(A, 8 * STAR_MAX, 2, Algo.STAR, algorithm="star"),
@@ -110,6 +118,7 @@ def options(r: Row) -> Options:
         direct_max_bytes=DIRECT_MAX,
         star_max_bytes=STAR_MAX,
         segment_bytes=SEGMENT,
+        transport="shm" if r.local else "tcp",
     )
 
 
@@ -156,11 +165,11 @@ def test_headers_on_the_wire_follow_the_rules(monkeypatch: pytest.MonkeyPatch) -
         return original(self, *args)
 
     monkeypatch.setattr(Header, "pack_into", spy)
-    by_group: dict[tuple[int, str, bool], list[Row]] = {}
+    by_group: dict[tuple[int, str, bool, bool], list[Row]] = {}
     for r in ROWS:
-        by_group.setdefault((r.world, r.algorithm, r.deterministic), []).append(r)
+        by_group.setdefault((r.world, r.algorithm, r.deterministic, r.local), []).append(r)
     failures = []
-    for (world, _, _), rows in by_group.items():
+    for (world, *_), rows in by_group.items():
         groups = make_groups(world, options(rows[0]))
         try:
             for r in rows:
@@ -186,12 +195,15 @@ def test_headers_on_the_wire_follow_the_rules(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     "r",
     ROWS,
-    ids=lambda r: f"{r.op.name}-{r.nbytes}B-N{r.world}-{r.algorithm}-det{int(r.deterministic)}",
+    ids=lambda r: (
+        f"{r.op.name}-{r.nbytes}B-N{r.world}-{r.algorithm}-det{int(r.deterministic)}"
+        + ("-local" if r.local else "")
+    ),
 )
 def test_choose_follows_the_rules(r: Row) -> None:
     from entrenar_pg.collectives.policy import choose
 
-    choice = choose(r.op, r.nbytes, r.world, options(r))
+    choice = choose(r.op, r.nbytes, r.world, options(r), r.local)
     assert choice.algo is r.picks, choice
     assert choice.tree is r.deterministic
     assert choice.flags == (Flags.DETERMINISTIC if r.deterministic else Flags.NONE)

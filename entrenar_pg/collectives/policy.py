@@ -14,7 +14,11 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``ALLREDUCE``: ``algorithm="auto"``: with two
   ranks ``DIRECT`` up to ``direct_max_bytes``, else ``RING``; with more,
   ``STAR`` up to ``star_max_bytes``, else ``RING`` (crossovers measured on 2
-  cores, docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
+  cores, docs/benchmarks.md); with more and every rank on one host
+  (``local``: shared memory between all), ``DIRECT`` up to
+  ``direct_max_bytes`` first (its (N-1)·n bytes are memory copies there,
+  not loopback crossings, and one hop instead of star's two saves a
+  scheduling round when ranks outnumber cores). An explicit ``algorithm`` is taken as is.
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
   chunk); ``STAR`` and ``DIRECT`` keep their plan and sum in tree order.
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
@@ -56,8 +60,9 @@ class Choice(NamedTuple):
 _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
 
-def choose(op: OpCode, nbytes: int, world: int, options: Options) -> Choice:
-    """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks."""
+def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = False) -> Choice:
+    """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks;
+    ``local``: every rank is on this host (``Mesh.all_local``, the same on every rank)."""
     tree = options.deterministic
     if world == 1:
         algo = Algo.NONE
@@ -67,6 +72,8 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options) -> Choice:
             algo = _NAMED[name]
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
+        elif local and nbytes <= options.direct_max_bytes:
+            algo = Algo.DIRECT
         else:
             algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
         if algo is Algo.RING and tree:

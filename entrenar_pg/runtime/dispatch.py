@@ -200,7 +200,9 @@ class Runtime:
         if choice is None:
             if len(self._choices) >= _MAX_CACHED_CHOICES:
                 self._choices.clear()
-            choice = self._choices[key] = choose(op, nbytes, self.mesh.world, self.options)
+            mesh = self.mesh
+            choice = choose(op, nbytes, mesh.world, self.options, mesh.all_local)
+            self._choices[key] = choice
         return Call(self.mesh, seq, choice, self.scratch)
 
     # ------------------------------------------------------------ lifecycle

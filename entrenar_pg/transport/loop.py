@@ -28,11 +28,15 @@ from typing import Any
 
 from .abort import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
+from .shm import ShmLink
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
+# The longest one sleep on shared-memory links lasts before the rings are
+# checked again (see ``shm._Fence``: only a lost wake-up would need it).
+SHM_SLEEP_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -401,11 +405,18 @@ class Progress(Links):
         """Sleep until a blocked link of this plan can move, a peer hangs up or
         aborts, or nothing has moved for the timeout (then find whom to blame)."""
         want: dict[int, int] = {}
+        shm: list[tuple[ShmLink, bool]] = []  # (link, sending): armed before each sleep
         for st in sending:
             if st.blocked:
-                want[st.sock.fileno()] = _POLLOUT
+                if isinstance(st.sock, ShmLink):
+                    shm.append((st.sock, True))
+                    want[st.sock.fileno()] = _POLLIN  # the reader's wake-up byte
+                else:
+                    want[st.sock.fileno()] = _POLLOUT
         for st in receiving:
             if st.blocked:
+                if isinstance(st.sock, ShmLink):
+                    shm.append((st.sock, False))
                 fd = st.sock.fileno()
                 want[fd] = want.get(fd, 0) | _POLLIN
         assert want, f"rank {self.rank}: {what}: a send waits on nothing"
@@ -414,7 +425,15 @@ class Progress(Links):
             control.waiting = (what, [st.peer for st in receiving], [st.peer for st in sending])
         deadline = time.monotonic() + self.timeout_s
         while True:
-            events = self.sleep(want, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            if shm:
+                # Ask the shared-memory peers for a wake-up; one that moved
+                # meanwhile means no sleep. The bounded sleep re-checks the
+                # rings (a lost wake-up costs at most SHM_SLEEP_S, not the timeout).
+                if any([link.arm_send() if out else link.arm_recv() for link, out in shm]):
+                    return
+                left = min(left, SHM_SLEEP_S)
+            events = self.sleep(want, left)
             if self.causes.closed_here:  # abort() or shutdown from another thread
                 raise self.causes.here_closed(what)
             if not events and time.monotonic() >= deadline:

@@ -6,12 +6,15 @@ protocol's frames, ``abort.ControlChannel``) and *p2p* (send/recv, driven by
 the p2p thread with the same loop). One listen port, one store exchange and
 one secret per group serve all three.
 
-A second transport (same-host shared memory) goes beside this one: it gives
-the algorithms the same ``run(plan, what)`` and the same ``Causes``.
+Collective data between ranks on one host goes through shared memory
+instead (``shm.py``, ``Options.transport``): the mesh hands the loop a ring
+link in place of such a pair's data socket, which stays open for that
+link's wake-ups and hang-up. Control, p2p and set-up stay on TCP.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from datetime import timedelta
@@ -21,6 +24,10 @@ from ..config import Options
 from .abort import Causes, ControlChannel, abort_record
 from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
+from .shm import ShmLink
+from .shm import connect as connect_shm
+
+log = logging.getLogger(__name__)
 
 
 class Mesh:
@@ -45,12 +52,35 @@ class Mesh:
             timeout_s = max(timeout.total_seconds(), 0.001)
             channels = (DATA, CONTROL, P2P)
             self._links = Rendezvous(store, rank, world, options, timeout_s, channels).connect_all()
+        data: dict[int, Any] = self._channel(DATA)
+        # Peers whose collective data goes through shared memory (Options.transport).
+        self.shm: dict[int, ShmLink] = {}
+        # Every rank of the group is on this host (equal host keys: the same
+        # answer on every rank, so the policy may depend on it).
+        self.all_local = False
+        if options.transport != "tcp" and data:
+            try:
+                found = connect_shm(
+                    rank, data, options.transport, max(timeout.total_seconds(), 0.001)
+                )
+                self.shm, self.all_local = found.links, len(found.local) == len(data)
+                log.info(
+                    "rank %d: collective data over shared memory with rank(s) %s, TCP with %s",
+                    rank,
+                    sorted(self.shm),
+                    sorted(set(data) - set(self.shm)),
+                )
+            except BaseException:
+                for sock in self._links.values():
+                    sock.close()
+                raise
+        data.update(self.shm)
         ctrl = self._channel(CONTROL)
         self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
         self.causes = Causes(rank, self.control)
         self.progress = Progress(
             rank,
-            self._channel(DATA),
+            data,
             self.causes,
             control=self.control,
             spin_s=options.spin_us / 1e6,
@@ -106,6 +136,8 @@ class Mesh:
             self.causes.closed_here = True
             if self.control is not None:
                 self.control.close(None if error is None else abort_record(self.rank, error))
+            for link in self.shm.values():
+                link.close()
             for (_, ch), sock in self._links.items():
                 if ch == CONTROL:
                     continue  # closed by the control channel, after its frame

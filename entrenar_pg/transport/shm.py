@@ -1,0 +1,496 @@
+"""The shared-memory transport: collective data between ranks on the same host.
+
+Each pair of ranks on one host moves its collective bytes through two
+single-producer single-consumer byte rings in shared memory (one per
+direction), instead of through the kernel's loopback TCP. A ring link
+(``ShmLink``) answers the few socket calls the progress loop makes
+(``sendmsg``, ``recv_into``, ``recvmsg_into``, ``fileno``), so every plan,
+every collective, the header rule and the failure model run over it
+unchanged (``loop.Progress`` drives TCP and shared-memory links side by
+side in one plan: a group spanning hosts uses both).
+
+What stays on the pair's TCP data socket: wake-ups (one byte, sent only
+when the peer said it sleeps) and death detection (its hang-up), so the one
+``poll()`` of the loop sleeps on shared-memory and TCP links alike, and on
+the control sockets (aborts, the QUERY/STATE walk). docs/architecture.md,
+"Shared-memory transport", has the whole story: set-up, what counts as the
+same host, memory mapped per rank, wake-ups, failure, leaks.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import platform
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import PeerConnectionError
+
+log = logging.getLogger(__name__)
+
+# Bytes of one direction's ring. Large enough that a big message costs few
+# trips through the Python pumps (each trip copies up to this much), small
+# enough to stay in the caches of a 2-core machine at mid sizes.
+RING_BYTES = 4 << 20
+_PAGE = mmap.PAGESIZE
+_CTL_BYTES = _PAGE  # the control words, then the ring's data from a page boundary
+BLOCK_BYTES = _CTL_BYTES + RING_BYTES
+_NONCE_BYTES = 16
+
+# Control words (u64 indices into the block's first page viewed as 'Q'), each
+# on a cache line of its own: the writer owns HEAD, the reader TAIL; either
+# side sets its SLEEPS flag before sleeping and the other clears it when it
+# sends the wake-up byte.
+_HEAD = 64 // 8  # bytes ever written (the writer's)
+_TAIL = 128 // 8  # bytes ever read (the reader's)
+_READER_SLEEPS = 192 // 8
+_WRITER_SLEEPS = 256 // 8
+
+_ORDERED_MACHINES = ("x86_64", "amd64")
+_WAKE = b"w"
+_LEN = struct.Struct("<I")
+_MAX_SETUP_MSG = 1 << 16
+
+
+class _Fence:
+    """A full memory barrier between a store and a later load.
+
+    The sleep protocol is Dekker's (each side stores its word, then loads the
+    other's); x86-64 may let a load pass an earlier store, which could lose a
+    wake-up. An uncontended ``threading.Lock`` round trip is an atomic
+    read-modify-write (a locked instruction: a full barrier on x86-64), the
+    cheapest one Python offers. On weaker architectures the loop's bounded
+    sleep (``loop.SHM_SLEEP_S``) would bound what a lost wake-up costs, but
+    the rings' data/index order needs x86-64 too, so ``connect`` offers
+    shared memory only there.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        self._lock.acquire()
+        self._lock.release()
+
+
+class ShmLink:
+    """One peer's pair of rings, with the socket calls the progress loop makes.
+
+    ``out_block`` is this rank's ring to the peer (in this rank's segment),
+    ``in_block`` the peer's ring to this rank (in the peer's segment);
+    ``sock`` is the pair's TCP data socket, kept for wake-ups and hang-ups.
+    Not thread-safe: one plan runs at a time on a group (the engine's token).
+    """
+
+    __slots__ = (
+        "peer",
+        "sock",
+        "_fd",
+        "_out",
+        "_out_data",
+        "_in",
+        "_in_data",
+        "_cap",
+        "_fence",
+        "_armed",
+        "_eof",
+        "_maps",
+    )
+
+    def __init__(
+        self, peer: int, sock: socket.socket, out_block: memoryview, in_block: memoryview
+    ) -> None:
+        self.peer = peer
+        self.sock = sock
+        self._fd = sock.fileno()
+        self._out = out_block[:_CTL_BYTES].cast("Q")
+        self._out_data = out_block[_CTL_BYTES:BLOCK_BYTES]
+        self._in = in_block[:_CTL_BYTES].cast("Q")
+        self._in_data = in_block[_CTL_BYTES:BLOCK_BYTES]
+        self._cap = RING_BYTES
+        self._fence = _Fence()
+        self._armed = False  # a sleep flag of ours may be set: drain wake-ups before moving
+        self._eof = False  # the peer's end of the TCP socket closed
+        self._maps: list[memoryview] = [out_block, in_block]
+
+    def fileno(self) -> int:
+        """The TCP data socket's: poll sleeps on its wake-up bytes and hang-up."""
+        return self._fd
+
+    # ---------------------------------------------------------------- moving bytes
+
+    def sendmsg(self, views: list[memoryview]) -> int:
+        """Copy what fits of ``views`` into the outgoing ring; the bytes taken.
+
+        BlockingIOError when the ring is full (like a full socket); an OSError
+        once the peer is known to be gone (like a reset)."""
+        if self._armed:
+            self._disarm()
+        ctl = self._out
+        head = ctl[_HEAD]
+        free = self._cap - (head - ctl[_TAIL])
+        if self._eof:
+            raise OSError(errno.EPIPE, f"rank {self.peer}'s end of the link is closed")
+        if free == 0:
+            raise BlockingIOError
+        data = self._out_data
+        cap = self._cap
+        n = 0
+        for v in views:
+            k = len(v)
+            room = free - n
+            if k > room:
+                k = room
+                v = v[:k]
+            pos = (head + n) % cap
+            end = pos + k
+            if end <= cap:
+                data[pos:end] = v
+            else:
+                split = cap - pos
+                data[pos:] = v[:split]
+                data[: k - split] = v[split:]
+            n += k
+            if n == free:
+                break
+        ctl[_HEAD] = head + n  # after the data (x86-64 keeps stores in order)
+        self._fence()
+        if ctl[_READER_SLEEPS]:
+            ctl[_READER_SLEEPS] = 0
+            self._wake()
+        return n
+
+    def recv_into(self, view: memoryview) -> int:
+        return self._recv([view])
+
+    def recvmsg_into(self, views: list[memoryview]) -> tuple[int, list[object], int, None]:
+        return self._recv(views), [], 0, None
+
+    def _recv(self, views: list[memoryview]) -> int:
+        """Copy what the incoming ring holds into ``views``; 0 once the peer is
+        gone and nothing is left (like a socket's end of stream)."""
+        if self._armed:
+            self._disarm()
+        ctl = self._in
+        tail = ctl[_TAIL]
+        avail = ctl[_HEAD] - tail
+        if avail == 0:
+            if self._eof:
+                return 0
+            raise BlockingIOError
+        data = self._in_data
+        cap = self._cap
+        n = 0
+        for v in views:
+            k = len(v)
+            room = avail - n
+            if k > room:
+                k = room
+            pos = (tail + n) % cap
+            end = pos + k
+            if end <= cap:
+                v[:k] = data[pos:end]
+            else:
+                split = cap - pos
+                v[:split] = data[pos:]
+                v[split:k] = data[: k - split]
+            n += k
+            if n == avail:
+                break
+        ctl[_TAIL] = tail + n
+        self._fence()
+        if ctl[_WRITER_SLEEPS]:
+            ctl[_WRITER_SLEEPS] = 0
+            self._wake()
+        return n
+
+    # ---------------------------------------------------------------- sleeping
+
+    def arm_recv(self) -> bool:
+        """Before sleeping on incoming data: ask the peer for a wake-up. True if
+        data arrived meanwhile (then do not sleep)."""
+        self._armed = True
+        ctl = self._in
+        ctl[_READER_SLEEPS] = 1
+        self._fence()
+        return ctl[_HEAD] != ctl[_TAIL] or self._eof
+
+    def arm_send(self) -> bool:
+        """Before sleeping on a full ring: ask the peer for a wake-up. True if
+        room appeared meanwhile (then do not sleep)."""
+        self._armed = True
+        ctl = self._out
+        ctl[_WRITER_SLEEPS] = 1
+        self._fence()
+        return ctl[_HEAD] - ctl[_TAIL] < self._cap or self._eof
+
+    def _disarm(self) -> None:
+        """Awake again: withdraw our sleep flags, read the wake-up bytes (and
+        learn whether the peer hung up)."""
+        self._armed = False
+        self._in[_READER_SLEEPS] = 0
+        self._out[_WRITER_SLEEPS] = 0
+        while not self._eof:
+            try:
+                if not self.sock.recv(4096):
+                    self._eof = True
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._eof = True
+
+    def _wake(self) -> None:
+        try:
+            self.sock.send(_WAKE)
+        except BlockingIOError:
+            pass  # a socket full of wake-ups wakes the peer anyway
+        except OSError:
+            self._eof = True  # gone; the next receive or send says so
+
+    def close(self) -> None:
+        """Drop this link's views of the rings. The mappings go when nothing
+        references them any more (never under a running plan in another
+        thread: unmapping under it would crash the process, not raise)."""
+        self._maps.clear()
+
+
+# ---------------------------------------------------------------------- set-up
+
+
+def host_key() -> str:
+    """What two ranks must share to be on one host for shared memory.
+
+    The kernel instance (boot id), the IPC and network namespaces and the user:
+    ranks in one container (or on one bare host) agree; ranks in different
+    containers or network namespaces do not, even on one machine, and are
+    then treated as different hosts (they reach each other over the network
+    like ones); another user never shares. A hostname says none of this
+    (containers share or fake it). Equal keys are then confirmed by mapping
+    the peer's segment and reading its nonce (``connect``).
+    """
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("no-boot-id")
+    for ns in ("ipc", "net"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            parts.append(f"no-{ns}-ns")
+    parts.append(f"uid:{os.getuid()}")
+    return "|".join(parts)
+
+
+@dataclass(slots=True)
+class _Segment:
+    """This rank's memfd: one ring block per local peer, each starting with a nonce."""
+
+    fd: int
+    size: int
+    offsets: dict[int, int]
+    nonces: dict[int, bytes]
+    view: memoryview
+
+
+def _make_segment(rank: int, peers: list[int]) -> _Segment:
+    size = BLOCK_BYTES * len(peers)
+    # memfd: no name in any filesystem (nothing in /dev/shm to leak, whatever
+    # happens to the processes), reachable only through this fd, which peers
+    # open as /proc/<pid>/fd/<n>: the kernel allows that to this user (and
+    # root) only, so the segment is as private as a 0600 file.
+    fd = os.memfd_create(f"entrenar-r{rank}", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)  # memfds start 0777; /proc's check comes first, this second
+        os.ftruncate(fd, size)
+        view = memoryview(mmap.mmap(fd, size))
+    except BaseException:
+        os.close(fd)
+        raise
+    offsets: dict[int, int] = {}
+    nonces: dict[int, bytes] = {}
+    for i, p in enumerate(peers):
+        off = offsets[p] = i * BLOCK_BYTES
+        nonce = nonces[p] = secrets.token_bytes(_NONCE_BYTES)
+        view[off : off + _NONCE_BYTES] = nonce
+    return _Segment(fd, size, offsets, nonces, view)
+
+
+def _map_peer(offer: dict[str, object]) -> tuple[memoryview | None, str]:
+    """Map a peer's ring block from its offer; (the block, "") or (None, why not)."""
+    try:
+        path = f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}"  # type: ignore[call-overload]
+        offset, size = int(offer["offset"]), int(offer["size"])  # type: ignore[call-overload]
+        nonce = bytes.fromhex(str(offer["nonce"]))
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        return None, f"cannot open its segment ({e})"
+    try:
+        if os.fstat(fd).st_size < offset + BLOCK_BYTES or size < offset + BLOCK_BYTES:
+            return None, "its segment is smaller than announced"
+        block = memoryview(mmap.mmap(fd, BLOCK_BYTES, offset=offset))
+    except (OSError, ValueError) as e:
+        return None, f"cannot map its segment ({e})"
+    finally:
+        os.close(fd)
+    if bytes(block[:_NONCE_BYTES]) != nonce:
+        # Another process answers at that pid (another pid namespace): not ours.
+        block.release()
+        return None, "its segment did not carry the nonce it announced (another pid namespace?)"
+    return block, ""
+
+
+class _Exchange:
+    """Small framed JSON messages over the (non-blocking) data sockets, at set-up only."""
+
+    def __init__(self, rank: int, socks: dict[int, socket.socket], deadline: float) -> None:
+        self.rank = rank
+        self.socks = socks
+        self.deadline = deadline
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise PeerConnectionError(
+                f"rank {self.rank}: timed out setting up shared memory with its peers"
+            )
+        return left
+
+    def all(self, peers: list[int], msgs: dict[int, dict[str, object]]) -> dict[int, dict]:
+        """Send each peer its message, then read each peer's (every message is
+        far smaller than a socket buffer, so sending all first cannot block)."""
+        for p in peers:
+            raw = json.dumps(msgs[p]).encode()
+            sock = self.socks[p]
+            sock.settimeout(self._left())
+            try:
+                sock.sendall(_LEN.pack(len(raw)) + raw)
+            except OSError as e:
+                raise PeerConnectionError(
+                    f"rank {self.rank}: lost rank {p} while setting up shared memory: {e}"
+                ) from e
+            finally:
+                sock.setblocking(False)
+        return {p: self._read(p) for p in peers}
+
+    def _read(self, peer: int) -> dict:
+        sock = self.socks[peer]
+        try:
+            sock.settimeout(self._left())
+            (n,) = _LEN.unpack(self._exact(sock, _LEN.size))
+            if n > _MAX_SETUP_MSG:
+                raise ConnectionError("oversized set-up message")
+            sock.settimeout(self._left())
+            return dict(json.loads(self._exact(sock, n)))
+        except (OSError, ValueError) as e:
+            raise PeerConnectionError(
+                f"rank {self.rank}: lost rank {peer} while setting up shared memory: {e}"
+            ) from e
+        finally:
+            sock.setblocking(False)
+
+    @staticmethod
+    def _exact(sock: socket.socket, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("connection closed")
+            buf += chunk
+        return bytes(buf)
+
+
+@dataclass(slots=True)
+class ShmPeers:
+    """What set-up found: the peers with this rank's host key, and the links to
+    those whose segments both sides mapped (normally all of them)."""
+
+    local: list[int]
+    links: dict[int, ShmLink]
+
+
+def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float) -> ShmPeers:
+    """Shared-memory links to the peers on this host (``mode``: auto or shm).
+
+    Three rounds over the authenticated data sockets: host keys (every
+    peer); offers (pid, fd, offset, nonce of the ring block this rank writes
+    to that peer); verdicts (whether the peer mapped ours). A pair uses shared
+    memory only when both sides mapped the other's block, so both agree.
+    With ``mode == "shm"`` a peer that is not local is an error here, at
+    group creation. Each rank's memfd is closed at the end: the mappings keep
+    the memory, nothing else names it.
+    """
+    ex = _Exchange(rank, data, time.monotonic() + timeout_s)
+    peers = sorted(data)
+    # The rings rely on x86-64's memory order (stores seen in program order,
+    # _Fence a full barrier); elsewhere no rank offers shared memory.
+    key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
+    keys = ex.all(peers, {p: {"key": key} for p in peers})
+    local = [p for p in peers if key and keys[p].get("key") == key]
+    if mode == "shm" and not key:
+        raise ValueError(
+            f"rank {rank}: ENTRENAR_TRANSPORT=shm: shared memory needs x86-64 "
+            f"(this machine is {platform.machine()!r}); use auto or tcp"
+        )
+    if mode == "shm" and len(local) != len(peers):
+        remote = [p for p in peers if p not in local]
+        raise ValueError(
+            f"rank {rank}: ENTRENAR_TRANSPORT=shm: rank(s) {remote} are not on this "
+            "host (another machine, container or network namespace, or another user); "
+            "use ENTRENAR_TRANSPORT=auto to reach them over TCP"
+        )
+    if not local:
+        return ShmPeers(local, {})
+    seg = _make_segment(rank, local)
+    try:
+        offers = ex.all(
+            local,
+            {
+                p: {
+                    "pid": os.getpid(),
+                    "fd": seg.fd,
+                    "offset": seg.offsets[p],
+                    "size": seg.size,
+                    "nonce": seg.nonces[p].hex(),
+                }
+                for p in local
+            },
+        )
+        mapped: dict[int, memoryview] = {}
+        why: dict[int, str] = {}
+        for p in local:
+            block, why[p] = _map_peer(offers[p])
+            if block is not None:
+                mapped[p] = block
+        verdicts = ex.all(local, {p: {"ok": p in mapped, "why": why[p]} for p in local})
+    finally:
+        os.close(seg.fd)  # every peer has opened it (or given up): the mappings keep it
+    links: dict[int, ShmLink] = {}
+    failed: list[str] = []
+    for p in local:
+        theirs = verdicts[p]
+        if p in mapped and theirs.get("ok"):
+            out = seg.view[seg.offsets[p] : seg.offsets[p] + BLOCK_BYTES]
+            links[p] = ShmLink(p, data[p], out, mapped[p])
+        else:
+            reason = why[p] or f"rank {p} could not map ours: {theirs.get('why', '?')}"
+            failed.append(f"rank {p}: {reason}")
+            log.warning(
+                "rank %d: TCP to rank %d, on this host: no shared memory: %s", rank, p, reason
+            )
+    if mode == "shm" and failed:
+        raise ValueError(
+            f"rank {rank}: ENTRENAR_TRANSPORT=shm: no shared memory with " + "; ".join(failed)
+        )
+    return ShmPeers(local, links)

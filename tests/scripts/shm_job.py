@@ -1,0 +1,57 @@
+"""A job for tests/test_shm.py, one process per rank (env:// or torchrun).
+
+``where``: print ``WHERE <rank> <peers over shared memory, comma-separated>``,
+then check one allreduce's sum and print ``OK <rank>``.
+``loop``: print ``READY <rank> <pid>`` after the first allreduce, then
+allreduce 64 KiB until an error; print ``RESULT <rank> <ErrorClass>
+<culprit> <message>`` and wait to be killed (the test kills every rank).
+``small``: time ``ITERS`` 4 KiB allreduces; print ``MEDIAN <rank> <seconds>``
+(median over blocks of 20 calls) and ``OK <rank>``.
+"""
+
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+mode = sys.argv[1]
+timeout = timedelta(seconds=float(os.environ.get("ENTRENAR_TEST_TIMEOUT_S", "60")))
+dist.init_process_group("entrenar", timeout=timeout)
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = dist.group.WORLD._get_backend(torch.device("cpu"))._runtime.mesh  # type: ignore[union-attr]
+
+if mode == "where":
+    print(f"WHERE {rank} {','.join(str(p) for p in sorted(mesh.shm))}", flush=True)
+    t = torch.full((3000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3000,), world * (world + 1) / 2)), t[:4]
+    print(f"OK {rank}", flush=True)
+elif mode == "loop":
+    t = torch.ones(16 << 10)
+    dist.all_reduce(t)
+    print(f"READY {rank} {os.getpid()}", flush=True)
+    try:
+        while True:
+            dist.all_reduce(t)
+    except Exception as e:
+        text = " ".join(str(e).split())
+        print(f"RESULT {rank} {type(e).__name__} {getattr(e, 'culprit', '-')} {text}", flush=True)
+    time.sleep(600)
+elif mode == "small":
+    iters = int(os.environ.get("ITERS", "200"))
+    t = torch.ones(1024)
+    for _ in range(20):
+        dist.all_reduce(t)
+    blocks = []
+    for _ in range(iters // 20):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            dist.all_reduce(t)
+        blocks.append((time.perf_counter() - t0) / 20)
+    print(f"MEDIAN {rank} {statistics.median(blocks)}", flush=True)
+    print(f"OK {rank}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,519 @@
+"""The shared-memory transport (issue 17; docs/architecture.md, "Shared-memory transport").
+
+- Every collective, op and dtype class over shared memory gives the TCP
+  transport's result bit for bit (a differential sweep, thread ranks: a
+  memfd maps across threads as across processes), including messages larger
+  than a ring and single pieces larger than a ring; deterministic mode's
+  bits equal TCP's and the canonical tree sum.
+- The header rule holds: a mismatch raises in the call on every rank.
+- Failures: a SIGKILLed peer is named at once (not after the timeout); an
+  abort's cause reaches every rank; destroy works. (A SIGSTOPped or killed
+  peer's blame over shared memory and over TCP: test_failures.py, which
+  runs both transports.)
+- No leaks: a job whose ranks are all SIGKILLed leaves nothing in /dev/shm
+  (the segments were memfds, and were mapped).
+- Safety: the segment is 0600 and another user cannot open it.
+- ``ENTRENAR_TRANSPORT``: parsing; ``shm`` with a peer on another "host"
+  fails at group creation naming it; four ranks on two cores stay fast.
+- The netns cluster: 2 "hosts" x 2 ranks: shared memory within a
+  namespace, TCP across (skipped where namespaces cannot be made).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, free_port, make_groups, rank_env, run_ranks
+
+from entrenar_pg import (
+    CollectiveMismatchError,
+    EntrenarProcessGroup,
+    Options,
+)
+from entrenar_pg.transport import shm
+
+c10d = torch._C._distributed_c10d
+JOB = REPO / "tests" / "scripts" / "shm_job.py"
+R = dist.ReduceOp
+RING_ELEMS = shm.RING_BYTES // 4
+
+
+def _opts(cls: Any, **fields: Any) -> Any:
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+def _data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 3).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    return torch.randint(1, 5, (n,), generator=g).to(dtype)
+
+
+# (dtype, op, elements): every op and dtype class once; sizes below, at and
+# beyond a ring (shm.RING_BYTES), through direct, star and ring plans.
+ALLREDUCES = [
+    (torch.float32, R.SUM, 7),
+    (torch.float32, R.SUM, 70_000),  # direct (<= 256 KiB)
+    (torch.float32, R.SUM, RING_ELEMS + 123),  # ring plan, wraps the ring
+    (torch.float32, R.AVG, 1000),
+    (torch.float32, R.MAX, 1000),
+    (torch.float32, R.MIN, 1000),
+    (torch.float64, R.PRODUCT, 300),
+    (torch.bfloat16, R.SUM, 5000),
+    (torch.float16, R.MAX, 5000),
+    (torch.int64, R.SUM, 100_001),
+    (torch.int32, R.AVG, 999),
+    (torch.int32, R.BXOR, 64),
+    (torch.uint8, R.BOR, 333),
+    (torch.int16, R.BAND, 333),
+    (torch.bool, R.MAX, 50),
+]
+
+
+def _sweep(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+    """Every collective kind on this rank; the results, in order."""
+    world = pg.size()
+    out: list[torch.Tensor] = []
+    for dtype, op, n in ALLREDUCES:
+        t = _data(rank, n, dtype)
+        pg.allreduce([t], _opts(c10d.AllreduceOptions, reduceOp=op)).wait()
+        out.append(t)
+    for n in (5, 600_000):  # direct; chain (> star_max_bytes)
+        t = _data(rank, n, torch.float32)
+        pg.broadcast([t], _opts(c10d.BroadcastOptions, rootRank=1)).wait()
+        out.append(t)
+    big = _data(rank, 300_000, torch.float32)
+    gathered = torch.empty(300_000 * world)
+    pg._allgather_base(gathered, big).wait()
+    out.append(gathered)
+    part = torch.empty(100_000)
+    pg._reduce_scatter_base(part, _data(rank, 100_000 * world, torch.float32)).wait()
+    out.append(part)
+    a2a = torch.empty(40 * world, dtype=torch.int64)
+    pg.alltoall_base(
+        a2a, _data(rank, 40 * world, torch.int64), [], [], c10d.AllToAllOptions()
+    ).wait()
+    pg.barrier().wait()
+    out.append(a2a)
+    for n in (10, 700_000):  # star; reduce-scatter + move to the root
+        t = _data(rank, n, torch.float32)
+        pg.reduce([t], _opts(c10d.ReduceOptions, rootRank=world - 1, reduceOp=R.SUM)).wait()
+        out.append(t)
+    g_out = [[torch.empty(64) for _ in range(world)]] if rank == 0 else []
+    pg.gather(g_out, [_data(rank, 64, torch.float32)], _opts(c10d.GatherOptions)).wait()
+    out.extend(g_out[0] if g_out else [])
+    s_in = [[_data(p, 32, torch.float32) for p in range(world)]] if rank == 0 else []
+    s_out = torch.empty(32)
+    pg.scatter([s_out], s_in, _opts(c10d.ScatterOptions)).wait()
+    out.append(s_out)
+    return out
+
+
+def _run(world: int, options: Options, fn: Any, shm_expected: bool) -> list[Any]:
+    groups = make_groups(world, options)
+    try:
+        for g in groups:
+            mesh = g._runtime.mesh
+            assert (len(mesh.shm) == world - 1) == shm_expected, (options.transport, mesh.shm)
+        return run_ranks(world, fn, groups=groups, timeout_s=120)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_matches_tcp_bit_for_bit(world: int) -> None:
+    tcp = _run(world, Options(transport="tcp"), _sweep, shm_expected=False)
+    mem = _run(world, Options(transport="shm"), _sweep, shm_expected=True)
+    for rank in range(world):
+        assert len(tcp[rank]) == len(mem[rank])
+        for i, (a, b) in enumerate(zip(tcp[rank], mem[rank], strict=True)):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}, result {i}"
+    # and the transport is not just wrong the same way: the float sum is the sum
+    want = sum(_data(r, 7, torch.float32).double() for r in range(world))
+    assert torch.allclose(mem[0][0].double(), want, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_piece_larger_than_the_ring_moves_in_parts() -> None:
+    """Ring allreduce at N=2 with one segment: each chunk (1.25 rings) is a
+    single piece larger than the ring, so it must be written and read in
+    parts, the writer waiting for room."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
+        t = _data(rank, 5 * RING_ELEMS // 2, torch.float32)
+        pg.allreduce([t]).wait()
+        return t
+
+    opts = dict(algorithm="ring", segment_bytes=4 * shm.RING_BYTES)
+    tcp = _run(2, Options(transport="tcp", **opts), fn, shm_expected=False)
+    mem = _run(2, Options(transport="shm", **opts), fn, shm_expected=True)
+    assert torch.equal(tcp[0], mem[0]) and torch.equal(mem[0], mem[1])
+
+
+@pytest.mark.timeout(120)
+def test_deterministic_bits_equal_tcp_and_the_tree_sum() -> None:
+    from entrenar_pg import tree_sum
+
+    world = 3
+    sizes = (1000, 100_000, 900_000)  # direct, star, tree ring
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for n in sizes:
+            t = _data(rank, n, torch.float32)
+            pg.allreduce([t]).wait()
+            out.append(t)
+        return out
+
+    tcp = _run(world, Options(transport="tcp", deterministic=True), fn, False)
+    mem = _run(world, Options(transport="shm", deterministic=True), fn, True)
+    for i, n in enumerate(sizes):
+        want = tree_sum([_data(r, n, torch.float32) for r in range(world)])
+        for rank in range(world):
+            assert torch.equal(mem[rank][i], tcp[rank][i]), (n, rank)
+            assert torch.equal(mem[rank][i], want), (n, rank)
+
+
+def _each_rank(groups: list[EntrenarProcessGroup], fn: Any, ranks: list[int]) -> dict[int, Any]:
+    """``fn(rank, group)`` on threads for ``ranks``; each one's result or exception."""
+    got: dict[int, Any] = {}
+
+    def target(rank: int) -> None:
+        try:
+            got[rank] = fn(rank, groups[rank])
+        except BaseException as e:
+            got[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [100, 400_000])
+def test_a_mismatch_raises_in_the_call_on_every_rank(numel: int) -> None:
+    groups = make_groups(3, Options(transport="shm"), timeout_s=20)
+    try:
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+            pg.allreduce([torch.ones(numel + (rank == 2))]).wait()
+
+        got = _each_rank(groups, fn, [0, 1, 2])
+        for rank in range(3):
+            assert isinstance(got[rank], CollectiveMismatchError), (rank, got[rank])
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_reaches_every_rank_with_its_culprit() -> None:
+    groups = make_groups(3, Options(transport="shm", algorithm="ring"), timeout_s=20)
+
+    def abort_rank_1() -> None:
+        time.sleep(0.3)
+        groups[1]._runtime.mesh.abort(CollectiveMismatchError("rank 1: injected", culprit=2))
+
+    try:
+        threading.Thread(target=abort_rank_1, daemon=True).start()
+        got = _each_rank(groups, lambda r, pg: pg.allreduce([torch.ones(1000)]).wait(), [0, 2])
+        for rank in (0, 2):
+            e = got[rank]
+            assert isinstance(e, CollectiveMismatchError), (rank, e)
+            assert e.culprit == 2 and "rank 1: injected" in str(e), (rank, e)
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_destroy_then_a_new_group_works() -> None:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+        t = torch.full((5000,), float(rank))
+        pg.allreduce([t]).wait()
+        return float(t[0])
+
+    for _ in range(2):  # the second group's set-up meets none of the first's state
+        assert _run(2, Options(transport="shm"), fn, shm_expected=True) == [1.0, 1.0]
+
+
+def _start(world: int, mode: str, **env: str) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    extra = dict(PYTHONPATH=str(REPO), **env)
+    return [
+        subprocess.Popen(
+            [sys.executable, str(JOB), mode],
+            env=rank_env(r, world, port, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
+
+
+def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry() -> None:
+    """Two ranks allreduce over shared memory with a 60 s timeout. SIGKILL
+    rank 1: rank 0 names it at once (from the hang-up, not the timeout). Then
+    SIGKILL rank 0 too: nothing is left in /dev/shm (the segments were
+    memfds, and both ranks had them mapped)."""
+    before = set(os.listdir("/dev/shm"))
+    procs = _start(2, "loop", ENTRENAR_TRANSPORT="shm", ENTRENAR_TEST_TIMEOUT_S="60")
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("READY"), line + (p.stderr.read() if p.stderr else "")
+        for p in procs:  # shared memory really is in use: each maps both memfds
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+            assert maps.count("/memfd:entrenar-r") >= 2, maps[-2000:]
+        t0 = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        assert procs[0].stdout is not None
+        line = procs[0].stdout.readline()
+        took = time.monotonic() - t0
+        _, rank, cls, culprit, message = line.split(" ", 4)
+        assert (rank, cls, culprit) == ("0", "PeerConnectionError", "1"), line
+        assert "culprit: rank 1" in message and "died" in message, message
+        assert took < 10, f"{took:.1f}s: the death was found by the timeout, not the hang-up"
+    finally:
+        _kill_all(procs)
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_on_two_cores_stay_fast() -> None:
+    """N=4 > cores: DeepSpeed's spinning takes ~5 ms per 4 KiB call here; a
+    wait that spins without yielding, or a lost wake-up (50 ms sleeps), would
+    show. Median of 20-call blocks, every rank."""
+    procs = _start(4, "small", ENTRENAR_TRANSPORT="shm", ITERS="100")
+    medians = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            lines = [ln for ln in out.splitlines() if ln.startswith("MEDIAN")]
+            assert lines and p.returncode == 0, out[-2000:] + err[-3000:]
+            medians.append(float(lines[0].split()[2]))
+    finally:
+        _kill_all(procs)
+    assert max(medians) < 5e-3, f"median per 4 KiB allreduce: {medians}"
+
+
+def test_segment_is_private_to_this_user() -> None:
+    seg = shm._make_segment(0, [1])
+    try:
+        assert os.fstat(seg.fd).st_mode & 0o777 == 0o600
+        path = f"/proc/{os.getpid()}/fd/{seg.fd}"
+        os.close(os.open(path, os.O_RDWR))  # this user can (how peers map it)
+        if os.geteuid() != 0:
+            return
+        # another user cannot: a child as nobody tries to open it
+        child = os.fork()
+        if child == 0:  # pragma: no cover (child)
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.open(path, os.O_RDONLY)
+                os._exit(1)
+            except PermissionError:
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user opened the segment"
+    finally:
+        os.close(seg.fd)
+
+
+def test_transport_option_and_env() -> None:
+    assert Options().transport == "auto"
+    assert Options.from_env({"ENTRENAR_TRANSPORT": " SHM "}).transport == "shm"
+    assert Options.from_env({"ENTRENAR_TRANSPORT": "tcp"}).transport == "tcp"
+    with pytest.raises(ValueError, match="ENTRENAR_TRANSPORT"):
+        Options.from_env({"ENTRENAR_TRANSPORT": "infiniband"})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["shm", "auto"])
+def test_a_peer_on_another_host(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 0, 1 on one "host", rank 2 on another (host keys differ): ``shm``
+    fails at creation naming the remote rank; ``auto`` uses shared memory
+    between 0 and 1 and TCP to 2, and gives the right sums."""
+    real = shm.host_key
+    monkeypatch.setattr(
+        shm, "host_key", lambda: real() + ("|b" if threading.current_thread().name == "r2" else "")
+    )
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+
+    def make(rank: int) -> None:
+        try:
+            groups[rank] = EntrenarProcessGroup(
+                dist.PrefixStore("h", store),
+                rank,
+                3,
+                timeout=timedelta(seconds=10),
+                options=Options(transport=mode),
+            )
+        except BaseException as e:
+            groups[rank] = e
+
+    threads = [threading.Thread(target=make, args=(r,), name=f"r{r}") for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        if mode == "shm":
+            for rank, remote in ((0, "[2]"), (1, "[2]"), (2, "[0, 1]")):
+                e = groups[rank]
+                assert isinstance(e, ValueError), (rank, e)
+                assert f"rank {rank}: ENTRENAR_TRANSPORT=shm: rank(s) {remote}" in str(e), e
+            return
+        assert sorted(groups[0]._runtime.mesh.shm) == [1]
+        assert sorted(groups[1]._runtime.mesh.shm) == [0]
+        assert groups[2]._runtime.mesh.shm == {}
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.full((300_000,), float(rank + 1))
+            pg.allreduce([t]).wait()
+            small = torch.full((10,), float(rank + 1))
+            pg.allreduce([small]).wait()
+            return float(t[0]) + float(small[-1])
+
+        assert run_ranks(3, fn, groups=[groups[r] for r in range(3)]) == [12.0] * 3
+    finally:
+        for g in groups.values():
+            if isinstance(g, EntrenarProcessGroup):
+                g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal host keys but rank 1 cannot map rank 0's segment (as in another
+    pid namespace): under ``auto`` both ends of that pair use TCP (the
+    verdict round), the other pairs shared memory, and the sums are right."""
+    real = shm._map_peer
+
+    def map_peer(offer: dict[str, object]) -> tuple[Any, str]:
+        if threading.current_thread().name == "r1":
+            calls.append(offer)
+            if len(calls) == 1:  # rank 1 maps its peers in rank order: this is rank 0's
+                return None, "injected: cannot open its segment"
+        return real(offer)
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(shm, "_map_peer", map_peer)
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+
+    def make(rank: int) -> None:
+        groups[rank] = EntrenarProcessGroup(
+            dist.PrefixStore("m", store), rank, 3, timeout=timedelta(seconds=10), options=Options()
+        )
+
+    threads = [threading.Thread(target=make, args=(r,), name=f"r{r}") for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        assert sorted(groups[0]._runtime.mesh.shm) == [2]
+        assert sorted(groups[1]._runtime.mesh.shm) == [2]
+        assert sorted(groups[2]._runtime.mesh.shm) == [0, 1]
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.full((70_000,), float(rank + 1))
+            pg.allreduce([t]).wait()
+            return float(t[-1])
+
+        assert run_ranks(3, fn, groups=[groups[r] for r in range(3)]) == [6.0] * 3
+    finally:
+        for g in groups.values():
+            g.shutdown()
+
+
+def _netns_allowed() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"enrshm{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_netns_two_hosts_of_two_ranks(tmp_path: Path) -> None:
+    """launch/netns_cluster.sh: 2 network-namespace hosts x 2 ranks. Within a
+    namespace the pair uses shared memory, across namespaces TCP (a network
+    namespace is a host's network identity: its ranks are reached by its own
+    address, like a container's)."""
+    if not _netns_allowed():
+        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
+    prefix = f"enrs{os.getpid() % 100000}"
+    node_cmd = (
+        f"ENTRENAR_IFNAME=eth0 PYTHONPATH={REPO} OMP_NUM_THREADS=1 {sys.executable} "
+        "-m torch.distributed.run --nnodes=2 --nproc_per_node=2 --node_rank=$NODE "
+        f"--master_addr=$HEAD_ADDR --master_port={free_port()} {JOB} where"
+    )
+    env = dict(
+        os.environ,
+        NODES="2",
+        NETNS_PREFIX=prefix,
+        LOG_DIR=str(tmp_path / "logs"),
+        TIMEOUT_S="90",
+        NODE_CMD=node_cmd,
+    )
+    proc = subprocess.run(
+        [str(REPO / "launch" / "netns_cluster.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=REPO,
+    )
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, f"namespaces not torn down: {left}"
+    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in (0, 1))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
+    where = {}
+    for line in logs.splitlines():
+        if line.startswith("WHERE "):
+            _, rank, peers = (line.split(" ") + [""])[:3]
+            where[int(rank)] = peers.strip()
+    assert where == {0: "1", 1: "0", 2: "3", 3: "2"}, logs[-3000:]
+    assert sum(line.startswith("OK ") for line in logs.splitlines()) == 4
