@@ -28,7 +28,8 @@ def make_groups(
     options: Options | Sequence[Options] | None = None,
     timeout_s: float = 20.0,
 ) -> list[EntrenarProcessGroup]:
-    """Create ``world`` entrenar groups in this process, one per rank, over real TCP.
+    """Create ``world`` entrenar groups in this process, one per rank (real sockets; the
+    transport is the options' own: ``auto`` gives these same-host ranks shared memory).
 
     ``options``: one for every rank, or a sequence of one per rank.
     """

@@ -1,4 +1,5 @@
-"""Core backend, unit level: N ranks as threads over real loopback TCP.
+"""Core backend, unit level: N ranks as threads, over each transport (loopback TCP, and the
+same-host shared-memory rings that ``auto`` picks for them).
 
 Covers the allreduce algorithms across world sizes and sizes, every reduce op
 and dtype against a reference computed in one process, broadcast/allgather/
@@ -27,6 +28,8 @@ from entrenar_pg.wire import Algo, Header, OpCode
 pytestmark = pytest.mark.timeout(120)
 
 ALGOS = ["ring", "star", "direct"]
+# gloo's style: every sweep runs over (transport, world size, size, algorithm).
+TRANSPORTS = ["tcp", "shm"]
 
 
 def allreduce(pg: EntrenarProcessGroup, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
@@ -69,9 +72,10 @@ def test_header_round_trip_and_garbage() -> None:
 # ---------------------------------------------------------------- allreduce sweep
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("world", range(1, 9))
-def test_allreduce_sizes(world: int, algo: str) -> None:
+def test_allreduce_sizes(world: int, algo: str, transport: str) -> None:
     """Sizes 0, 1, 7 (non-divisible) and many segments (64-byte segments)."""
     sizes = [0, 1, 7, 1000]
 
@@ -83,7 +87,8 @@ def test_allreduce_sizes(world: int, algo: str) -> None:
             outs.append(t)
         return outs
 
-    results = run_ranks(world, fn, options=Options(algorithm=algo, segment_bytes=64))
+    options = Options(algorithm=algo, segment_bytes=64, transport=transport)
+    results = run_ranks(world, fn, options=options)
     for i, n in enumerate(sizes):
         expected = torch.arange(n, dtype=torch.float64) * world + 1000.0 * sum(range(world))
         for rank in range(world):
@@ -170,8 +175,9 @@ def _reference(name: str, inputs: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("algo", ALGOS)
-def test_every_op_and_dtype_against_reference(algo: str) -> None:
+def test_every_op_and_dtype_against_reference(algo: str, transport: str) -> None:
     world = 3
     cases = [(name, dt) for name, dts in VALID.items() for dt in dts]
 
@@ -183,7 +189,8 @@ def test_every_op_and_dtype_against_reference(algo: str) -> None:
             outs.append(t)
         return outs
 
-    results = run_ranks(world, fn, options=Options(algorithm=algo, segment_bytes=16))
+    options = Options(algorithm=algo, segment_bytes=16, transport=transport)
+    results = run_ranks(world, fn, options=options)
     for i, (name, dt) in enumerate(cases):
         ref = _reference(name, [_input(r, dt) for r in range(world)])
         for rank in range(world):
@@ -201,8 +208,9 @@ def test_every_op_and_dtype_against_reference(algo: str) -> None:
 # ---------------------------------------------------------------- other collectives
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-def test_broadcast_allgather_barrier_coalesced(world: int) -> None:
+def test_broadcast_allgather_barrier_coalesced(world: int, transport: str) -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> None:
         for root in range(world):
             for n in (0, 5, 300_000):  # 300k floats > star_max_bytes: chained broadcast
@@ -222,7 +230,7 @@ def test_broadcast_allgather_barrier_coalesced(world: int) -> None:
         assert bool((a == sum(range(world))).all()) and bool((b == sum(range(world))).all())
         pg.barrier().wait()
 
-    run_ranks(world, fn, options=Options(segment_bytes=4096))
+    run_ranks(world, fn, options=Options(segment_bytes=4096, transport=transport))
 
 
 def test_barrier_really_waits() -> None:
@@ -286,8 +294,9 @@ def test_bad_arguments_raise_before_sending_and_group_survives() -> None:
     assert run_ranks(2, fn) == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("algo", ALGOS)
-def test_mismatched_collectives_raise_on_both(algo: str) -> None:
+def test_mismatched_collectives_raise_on_both(algo: str, transport: str) -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> str:
         with pytest.raises(CollectiveMismatchError) as info:
             if rank == 0:
@@ -299,7 +308,7 @@ def test_mismatched_collectives_raise_on_both(algo: str) -> None:
             allreduce(pg, torch.ones(1))
         return str(info.value)
 
-    msgs = run_ranks(2, fn, options=Options(algorithm=algo), timeout_s=30)
+    msgs = run_ranks(2, fn, options=Options(algorithm=algo, transport=transport), timeout_s=30)
     for m in msgs:
         assert "allreduce#1" in m and "broadcast#1" in m, m
 
