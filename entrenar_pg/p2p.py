@@ -41,11 +41,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
 from .api.work import EntrenarWork
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
+from .flight_recorder import FlightRecorder
 from .transport.loop import POLLHANG, Links, LinkState
 from .transport.plan import Recv, Send, bytes_of
 from .transport.tcp import Mesh
@@ -86,6 +88,7 @@ class _Op:
     deadline: float
     what: str
     is_recv: bool
+    record: Any = None  # its flight-recorder entry, when the group records
 
     @property
     def nbytes(self) -> int:
@@ -278,6 +281,11 @@ class Matching:
 def complete(done: list[_Done]) -> None:
     """Complete the futures of finished ops (outside the channel's lock)."""
     for op, error in done:
+        if op.record is not None:
+            if error is None:
+                op.record.complete()
+            else:
+                op.record.retire()
         if error is not None:
             op.future.set_exception(error)
             continue
@@ -300,6 +308,7 @@ class P2PChannel:
         # Called (outside the lock, once per failed link) with a link failure
         # that left work pending: the group breaks, as for a collective.
         self.on_failure: Callable[[EntrenarError], None] | None = None
+        self.recorder: FlightRecorder | None = None  # the group's flight recorder, if on
         self._lock = threading.Lock()
         self._closing = False
         self._matching = Matching(self.rank)
@@ -328,6 +337,8 @@ class P2PChannel:
         else:
             host = tensor.detach().contiguous().reshape(-1)
         op = _new_op(self.rank, self.timeout_s, dst, tag, tensor, host, what, is_recv=False)
+        if self.recorder is not None:
+            op.record = self.recorder.p2p(False, dst, tensor, self.timeout_s)
         with self._lock:
             if dst == self.rank:
                 self._matching.deliver_local(op)
@@ -361,6 +372,8 @@ class P2PChannel:
         else:
             host = torch.empty(tensor.numel(), dtype=tensor.dtype)
         op = _new_op(self.rank, self.timeout_s, src, tag, tensor, host, what, is_recv=True)
+        if self.recorder is not None:
+            op.record = self.recorder.p2p(True, src, tensor, self.timeout_s)
         matching = self._matching
         with self._lock:
             if matching.post(op):

@@ -13,6 +13,7 @@ and the engine completes the future.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from datetime import timedelta
@@ -21,11 +22,13 @@ from typing import Any
 
 import torch
 
+from .. import flight_recorder
 from ..api.requests import Request
 from ..api.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import Options
 from ..errors import EntrenarError
+from ..flight_recorder import FlightRecorder
 from ..p2p import P2PChannel
 from ..transport import Mesh
 from ..wire import OpCode
@@ -33,6 +36,8 @@ from .engine import Engine, Job
 from .jobs import JOBS
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .state import GroupState, Phase
+
+log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
 _MAX_CACHED_CHOICES = 1024
@@ -76,9 +81,26 @@ class Runtime:
         self.state.on_break(self.p2p.abort)
         self.state.on_break(self.mesh.abort)
         self.engine = Engine(self.state, f"r{rank}-{name or 'pg'}", options.spin_us)
+        # The flight recorder (None when off: the hot path tests only that).
+        self.recorder: FlightRecorder | None = None
+        if options.fr_buffer_size > 0:
+            self.recorder = FlightRecorder(
+                options.fr_buffer_size, rank, size, name, options.dump_prefix()
+            )
+            self.p2p.recorder = self.recorder
+            # Last: the peers hear of the failure before this rank writes its file.
+            self.state.on_break(self._record_break)
 
     def _p2p_failed(self, error: EntrenarError) -> None:
         self.state.fail(error, "p2p")
+
+    def _record_break(self, error: EntrenarError) -> None:
+        """A break hook: the recorder keeps the failure; dump if asked to."""
+        assert self.recorder is not None
+        self.recorder.fail(error, self.state.failed_at)
+        if self.options.fr_dump_on_timeout:
+            path = flight_recorder.write()
+            log.error("rank %d: flight recorder dumped to %s", self.rank, path)
 
     # ------------------------------------------------------------ issuing
 
@@ -136,6 +158,8 @@ class Runtime:
                 staging.completion_context(),
                 work,
             )
+            if self.recorder is not None:
+                job.record = self.recorder.collective(seq, req.op, req.io, timeout_s)
             inline = (
                 (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
