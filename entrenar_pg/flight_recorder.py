@@ -177,6 +177,7 @@ class FlightRecorder:
         self.last_seq = 0  # the last collective recorded (p2p entries carry it, as NCCL's)
         self._p2p_seqs = itertools.count(1)
         self._ops = itertools.count(1)
+        self._slots = itertools.count()  # this ring's own (record ids are process-wide)
         self._ring: list[Entry | None] = [None] * capacity
         self.failure: dict[str, Any] | None = None  # the group's first failure, once it broke
         self._owner: Any = None  # a weak reference to the process group (its name and desc)
@@ -219,7 +220,7 @@ class FlightRecorder:
             _frames(3),
         )
         self.last_seq = seq
-        self._ring[entry.record_id % self.capacity] = entry
+        self._ring[next(self._slots) % self.capacity] = entry
         return entry
 
     def p2p(self, is_recv: bool, peer: int, tensor: torch.Tensor, timeout_s: float) -> Entry:
@@ -243,7 +244,7 @@ class FlightRecorder:
             _frames(3),
         )
         entry.start()
-        self._ring[entry.record_id % self.capacity] = entry
+        self._ring[next(self._slots) % self.capacity] = entry
         return entry
 
     def fail(self, error: EntrenarError, at: str) -> None:
