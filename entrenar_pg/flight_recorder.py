@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -45,7 +45,9 @@ VERSION = "2.10"  # torch 2.13's dump format (its loader and analyzer check "maj
 BACKEND = "entrenar"
 DISTRIBUTION = "entrenar-pg"  # the installed package's name (pyproject.toml)
 # Python frames kept per record: the caller's call site and its callers
-# (torch.distributed's wrapper, the user's code). Each costs ~60 ns to take.
+# (torch.distributed's wrapper, the user's code). torch keeps the whole
+# stack; 8 frames reach from the collective to the training loop in DDP,
+# Lightning and plain scripts, and cost ~0.2 us each (docs/debugging.md).
 FRAMES = 8
 
 SCHEDULED = "scheduled"
@@ -73,57 +75,38 @@ _group_ids = itertools.count()
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
+class Issued(NamedTuple):
+    """What is known of a call when it is issued (built with one C call: ``tuple.__new__``)."""
+
+    record_id: int
+    seq: int  # the collective's seq (a p2p op: the last collective's, as NCCL's)
+    p2p_seq: int  # 0 for collectives
+    op_id: int
+    name: str  # the profiling name: "entrenar:all_reduce", "entrenar:send 0->1"
+    time_created_ns: int
+    inputs: tuple[tuple[Any, Any], ...]  # (torch.Size, torch.dtype) per tensor
+    outputs: tuple[tuple[Any, Any], ...]
+    timeout_ms: int
+    is_p2p: bool
+    frames: list[Any]  # [code, bytecode offset, code, offset, ...], innermost first
+    thread_id: int
+
+
 class Entry:
-    """One recorded call. Fields are torch's; sizes and frames stay raw until a dump."""
+    """One recorded call: what was issued, and how far it got."""
 
-    __slots__ = (
-        "record_id",
-        "seq",
-        "p2p_seq",
-        "op_id",
-        "name",
-        "time_created_ns",
-        "inputs",
-        "outputs",
-        "state",
-        "time_started_ns",
-        "time_completed_ns",
-        "retired",
-        "timeout_ms",
-        "is_p2p",
-        "frames",
-        "thread_id",
-    )
+    __slots__ = ("issued", "state", "time_started_ns", "time_completed_ns", "retired")
 
-    def __init__(
-        self,
-        record_id: int,
-        seq: int,
-        p2p_seq: int,
-        op_id: int,
-        name: str,
-        inputs: Any,
-        outputs: Any,
-        timeout_s: float,
-        is_p2p: bool,
-        frames: list[Any],
-    ) -> None:
-        self.record_id = record_id
-        self.seq = seq
-        self.p2p_seq = p2p_seq
-        self.op_id = op_id
-        self.name = name
-        self.time_created_ns = time.time_ns()
-        self.inputs = inputs  # tensors' (shape, dtype) pairs, as torch objects
-        self.outputs = outputs
+    def __init__(self, issued: Issued) -> None:
+        self.issued = issued
         self.state = SCHEDULED
         self.time_started_ns: int | None = None
         self.time_completed_ns: int | None = None
         self.retired = False
-        self.timeout_ms = int(timeout_s * 1000)
-        self.is_p2p = is_p2p
-        self.frames = frames  # [code, line, code, line, ...], innermost first
-        self.thread_id = threading.get_ident()
+
+    @property
+    def seq(self) -> int:
+        return self.issued.seq
 
     def start(self) -> None:
         self.state = STARTED
@@ -139,27 +122,39 @@ class Entry:
         self.retired = True
 
 
-def _shapes(tensors: Any) -> list[tuple[Any, Any]]:
-    out = []
-    for t in tensors:
-        out.append((t.shape, t.dtype))
-    return out
+def _shapes(tensors: Any) -> tuple[tuple[Any, Any], ...]:
+    if len(tensors) == 1:  # the common case, without a generator
+        t = tensors[0]
+        return ((t.shape, t.dtype),)
+    return tuple([(t.shape, t.dtype) for t in tensors])
 
 
 def _frames(skip: int) -> list[Any]:
-    """The caller's Python frames, ``skip`` levels up: (code, line) pairs, flattened."""
+    """The caller's Python frames, ``skip`` levels up, innermost first.
+
+    Each is kept as (code, bytecode offset): ``f_lineno`` would map the
+    offset to a line on every call (the line table walk is most of a frame's
+    cost); the dump does it instead (``_line``).
+    """
     out: list[Any] = []
     try:
         f: Any = sys._getframe(skip + 1)
     except ValueError:
         return out
-    for _ in range(FRAMES):
-        if f is None:
-            break
+    n = FRAMES
+    while f is not None and n:
         out.append(f.f_code)
-        out.append(f.f_lineno)
+        out.append(f.f_lasti)
         f = f.f_back
+        n -= 1
     return out
+
+
+def _line(code: Any, offset: int) -> int | None:
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return cast(int | None, line)
+    return None
 
 
 class FlightRecorder:
@@ -196,29 +191,32 @@ class FlightRecorder:
 
     def collective(self, seq: int, op: OpCode, io: Any, timeout_s: float) -> Entry:
         """Record collective ``seq`` (issued now; ``io`` is the request's tensor groups)."""
+        inputs: tuple[tuple[Any, Any], ...] = ()
+        outputs: tuple[tuple[Any, Any], ...] = ()
         if io:
             inputs = _shapes(io[0][0])
             if len(io) == 1:
                 outputs = inputs
             else:
-                outputs = []
+                outputs = ()
                 for group in io[1:]:
                     outputs += _shapes(group[0])
-        else:
-            inputs = outputs = []
         # frames: 0 this method, 1 Runtime.submit, 2 the process group's method
-        entry = Entry(
+        issued = (
             next(_record_ids),
             seq,
             0,
             next(self._ops),
             PROFILING_NAMES[op],
+            time.time_ns(),
             inputs,
             outputs,
-            timeout_s,
+            int(timeout_s * 1000),
             False,
             _frames(3),
+            threading.get_ident(),
         )
+        entry = Entry(tuple.__new__(Issued, issued))
         self.last_seq = seq
         self._ring[next(self._slots) % self.capacity] = entry
         return entry
@@ -229,20 +227,23 @@ class FlightRecorder:
             name = f"{BACKEND}:recv {self.rank}<-{peer}"
         else:
             name = f"{BACKEND}:send {self.rank}->{peer}"
-        sizes = [(tensor.shape, tensor.dtype)]
+        sizes = ((tensor.shape, tensor.dtype),)
         # frames: 0 this method, 1 P2PChannel.send/recv, 2 the process group's method
-        entry = Entry(
+        issued = (
             next(_record_ids),
             self.last_seq,
             next(self._p2p_seqs),
             next(self._ops),
             name,
+            time.time_ns(),
             sizes,
             sizes,
-            timeout_s,
+            int(timeout_s * 1000),
             True,
             _frames(3),
+            threading.get_ident(),
         )
+        entry = Entry(tuple.__new__(Issued, issued))
         entry.start()
         self._ring[next(self._slots) % self.capacity] = entry
         return entry
@@ -261,7 +262,7 @@ class FlightRecorder:
     def entries(self) -> list[Entry]:
         """The ring's entries, oldest first."""
         live = [e for e in list(self._ring) if e is not None]
-        live.sort(key=lambda e: e.record_id)
+        live.sort(key=lambda e: e.issued.record_id)
         return live
 
     def identity(self) -> tuple[str, str]:
@@ -275,7 +276,7 @@ class FlightRecorder:
         return str(name or self.pg_id), str(desc or "undefined")
 
 
-def _sizes(pairs: list[tuple[Any, Any]]) -> tuple[list[list[int]], list[str]]:
+def _sizes(pairs: tuple[tuple[Any, Any], ...]) -> tuple[list[list[int]], list[str]]:
     sizes = []
     dtypes = []
     for shape, dtype in pairs:
@@ -318,24 +319,26 @@ def _frame_dicts(frames: list[Any]) -> list[dict[str, Any]]:
     out = []
     for i in range(0, len(frames), 2):
         code = frames[i]
-        out.append({"name": code.co_name, "filename": code.co_filename, "line": frames[i + 1]})
+        line = _line(code, frames[i + 1])
+        out.append({"name": code.co_name, "filename": code.co_filename, "line": line})
     return out
 
 
 def _entry_dict(
     rec: FlightRecorder, pg: tuple[str, str], e: Entry, threads: dict[int, str]
-) -> dict:
-    in_sizes, in_dtypes = _sizes(e.inputs)
-    out_sizes, out_dtypes = _sizes(e.outputs)
+) -> dict[str, Any]:
+    i = e.issued
+    in_sizes, in_dtypes = _sizes(i.inputs)
+    out_sizes, out_dtypes = _sizes(i.outputs)
     return {
-        "record_id": e.record_id,
+        "record_id": i.record_id,
         "pg_id": rec.pg_id,
         "process_group": pg,
-        "collective_seq_id": e.seq,
-        "p2p_seq_id": e.p2p_seq,
-        "op_id": e.op_id,
-        "profiling_name": e.name,
-        "time_created_ns": e.time_created_ns,
+        "collective_seq_id": i.seq,
+        "p2p_seq_id": i.p2p_seq,
+        "op_id": i.op_id,
+        "profiling_name": i.name,
+        "time_created_ns": i.time_created_ns,
         "input_sizes": in_sizes,
         "input_dtypes": in_dtypes,
         "output_sizes": out_sizes,
@@ -344,11 +347,11 @@ def _entry_dict(
         "time_discovered_started_ns": e.time_started_ns,
         "time_discovered_completed_ns": e.time_completed_ns,
         "retired": e.retired,
-        "timeout_ms": e.timeout_ms,
-        "is_p2p": e.is_p2p,
-        "frames": _frame_dicts(e.frames),
-        "thread_id": str(e.thread_id),
-        "thread_name": threads.get(e.thread_id, ""),
+        "timeout_ms": i.timeout_ms,
+        "is_p2p": i.is_p2p,
+        "frames": _frame_dicts(i.frames),
+        "thread_id": str(i.thread_id),
+        "thread_name": threads.get(i.thread_id, ""),
     }
 
 
@@ -371,8 +374,8 @@ def trace(recorders: list[FlightRecorder] | None = None) -> dict[str, Any]:
             "ranks": str(rec.global_ranks),
             "backend": BACKEND,
         }
-        started = [e.seq for e in mine if not e.is_p2p and e.state != SCHEDULED]
-        done = [e.seq for e in mine if not e.is_p2p and e.state == COMPLETED]
+        started = [e.seq for e in mine if not e.issued.is_p2p and e.state != SCHEDULED]
+        done = [e.seq for e in mine if not e.issued.is_p2p and e.state == COMPLETED]
         pg_status[str(rec.pg_id)] = {
             "last_enqueued_collective": rec.last_seq,
             "last_started_collective": max(started, default=-1),

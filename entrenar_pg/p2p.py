@@ -41,13 +41,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import torch
 
 from .api.work import EntrenarWork
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
-from .flight_recorder import FlightRecorder
+from .flight_recorder import Entry, FlightRecorder
 from .transport.loop import POLLHANG, Links, LinkState
 from .transport.plan import Recv, Send, bytes_of
 from .transport.tcp import Mesh
@@ -88,7 +87,7 @@ class _Op:
     deadline: float
     what: str
     is_recv: bool
-    record: Any = None  # its flight-recorder entry, when the group records
+    record: Entry | None = None  # its flight-recorder entry, when the group records
 
     @property
     def nbytes(self) -> int:

@@ -6,10 +6,10 @@ per process group, says:
 
 - the first collective where the ranks disagree (its seq, and each rank's
   op, sizes and dtypes), and which ranks are the odd ones out;
-- the first collective that did not complete: which ranks never joined it
-  (their records stop before it; or they left no dump), and the rank
-  everyone was waiting on (the culprit the ranks' own errors name, recorded
-  in the dumps; else the ranks that never joined);
+- the first collective no rank completed: who joined it, which ranks never
+  issued it (their records stop before it, at a completed call), which were
+  still in an earlier call when the group broke, and the rank everyone was
+  waiting on;
 - p2p ops still pending.
 
 It also runs torch's own analyzer (``torch.distributed.flight_recorder``'s
@@ -172,19 +172,33 @@ def _diagnose_group(name: str, cfg: dict[str, Any], dumps: dict[int, Any]) -> Gr
         here = {r: calls[r][s] for r in dumped if s in calls[r]}
         if rep.first_mismatch is None and len({c.signature() for c in here.values()}) > 1:
             rep.first_mismatch = _mismatch(s, here)
-        never = [r for r in dumped if s not in calls[r] and last_seq[r] < s]
-        incomplete = [r for r, c in here.items() if c.state != COMPLETED]
-        if rep.first_incomplete is None and (never or incomplete):
+            # ranks with no record of it (they failed before issuing it)
+            rep.first_mismatch["absent"] = _absent(rep, s, calls)
+        # Never issued it: its last call before it had completed (it went on
+        # doing something else). A rank whose last call had not completed
+        # was interrupted there by the failure: it did not get as far.
+        never = [r for r in dumped if last_seq[r] < s and _finished(calls[r], last_seq[r])]
+        behind = [r for r in dumped if last_seq[r] < s and r not in never]
+        # Completed by any rank means every rank took part (no rank completes
+        # before every peer's header arrived: the header rule). A rank that
+        # did not complete it then was interrupted by a later failure.
+        completed = any(c.state == COMPLETED for c in here.values())
+        if rep.first_incomplete is None and here and not completed:
             rep.first_incomplete = {
                 "seq": s,
                 "op": Counter(c.op for c in here.values()).most_common(1)[0][0],
                 "joined": {r: c.state for r, c in sorted(here.items())},
                 "never_joined": never,
+                "interrupted_before": behind,
                 "no_dump": rep.no_dump,
             }
     _who_was_waited_on(rep)
     rep.torch_analyzer = torch_analysis(dumps, name)
     return rep
+
+
+def _finished(mine: dict[int, Call], last: int) -> bool:
+    return last not in mine or mine[last].state == COMPLETED
 
 
 def _mismatch(seq: int, here: dict[int, Call]) -> dict[str, Any]:
@@ -201,6 +215,10 @@ def _mismatch(seq: int, here: dict[int, Call]) -> dict[str, Any]:
         "calls": {r: asdict(c) for r, c in sorted(here.items())},
         "odd_ranks": odd,
     }
+
+
+def _absent(rep: GroupReport, seq: int, calls: dict[int, dict[int, Call]]) -> list[int]:
+    return [r for r in rep.dumped if seq not in calls[r]]
 
 
 def _who_was_waited_on(rep: GroupReport) -> None:
@@ -313,6 +331,11 @@ def report_text(reports: list[GroupReport]) -> str:
                 lines.append(f"    rank {r}: {call.describe()} [{call.state}]")
             if mm["odd_ranks"]:
                 lines.append(f"    odd one(s) out: rank(s) {mm['odd_ranks']}")
+            else:
+                lines.append("    no majority: cannot tell which side is wrong")
+            if mm["absent"] or rep.no_dump:
+                absent = sorted(set(mm["absent"]) | set(rep.no_dump))
+                lines.append(f"    no record of it from rank(s) {absent}")
         stuck = rep.first_incomplete
         if stuck is not None:
             lines.append(f"  first collective not completed: {stuck['op']} #{stuck['seq']}")
@@ -320,6 +343,11 @@ def report_text(reports: list[GroupReport]) -> str:
             lines.append(f"    joined: {joined or 'none'}")
             if stuck["never_joined"]:
                 lines.append(f"    never joined: rank(s) {stuck['never_joined']}")
+            if stuck["interrupted_before"]:
+                lines.append(
+                    f"    still in an earlier call when the group broke: "
+                    f"rank(s) {stuck['interrupted_before']}"
+                )
         elif mm is None:
             lines.append("  every recorded collective completed on every rank")
         if rep.waiting_on:

@@ -18,6 +18,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from conftest import free_port, make_groups, rank_env, run_ranks
 
 import entrenar_pg
 from entrenar_pg import Options, flight_recorder
+from entrenar_pg.trace import diagnose, load_dir, report_text
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = REPO / "tests" / "scripts" / "fr_scenario.py"
@@ -33,8 +35,9 @@ K = 3  # the step that goes wrong; its collective seq is K + 2 (barrier = 1)
 VICTIM = 2
 
 
-def run_scenario(mode: str, tmp_path: Path) -> tuple[dict[int, str], dict]:
-    """Run fr_scenario.py on 3 processes; returns each rank's RESULT and the trace's JSON."""
+def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> tuple[dict[int, str], dict]:
+    """Run fr_scenario.py on 3 processes; returns each rank's RESULT and the
+    trace's report as JSON (from ``python -m entrenar_pg.trace --json`` with ``cli``)."""
     dumps = tmp_path / "dumps"
     port = free_port()
     extra = dict(
@@ -72,22 +75,25 @@ def run_scenario(mode: str, tmp_path: Path) -> tuple[dict[int, str], dict]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
-    cli = subprocess.run(
-        [sys.executable, "-m", "entrenar_pg.trace", str(dumps), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(os.environ, PYTHONPATH=extra["PYTHONPATH"]),
-    )
-    assert cli.returncode == 0, cli.stderr
-    reports = json.loads(cli.stdout)
+    if cli:
+        run = subprocess.run(
+            [sys.executable, "-m", "entrenar_pg.trace", str(dumps), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=extra["PYTHONPATH"]),
+        )
+        assert run.returncode == 0, run.stderr
+        reports = json.loads(run.stdout)
+    else:  # the same, without starting torch once more
+        reports = json.loads(json.dumps([asdict(r) for r in diagnose(load_dir(str(dumps)))]))
     assert len(reports) == 1, reports
     return results, reports[0]
 
 
 @pytest.mark.timeout(150)
 def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
-    results, rep = run_scenario("desync", tmp_path)
+    results, rep = run_scenario("desync", tmp_path, cli=True)
     assert results == dict.fromkeys(range(3), "CollectiveMismatchError")
     assert rep["no_dump"] == []
     mm = rep["first_mismatch"]
@@ -125,7 +131,10 @@ def test_a_killed_rank_is_diagnosed(tmp_path: Path) -> None:
     assert rep["no_dump"] == [VICTIM]
     stuck = rep["first_incomplete"]
     assert stuck["seq"] == K + 2 and stuck["op"] == "all_reduce"
-    assert stuck["joined"] == {"0": "started", "1": "started"}
+    # rank 0 (the star's root) is in it; leaf 1 may still have been reading
+    # the previous result when the root's abort reached it
+    assert stuck["joined"]["0"] == "started" and stuck["never_joined"] == []
+    assert set(stuck["joined"]) | {str(r) for r in stuck["interrupted_before"]} == {"0", "1"}
     assert rep["waiting_on"] == [VICTIM]
     # the text report says it too
     text = flight_recorder_text(tmp_path / "dumps")
@@ -133,9 +142,7 @@ def test_a_killed_rank_is_diagnosed(tmp_path: Path) -> None:
 
 
 def flight_recorder_text(dumps: Path) -> str:
-    from entrenar_pg import trace
-
-    return trace.report_text(trace.diagnose(trace.load_dir(str(dumps))))
+    return report_text(diagnose(load_dir(str(dumps))))
 
 
 # ---------------------------------------------------------------------- in one process
@@ -171,16 +178,18 @@ def test_dumps_have_torchs_fields_and_its_loader_reads_them(tmp_path: Path) -> N
     groups = make_groups(2, Options(fr_buffer_size=16))
     try:
 
-        def work(rank: int, g) -> None:
+        def work(rank: int, g) -> int:
             t = torch.ones(256)
+            line = sys._getframe().f_lineno + 1
             g.allreduce([t]).wait()
             g.broadcast([t]).wait()
             if rank == 0:
                 g.send([t], 1, 7).wait()
             else:
                 g.recv([t], 0, 7).wait()
+            return line
 
-        run_ranks(2, work, groups=groups)
+        line = run_ranks(2, work, groups=groups)[1]
         path = entrenar_pg.dump_flight_recorder(groups[1], str(tmp_path / "trace_rank_1"))
     finally:
         for g in groups:
@@ -201,7 +210,8 @@ def test_dumps_have_torchs_fields_and_its_loader_reads_them(tmp_path: Path) -> N
     assert recv["is_p2p"] and recv["p2p_seq_id"] == 1 and recv["collective_seq_id"] == 2
     assert [e["state"] for e in dump["entries"]] == ["completed"] * 3
     assert dump["entries"][0]["input_sizes"] == [[256]]
-    assert dump["entries"][0]["frames"][0]["name"] == "work"  # the caller's frame first
+    caller = dump["entries"][0]["frames"][0]  # the caller's frame first, its line
+    assert (caller["name"], caller["filename"], caller["line"]) == ("work", __file__, line)
     loaded = read_dump("trace_rank_", path)
     assert loaded["rank"] == 1 and len(loaded["entries"]) == 3
 

@@ -213,37 +213,25 @@ class Runtime:
         Under ``torch.profiler`` it is one ``entrenar:<op>`` event on this
         thread (``profiled_call``); otherwise that costs one attribute test.
         """
-        event = None
-        if _profiler._is_profiler_enabled:
-            event = profiled_call(seq, req)
+        event = profiled_call(seq, req) if _profiler._is_profiler_enabled else None
         try:
-            return self._run(seq, staging, req, staged, timeout_s)
+            mesh = self.mesh
+            mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
+            mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
+            staging.load()
+            hosts = []
+            for items in staged:
+                group = []
+                for it in items:
+                    assert it.host is not None, "internal: staging.load() not run"
+                    group.append(it.host)
+                hosts.append(group)
+            JOBS[type(req)](self, seq, req, hosts)
+            staging.store()
+            return req.result
         finally:
             if event is not None:
                 _record_exit(event)
-
-    def _run(
-        self,
-        seq: int,
-        staging: Staging,
-        req: Request,
-        staged: list[list[Staged]],
-        timeout_s: float,
-    ) -> Any:
-        mesh = self.mesh
-        mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
-        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
-        staging.load()
-        hosts = []
-        for items in staged:
-            group = []
-            for it in items:
-                assert it.host is not None, "internal: staging.load() not run"
-                group.append(it.host)
-            hosts.append(group)
-        JOBS[type(req)](self, seq, req, hosts)
-        staging.store()
-        return req.result
 
     def call(self, seq: int, op: OpCode, nbytes: int) -> Call:
         """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""

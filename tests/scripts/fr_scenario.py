@@ -16,6 +16,7 @@ Each rank that sees the error prints ``RESULT <rank> <ErrorClass>``.
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -36,6 +37,11 @@ for w in dist.batch_isend_irecv(ops):
     w.wait()
 try:
     for step in range(k + 1):
+        if step == k and mode == "desync":
+            # Let every rank finish the previous allreduce first: a leaf still
+            # reading its result when the root sees the mismatch fails there,
+            # and its records stop before the call the test is about.
+            time.sleep(1.0)
         if step == k and rank == victim:
             if mode == "desync":
                 dist.all_reduce(torch.ones(512))
