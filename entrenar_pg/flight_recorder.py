@@ -5,7 +5,7 @@ keeps a ring of its latest calls, one small ``Entry`` each, written where a
 call is issued (``Runtime.submit``, ``P2PChannel.send``/``recv``) and updated
 where it starts and ends (the engine; the p2p completion). Nothing is built
 on the hot path but the entry itself: tensor shapes and dtypes are kept as
-torch's own objects, the caller's frames as (code, line) pairs, and both are
+torch's own objects, the caller's frames as (code, bytecode offset) pairs, and both are
 turned into the dump's lists and dicts only when a dump is written.
 
 A dump is what torch 2.13's flight recorder writes (``_dump_fr_trace``,
@@ -136,9 +136,8 @@ def _shapes(tensors: Any) -> tuple[tuple[Any, Any], ...]:
 def _frames(skip: int) -> list[Any]:
     """The caller's Python frames, ``skip`` levels up, innermost first.
 
-    Each is kept as (code, bytecode offset): ``f_lineno`` would map the
-    offset to a line on every call (the line table walk is most of a frame's
-    cost); the dump does it instead (``_line``).
+    Each is kept as (code, bytecode offset): ``f_lineno`` would walk the
+    code's line table on every call; the dump does it once (``_line``).
     """
     out: list[Any] = []
     try:
