@@ -186,6 +186,10 @@ class FlightRecorder:
         self._owner = weakref.ref(group)
         self.global_ranks = list(global_ranks)
 
+    def alive(self) -> bool:
+        """False once the process group it records has been collected."""
+        return self._owner is None or self._owner() is not None
+
     @property
     def global_rank(self) -> int:
         return self.global_ranks[self.rank]
@@ -359,7 +363,9 @@ def _entry_dict(
 
 def trace(recorders: list[FlightRecorder] | None = None) -> dict[str, Any]:
     """The dump of ``recorders`` (default: every live group's in this process), as a dict."""
-    recs = list(_recorders) if recorders is None else list(recorders)
+    # Default: the recorders of groups still alive (a destroyed and collected
+    # group's name may already belong to a new group: torch reuses them).
+    recs = [r for r in _recorders if r.alive()] if recorders is None else list(recorders)
     recs.sort(key=lambda r: r.pg_id)
     threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
     entries: list[dict[str, Any]] = []
@@ -415,7 +421,9 @@ def write(recorders: list[FlightRecorder] | None = None, path: str | None = None
 
     Atomic (a temporary file renamed), so a reader never sees half a dump.
     """
-    recs = sorted(_recorders if recorders is None else recorders, key=lambda r: r.pg_id)
+    if recorders is None:
+        recorders = [r for r in _recorders if r.alive()]
+    recs = sorted(recorders, key=lambda r: r.pg_id)
     if not recs:
         raise ValueError("no flight recorder: set TORCH_FR_BUFFER_SIZE > 0 (or fr_buffer_size)")
     if path is None:
