@@ -257,3 +257,58 @@ def test_options_read_torchs_names() -> None:
         Options.from_env({"TORCH_FR_BUFFER_SIZE": "lots"})
     with pytest.raises(ValueError, match="fr_buffer_size"):
         Options(fr_buffer_size=-1)
+
+
+def _dump(rank: int, calls: list[tuple[int, list[int], str]], culprit: int | None) -> dict:
+    """A dump in torch's format: ``calls`` are (seq, input size, state) of all_reduce."""
+    entries = [
+        {
+            "record_id": seq,
+            "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq,
+            "p2p_seq_id": 0,
+            "profiling_name": "entrenar:all_reduce",
+            "input_sizes": [size],
+            "input_dtypes": ["Float"],
+            "output_sizes": [size],
+            "output_dtypes": ["Float"],
+            "state": state,
+            "is_p2p": False,
+        }
+        for seq, size, state in calls
+    ]
+    failures = {} if culprit is None else {"0": {"culprit": culprit, "at": "x", "message": ""}}
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1, 2]"}},
+        "entries": entries,
+        "entrenar": {"failures": failures},
+    }
+
+
+def test_a_rank_interrupted_in_an_earlier_call_is_not_the_one_waited_on() -> None:
+    """Rank 0 (a star's root) completed #4 and is in #5; leaf 1 was still
+    reading #4's result when the failure reached it; rank 2 left no dump."""
+    dumps = {
+        0: _dump(0, [(4, [4], "completed"), (5, [4], "started")], culprit=2),
+        1: _dump(1, [(4, [4], "started")], culprit=2),
+    }
+    (rep,) = diagnose(dumps)
+    stuck = rep.first_incomplete
+    assert stuck is not None
+    assert (stuck["seq"], stuck["joined"], stuck["never_joined"]) == (5, {0: "started"}, [])
+    assert stuck["interrupted_before"] == [1]
+    assert rep.no_dump == [2] and rep.waiting_on == [2]
+
+
+def test_a_disagreement_without_majority_names_no_side() -> None:
+    dumps = {
+        0: _dump(0, [(5, [4], "started")], culprit=None),
+        1: _dump(1, [(4, [4], "started")], culprit=None),
+        2: _dump(2, [(5, [8], "started")], culprit=None),
+    }
+    (rep,) = diagnose(dumps)
+    mm = rep.first_mismatch
+    assert mm is not None and mm["seq"] == 5
+    assert mm["odd_ranks"] == [] and mm["absent"] == [1]
+    assert "no majority" in report_text([rep])
