@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pickle
@@ -168,7 +169,7 @@ def gloo_dump_keys() -> list[list[str]]:
         env=dict(os.environ, TORCH_FR_BUFFER_SIZE="10"),
     )
     assert out.returncode == 0, out.stderr
-    return [eval(line) for line in out.stdout.splitlines()[-3:]]
+    return [ast.literal_eval(line) for line in out.stdout.splitlines()[-3:]]
 
 
 @pytest.mark.timeout(90)

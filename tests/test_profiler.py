@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -80,27 +79,20 @@ def test_blocking_calls_are_events_in_the_callers_thread() -> None:
     """Blocking calls on an idle group run in the caller's thread: the default
     profiler (this thread only) shows them, each with its shape."""
 
-    def work(rank: int, g) -> list[tuple[str, list[int], int]]:
+    def work(rank: int, g) -> list[tuple[str, list[int]]]:
         t = torch.ones(300)
         if rank != 0:
             g.allreduce([t], blocking(dist.AllreduceOptions())).wait()
             g.broadcast([t], blocking(dist.BroadcastOptions())).wait()
             return []
+        # the default profiler records this thread only: the events are here
         with torch.profiler.profile(record_shapes=True) as prof:
             g.allreduce([t], blocking(dist.AllreduceOptions())).wait()
             g.broadcast([t], blocking(dist.BroadcastOptions())).wait()
-        me = threading.get_ident()
-        return [
-            (e.key, e.input_shapes[0], e.thread == me or e.thread)
-            for e in prof.events()
-            if e.key.startswith("entrenar:")
-        ]
+        return [(e.key, e.input_shapes[0]) for e in prof.events() if e.key.startswith("entrenar:")]
 
     events = run_ranks(2, work)[0]
-    assert [(name, shape) for name, shape, _ in events] == [
-        ("entrenar:allreduce", [300]),
-        ("entrenar:broadcast", [300]),
-    ]
+    assert events == [("entrenar:allreduce", [300]), ("entrenar:broadcast", [300])]
 
 
 def blocking(opts: Any) -> Any:
