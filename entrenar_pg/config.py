@@ -32,6 +32,18 @@ ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+# torch's flight-recorder names (each with the older NCCL-era name torch still reads).
+ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+ENV_FR_BUFFER_SIZE_OLD = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+ENV_FR_DUMP_ON_TIMEOUT = "TORCH_FR_DUMP_ON_TIMEOUT"
+ENV_FR_DUMP_ON_TIMEOUT_OLD = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+ENV_FR_DUMP_TEMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+ENV_FR_DUMP_TEMP_FILE_OLD = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+# Where torch 2.13 puts dumps when no prefix is given: $XDG_CACHE_HOME (else
+# $HOME/.cache, else /tmp/.cache) /torch/comm_lib_trace_rank_<rank>.
+ENV_XDG_CACHE_HOME = "XDG_CACHE_HOME"
+ENV_HOME = "HOME"
+FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
 TRANSPORTS = ("auto", "tcp", "shm")
@@ -113,6 +125,18 @@ class Options:
             p2p and set-up stay on TCP in every mode (docs/architecture.md,
             "Shared-memory transport"). Env ``ENTRENAR_TRANSPORT``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
+        fr_buffer_size: how many of its latest collectives and p2p ops each
+            group keeps for the flight recorder (0: none, nothing recorded).
+            Env ``TORCH_FR_BUFFER_SIZE`` (or torch's older
+            ``TORCH_NCCL_TRACE_BUFFER_SIZE``), as for NCCL and gloo.
+        fr_dump_on_timeout: when the group breaks (a timeout, a peer's
+            failure, a mismatch), write this process's flight-recorder dump
+            to ``fr_dump_prefix`` + global rank. Env ``TORCH_FR_DUMP_ON_TIMEOUT``
+            (or ``TORCH_NCCL_DUMP_ON_TIMEOUT``).
+        fr_dump_prefix: the dump file's path without the rank. Env
+            ``TORCH_FR_DUMP_TEMP_FILE`` (or ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``);
+            empty: torch's default, ``$XDG_CACHE_HOME/torch/comm_lib_trace_rank_``
+            (``$HOME/.cache/...`` without it; ``dump_prefix()``).
         attempt: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
             torchrun hands every restart attempt the same store, so every key
             entrenar writes there (addresses, secret, abort records) is
@@ -135,6 +159,9 @@ class Options:
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
     transport: str = "auto"
+    fr_buffer_size: int = 0
+    fr_dump_on_timeout: bool = False
+    fr_dump_prefix: str = ""
     master_addr: str = field(default="", repr=False)
     attempt: int = field(default=0, repr=False)
 
@@ -158,6 +185,7 @@ class Options:
             "spin_us",
             "caller_spin_us",
             "inline_max_bytes",
+            "fr_buffer_size",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -196,6 +224,18 @@ class Options:
                 ) from None
         if ENV_LEDGER in env:
             kw["ledger"] = env[ENV_LEDGER].strip()
+        for var in (ENV_FR_BUFFER_SIZE, ENV_FR_BUFFER_SIZE_OLD):  # the new name wins
+            if var in env:
+                kw["fr_buffer_size"] = _parse_int(var, env[var])
+                break
+        for var in (ENV_FR_DUMP_ON_TIMEOUT, ENV_FR_DUMP_ON_TIMEOUT_OLD):
+            if var in env:
+                kw["fr_dump_on_timeout"] = _parse_bool(var, env[var])
+                break
+        for var in (ENV_FR_DUMP_TEMP_FILE, ENV_FR_DUMP_TEMP_FILE_OLD):
+            if env.get(var):
+                kw["fr_dump_prefix"] = env[var]
+                break
         kw["host"] = env.get(ENV_HOST, "")
         kw["ifname"] = env.get(ENV_IFNAME, "")
         kw["master_addr"] = env.get(ENV_MASTER_ADDR, "")
@@ -204,8 +244,21 @@ class Options:
         kw.update(overrides)
         return cls(**kw)  # type: ignore[arg-type]
 
+    def dump_prefix(self) -> str:
+        """Where this process's flight-recorder dump goes (+ global rank)."""
+        return self.fr_dump_prefix or default_fr_dump_prefix(os.environ)
+
     def replace(self, **changes: object) -> Options:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def default_fr_dump_prefix(env: Mapping[str, str]) -> str:
+    """The dump prefix torch 2.13 uses: the variable's value, else under the user's cache."""
+    for var in (ENV_FR_DUMP_TEMP_FILE, ENV_FR_DUMP_TEMP_FILE_OLD):
+        if env.get(var):
+            return env[var]
+    cache = env.get(ENV_XDG_CACHE_HOME) or os.path.join(env.get(ENV_HOME) or "/tmp", ".cache")
+    return os.path.join(cache, "torch", FR_DEFAULT_FILE_NAME)
 
 
 def _parse_int(var: str, text: str) -> int:

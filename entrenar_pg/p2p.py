@@ -46,6 +46,7 @@ import torch
 
 from .api.work import EntrenarWork
 from .errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
+from .flight_recorder import Entry, FlightRecorder
 from .transport.loop import POLLHANG, Links, LinkState
 from .transport.plan import Recv, Send, bytes_of
 from .transport.tcp import Mesh
@@ -88,6 +89,7 @@ class _Op:
     deadline: float
     what: str
     is_recv: bool
+    record: Entry | None = None  # its flight-recorder entry, when the group records
 
     @property
     def nbytes(self) -> int:
@@ -280,6 +282,11 @@ class Matching:
 def complete(done: list[_Done]) -> None:
     """Complete the futures of finished ops (outside the channel's lock)."""
     for op, error in done:
+        if op.record is not None:
+            if error is None:
+                op.record.complete()
+            else:
+                op.record.retire()
         if error is not None:
             op.future.set_exception(error)
             continue
@@ -302,6 +309,7 @@ class P2PChannel:
         # Called (outside the lock, once per failed link) with a link failure
         # that left work pending: the group breaks, as for a collective.
         self.on_failure: Callable[[EntrenarError], None] | None = None
+        self.recorder: FlightRecorder | None = None  # the group's flight recorder, if on
         self._lock = threading.Lock()
         self._closing = False
         self._matching = Matching(self.rank)
@@ -330,6 +338,8 @@ class P2PChannel:
         else:
             host = tensor.detach().contiguous().reshape(-1)
         op = _new_op(self.rank, self.timeout_s, dst, tag, tensor, host, what, is_recv=False)
+        if self.recorder is not None:
+            op.record = self.recorder.p2p(False, dst, tensor, self.timeout_s)
         with self._lock:
             if dst == self.rank:
                 self._matching.deliver_local(op)
@@ -363,6 +373,8 @@ class P2PChannel:
         else:
             host = torch.empty(tensor.numel(), dtype=tensor.dtype)
         op = _new_op(self.rank, self.timeout_s, src, tag, tensor, host, what, is_recv=True)
+        if self.recorder is not None:
+            op.record = self.recorder.p2p(True, src, tensor, self.timeout_s)
         matching = self._matching
         with self._lock:
             if matching.post(op):

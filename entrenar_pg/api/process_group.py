@@ -62,6 +62,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._timeout = timeout
         self._runtime = Runtime(store, rank, size, self.options, timeout, group_name)
+        if self._runtime.recorder is not None:  # dumps name the group as torch does
+            self._runtime.recorder.describe(self, self._global_ranks)
         self._checks = rq.Checks(rank, size, self._runtime.state)
         self.checker = ContractChecker(self) if self.options.check else None
         # The run ledger (one line per optimizer step on rank 0): ledger_writer.py.

@@ -13,6 +13,7 @@ and the engine completes the future.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from datetime import timedelta
@@ -20,12 +21,15 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.autograd import profiler as _profiler
 
+from .. import flight_recorder
 from ..api.requests import Request
 from ..api.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import Options
 from ..errors import EntrenarError
+from ..flight_recorder import FlightRecorder
 from ..p2p import P2PChannel
 from ..transport import Mesh
 from ..wire import OpCode
@@ -34,7 +38,11 @@ from .jobs import JOBS
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
 from .state import GroupState, Phase
 
+log = logging.getLogger(__name__)
+
 _CPU = torch.device("cpu")
+_record_enter = torch._C._autograd._record_function_with_args_enter
+_record_exit = torch._C._autograd._record_function_with_args_exit
 _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
 # How long abort() waits for the comm thread to end: a job blocked on the
@@ -45,6 +53,21 @@ ABORT_JOIN_S = 0.4
 # under it (a job waiting on a silent peer would otherwise keep its thread
 # until the job's own timeout).
 SHUTDOWN_DRAIN_S = 10.0
+
+
+def profiled_call(seq: int, req: Request) -> Any:
+    """Open the profiler event of collective ``seq``: ``entrenar:<op>`` (``entrenar:allreduce``).
+
+    Its inputs are the call's tensors (the profiler shows their shapes and
+    dtypes with ``record_shapes=True``), then the payload's bytes and the seq
+    number (its "Concrete Inputs"). torch's public ``record_function`` takes
+    only a string, which its traces do not show; this is what it runs
+    underneath, with arguments.
+    """
+    args: list[Any] = []
+    for tensors, _read, _write in req.io:
+        args += tensors
+    return _record_enter(f"entrenar:{op_name(req.op)}", *args, req.nbytes, seq)
 
 
 class Runtime:
@@ -84,9 +107,26 @@ class Runtime:
         self.state.on_break(self.p2p.abort)
         self.state.on_break(self.mesh.abort)
         self.engine = Engine(self.state, f"r{rank}-{name or 'pg'}", options.spin_us)
+        # The flight recorder (None when off: the hot path tests only that).
+        self.recorder: FlightRecorder | None = None
+        if options.fr_buffer_size > 0:
+            self.recorder = FlightRecorder(
+                options.fr_buffer_size, rank, size, name, options.dump_prefix()
+            )
+            self.p2p.recorder = self.recorder
+            # Last: the peers hear of the failure before this rank writes its file.
+            self.state.on_break(self._record_break)
 
     def _p2p_failed(self, error: EntrenarError) -> None:
         self.state.fail(error, "p2p")
+
+    def _record_break(self, error: EntrenarError) -> None:
+        """A break hook: the recorder keeps the failure; dump if asked to."""
+        assert self.recorder is not None
+        self.recorder.fail(error, self.state.failed_at)
+        if self.options.fr_dump_on_timeout:
+            path = flight_recorder.write()
+            log.error("rank %d: flight recorder dumped to %s", self.rank, path)
 
     # ------------------------------------------------------------ issuing
 
@@ -144,6 +184,8 @@ class Runtime:
                 staging.completion_context(),
                 work,
             )
+            if self.recorder is not None:
+                job.record = self.recorder.collective(seq, req.op, req.io, timeout_s)
             inline = (
                 (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
@@ -174,21 +216,30 @@ class Runtime:
         staged: list[list[Staged]],
         timeout_s: float,
     ) -> Any:
-        """A job's work, in whichever thread holds the engine's token."""
-        mesh = self.mesh
-        mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
-        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
-        staging.load()
-        hosts = []
-        for items in staged:
-            group = []
-            for it in items:
-                assert it.host is not None, "internal: staging.load() not run"
-                group.append(it.host)
-            hosts.append(group)
-        JOBS[type(req)](self, seq, req, hosts)
-        staging.store()
-        return req.result
+        """A job's work, in whichever thread holds the engine's token.
+
+        Under ``torch.profiler`` it is one ``entrenar:<op>`` event on this
+        thread (``profiled_call``); otherwise that costs one attribute test.
+        """
+        event = profiled_call(seq, req) if _profiler._is_profiler_enabled else None
+        try:
+            mesh = self.mesh
+            mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
+            mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
+            staging.load()
+            hosts = []
+            for items in staged:
+                group = []
+                for it in items:
+                    assert it.host is not None, "internal: staging.load() not run"
+                    group.append(it.host)
+                hosts.append(group)
+            JOBS[type(req)](self, seq, req, hosts)
+            staging.store()
+            return req.result
+        finally:
+            if event is not None:
+                _record_exit(event)
 
     def call(self, seq: int, op: OpCode, nbytes: int) -> Call:
         """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""

@@ -45,6 +45,8 @@ class Job:
     # The Work handed to the caller: held here until the job is done, so a
     # Python Work passed to C++ (DDP's reducer) is not collected while pending.
     work: Any = None
+    # Its flight-recorder entry (flight_recorder.Entry), when the group records.
+    record: Any = None
 
 
 class Stats:
@@ -192,18 +194,27 @@ class Engine:
                 self._release()
 
     def execute(self, job: Job) -> None:
+        record = job.record
         if self._state.error is not None:
+            if record is not None:
+                record.retire()
             job.future.set_exception(self._state.broken_error(f"{job.kind}#{job.seq}"))
             return
+        if record is not None:
+            record.start()
         start = time.perf_counter()
         try:
             value = job.run()
         except BaseException as e:
+            if record is not None:
+                record.retire()  # still "started": it never completed
             self._fail(job, e)
             if not isinstance(e, Exception) and not self.in_comm_thread():
                 raise  # Ctrl-C in a caller running its own job: the group is broken, stop
             return
         self.stats.record(job.kind, job.nbytes, time.perf_counter() - start)
+        if record is not None:
+            record.complete()
         if job.completion_context is None:
             job.future.set_result(value)
         else:
