@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +29,8 @@ import torch.distributed as dist
 from .. import sparse
 from .._plugin import BACKEND_NAME
 from ..config import Options
-from ..contracts import ContractChecker
+from ..checker import ContractChecker
+from ..wire import OpCode
 from ..errors import EntrenarError
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
@@ -100,12 +101,22 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 
     @property
     def checker(self) -> Any | None:
-        """The contract checker run around every allreduce, if any (``ContractChecker.install``)."""
+        """The contract checker run around every collective, if any (``ContractChecker.install``)."""
         return self._runtime.checker
 
     @checker.setter
     def checker(self, checker: Any | None) -> None:
         self._runtime.checker = checker
+
+    def submit_check(self, run: Callable[[Any], None]) -> Any:
+        """The contract checker's entry point: ``run(call)`` as the group's next job.
+
+        The job (op CHECK, the next sequence number) runs in issue order with
+        the group's collectives, on every rank, so ``run`` may exchange data
+        through ``call`` (a ``collectives.Call``) and raise a verdict; an error
+        breaks the group like a failed collective. Returns the Work.
+        """
+        return self._runtime.submit(rq.custom(OpCode.CHECK, run))
 
     # ------------------------------------------------------------ torch integration
     #
