@@ -51,12 +51,11 @@ class Corrupt:
         self.job(rt, seq, req, hosts)
         rank = rt.rank
         self.calls[rank] = self.calls.get(rank, 0) + 1
-        written = [h for (_, _, write), h in zip(req.io, hosts, strict=True) if write]
+        written = [t for (_, _, write), h in zip(req.io, hosts, strict=True) if write for t in h]
+        written = [t for t in written if t.numel()]
         if self.calls[rank] != self.at or rank not in self.victims or not written:
             return
-        flat = written[0][0]
-        if not flat.numel():
-            return
+        flat = written[0]
         if self.how == "bump":  # one element off on one rank
             flat[flat.numel() // 2] += 1
         elif self.how == "scale":  # every rank the same wrong (scaled) output
@@ -65,7 +64,9 @@ class Corrupt:
             flat[: max(1, flat.numel() // rt.mesh.world)] = 0
         elif self.how == "inc7":  # integer off by one
             flat[7] += 1
-        elif self.how == "bitflip":  # the lowest mantissa bit of one element
+        elif self.how == "gross":  # one element far off (beyond any rounding bound)
+            flat[flat.numel() // 2] += 1000
+        elif self.how == "copy-bit":  # the lowest mantissa bit of one float32 element
             flat.view(torch.int32)[flat.numel() // 3] ^= 1
 
 
