@@ -44,10 +44,13 @@ from .verdict import Judge, minority
 
 FLUSH_EVERY = 64  # records pending at most between optimizer steps
 
-# The parameter part of a batch: whether this group compares parameters at
-# this step, their hash, count, bytes and the step number.
-_P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP = range(5)
-_NO_PARAMETERS = [0, 0, 0, 0, 0]
+# The step part of a batch: whether this group compares parameters at this
+# step, their hash, count, bytes and the step number; and whether another
+# group of this rank found a violation at this step (1 + its culprit's global
+# rank, or -1 for no single culprit; 0: none), so every rank of the default
+# group raises it.
+_P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP, _P_ELSEWHERE = range(6)
+_NO_PARAMETERS = [0, 0, 0, 0, 0, 0]
 # aux field of the CHECK header: a step's batch and a batch between steps
 # can't be confused.
 _AUX_BATCH = 1
@@ -189,9 +192,19 @@ class ContractChecker:
                 self.allreduces_checked += 1
             self._count(judge.collective([row[at:end] for row in rows]))
             at = end
+        steps = [row[: len(parameters)] for row in rows]
         if parameters[_P_HAS]:
-            self._judge_parameters(call, [row[: len(parameters)] for row in rows])
+            self._judge_parameters(call, steps)
             self._count([PARAMETERS_ID])
+        reporters = [r for r, row in enumerate(steps) if row[_P_ELSEWHERE]]
+        if reporters:
+            culprits = sorted({row[_P_ELSEWHERE] - 1 for row in steps if row[_P_ELSEWHERE] > 0})
+            raise ContractViolation(
+                f"rank {call.rank}: a contract was violated at optimizer step {self.step} in "
+                f"another group of rank(s) {reporters} (culprit rank(s) {culprits}); "
+                "halting every rank",
+                culprit=culprits[0] if len(culprits) == 1 else None,
+            )
 
     def _count(self, held: Iterable[str]) -> None:
         with self._lock:
@@ -235,22 +248,44 @@ class ContractChecker:
         group of the process judges its pending records and compares its replicas'
         parameters, in group creation order (the same on every rank)."""
         plan = replicas.by_group(_params(optimizer), self.group)
+        # The other groups first: a violation in one (an HSDP replicate group)
+        # is known to its ranks only; the default group's exchange, last,
+        # tells every rank, so all of them stop at this step.
+        elsewhere: ContractViolation | None = None
         for group in _checked_groups(self.group):
-            checker = group.checker
-            checker._step(plan.get(id(group), (group, []))[1])
-            if checker is not self:
-                self._absorb(checker)
+            if group is self.group:
+                continue
+            try:
+                group.checker._step(plan.get(id(group), (group, []))[1])
+            except ContractViolation as e:
+                if elsewhere is None:
+                    elsewhere = e
+                    e.culprit = _global_rank(group, e.culprit)
+            self._absorb(group.checker)
+        try:
+            self._step(plan.get(id(self.group), (self.group, []))[1], elsewhere)
+        except ContractViolation:
+            if elsewhere is not None:
+                raise elsewhere from None  # this rank's own, fuller account
+            raise
 
     def check_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """One step of this group now: judge the pending records and C-DDP-001 for the
         parameters replicated across its ranks. A collective: every rank calls it."""
         self._step(replicas.by_group(params, self.group).get(id(self.group), (None, []))[1])
 
-    def _step(self, tensors: list[torch.Tensor]) -> None:
+    def _step(
+        self, tensors: list[torch.Tensor], elsewhere: ContractViolation | None = None
+    ) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            parameters = [1, digest(tensors), len(tensors), nbytes, self.step + 1] if tensors else _NO_PARAMETERS
+            parameters = list(_NO_PARAMETERS)
+            if tensors:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                parameters[:_P_ELSEWHERE] = [1, digest(tensors), len(tensors), nbytes, self.step + 1]
+            if elsewhere is not None:
+                culprit = elsewhere.culprit
+                parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1
             self.group.submit_check(_Batch(self, parameters, _AUX_STEP)).wait()
         finally:
             self.seconds += time.perf_counter() - start
@@ -300,6 +335,15 @@ class _Batch:
 
 def _params(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _global_rank(group: Any, rank: int | None) -> int | None:
+    if rank is None:
+        return None
+    try:
+        return int(dist.get_global_rank(group, rank))
+    except (RuntimeError, ValueError):  # not a group torch knows
+        return rank
 
 
 def _checked_groups(default: Any) -> list[Any]:
