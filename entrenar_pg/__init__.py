@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ._plugin import BACKEND_NAME, register
 from .api.process_group import EntrenarProcessGroup
-from .config import Options
 from .checker import ContractChecker
+from .config import Options
 from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError
 from .reduce_ops import tree_sum
 

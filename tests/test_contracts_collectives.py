@@ -1,4 +1,4 @@
-"""The checker on every collective (docs/contracts.md): each form, clean and with one corrupted output.
+"""The checker on every collective (docs/contracts.md): each form, clean and with a corrupted output.
 
 Every collective and call form runs under the checker on three rank threads:
 clean, nothing is raised and every call is counted under its contract; with
@@ -94,7 +94,11 @@ CASES = [
         lambda r, pg, i: pg.allgather([z() for _ in range(N)], x(r, i)),
     ),
     Case(
-        "allgather", rq.Allgather, "C-AG-001", 1, lambda r, pg, i: pg._allgather_base(z(N * M), x(r, i))
+        "allgather",
+        rq.Allgather,
+        "C-AG-001",
+        1,
+        lambda r, pg, i: pg._allgather_base(z(N * M), x(r, i)),
     ),
     Case(
         "allgather",
@@ -110,7 +114,9 @@ CASES = [
         rq.AllgatherPacked,
         "C-AG-001",
         1,
-        lambda r, pg, i: pg.allgather_into_tensor_coalesced([z(N * M), z(N * 4)], [x(r, i), x(r, i, 4)]),
+        lambda r, pg, i: pg.allgather_into_tensor_coalesced(
+            [z(N * M), z(N * 4)], [x(r, i), x(r, i, 4)]
+        ),
     ),
     Case("broadcast", rq.Broadcast, "C-BC-001", 2, lambda r, pg, i: pg.broadcast(x(r, i), 0)),
     Case("gather", rq.Rooted, "C-GA-001", 1, _gather),
@@ -155,7 +161,9 @@ def test_every_collective_clean() -> None:
     for case in CASES:
         expected[case.contract] = expected.get(case.contract, 0) + 2
     expected["C-RS-001"] += 2
-    expected["F-DP-003"] = 2 * sum(c.contract in ("C-RING-001", "C-RS-001", "C-RED-001") for c in CASES) + 1
+    expected["F-DP-003"] = (
+        2 * sum(c.contract in ("C-RING-001", "C-RS-001", "C-RED-001") for c in CASES) + 1
+    )
     for got in run_ranks(N, fn, options=CHECK, timeout_s=50):
         assert got == expected
 
@@ -166,7 +174,11 @@ def test_corrupted_output_caught_at_k(monkeypatch: pytest.MonkeyPatch, case: Cas
     k = 2
     # A gross error (+1000 on one element) for the reductions, whose checksums
     # bound float error; one flipped bit for the copies, whose hashes are exact.
-    how = "copy-bit" if case.contract in ("C-AG-001", "C-BC-001", "C-GA-001", "C-SC-001", "C-A2A-001") else "gross"
+    how = (
+        "copy-bit"
+        if case.contract in ("C-AG-001", "C-BC-001", "C-GA-001", "C-SC-001", "C-A2A-001")
+        else "gross"
+    )
     corrupt(monkeypatch, case.kind, k, {case.victim}, how)
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[int, str]:
@@ -223,7 +235,9 @@ def test_batched_verdict_within_flush_every(
     for at, msg, verdicts in run_ranks(N, fn, options=opts, timeout_s=50):
         assert verdicts == [{"C-RING-001": 1, "F-DP-003": 1, "C-DDP-001": 1}]
         assert at == (barrier_at or flush_every), msg
-        assert re.search(r"C-RING-001 violated at allreduce #5 \(bucket 3 of optimizer step 2;", msg), msg
+        assert re.search(
+            r"C-RING-001 violated at allreduce #5 \(bucket 3 of optimizer step 2;", msg
+        ), msg
 
 
 @pytest.mark.timeout(60)

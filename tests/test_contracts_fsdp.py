@@ -32,7 +32,9 @@ STEPS = 4
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
 
 
 class StepFault:
@@ -58,7 +60,9 @@ class StepFault:
             out.view(torch.int32)[out.numel() // 2] ^= 1
 
 
-def _train(mesh: Any, rank: int, fault: StepFault | None, perturb: int | None) -> tuple[int, str, list[dict[str, int]], list[torch.Tensor]]:
+def _train(
+    mesh: Any, rank: int, fault: StepFault | None, perturb: int | None
+) -> tuple[int, str, list[dict[str, int]], list[torch.Tensor]]:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
@@ -74,10 +78,14 @@ def _train(mesh: Any, rank: int, fault: StepFault | None, perturb: int | None) -
             if fault is not None:
                 fault.step = step
             g = torch.Generator().manual_seed(10 * step + rank)
-            loss = ((model(torch.randn(8, 16, generator=g)) - torch.randn(8, 4, generator=g)) ** 2).mean()
+            loss = (
+                (model(torch.randn(8, 16, generator=g)) - torch.randn(8, 4, generator=g)) ** 2
+            ).mean()
             loss.backward()
             if perturb is not None and step == K and rank == perturb:
-                with torch.no_grad():  # one replica's shard moves (the hook after this step sees it)
+                with (
+                    torch.no_grad()
+                ):  # one replica's shard moves (the hook after this step sees it)
                     model[0].weight.to_local().view(-1)[0] += 1e-6
             opt.step()
             opt.zero_grad()
@@ -85,7 +93,12 @@ def _train(mesh: Any, rank: int, fault: StepFault | None, perturb: int | None) -
                 verdicts.append(pg.checker.take_verdicts())
     except ContractViolationType as e:
         return step, str(e), verdicts, []
-    return -1, "no violation", verdicts, [p.full_tensor().detach().clone() for p in model.parameters()]
+    return (
+        -1,
+        "no violation",
+        verdicts,
+        [p.full_tensor().detach().clone() for p in model.parameters()],
+    )
 
 
 ContractViolationType: Any = None
@@ -94,10 +107,11 @@ ContractViolationType: Any = None
 def _worker(rank: int, world: int, scenario: str, out_dir: str) -> None:
     global ContractViolationType
     os.environ["ENTRENAR_CHECK"] = "1"
+    from torch.distributed.device_mesh import init_device_mesh
+
     import entrenar_pg
     from entrenar_pg.api import requests as rq
     from entrenar_pg.runtime import jobs
-    from torch.distributed.device_mesh import init_device_mesh
 
     ContractViolationType = entrenar_pg.ContractViolation
     warnings.filterwarnings("ignore")

@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from .. import sparse
 from .._plugin import BACKEND_NAME
-from ..config import Options
 from ..checker import ContractChecker
-from ..wire import OpCode
+from ..config import Options
 from ..errors import EntrenarError
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
 from ..runtime.dispatch import Runtime
+from ..wire import OpCode
 from . import requests as rq
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 
     @property
     def checker(self) -> Any | None:
-        """The contract checker run around every collective, if any (``ContractChecker.install``)."""
+        """The contract checker run around every collective, if any (``ContractChecker``)."""
         return self._runtime.checker
 
     @checker.setter

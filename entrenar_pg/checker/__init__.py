@@ -1,4 +1,4 @@
-"""The contract checker (``ENTRENAR_CHECK=1``): proves, as training runs, that every collective was right.
+"""The contract checker (``ENTRENAR_CHECK=1``): proves, as it runs, that every collective was right.
 
 - ``kinds``: what each collective promises (a ``Contract`` per opcode) and
   each request kind's slots (its inputs and outputs as the contract sees them);

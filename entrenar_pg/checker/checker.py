@@ -1,4 +1,4 @@
-"""The contract checker of one group: measures every collective, judges in batches, raises everywhere.
+"""The contract checker of a group: measures every collective, judges in batches, raises everywhere.
 
 The runtime calls ``before`` and ``after`` around every job (runtime/dispatch.py,
 ``Runtime.run``). ``before`` asks the request kind for its slots
@@ -166,7 +166,9 @@ class ContractChecker:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             if m.contract.rule is not Rule.FLUSH:
-                records.finish(self._projection, m.contract, m.views, m.record, rt.rank, rt.mesh.world)
+                records.finish(
+                    self._projection, m.contract, m.views, m.record, rt.rank, rt.mesh.world
+                )
                 self._pending.append(m.record)
             due = len(self._pending) >= self._hold or m.contract.rule is Rule.FLUSH
             if self._pending and due:
@@ -282,7 +284,13 @@ class ContractChecker:
             parameters = list(_NO_PARAMETERS)
             if tensors:
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                parameters[:_P_ELSEWHERE] = [1, digest(tensors), len(tensors), nbytes, self.step + 1]
+                parameters[:_P_ELSEWHERE] = [
+                    1,
+                    digest(tensors),
+                    len(tensors),
+                    nbytes,
+                    self.step + 1,
+                ]
             if elsewhere is not None:
                 culprit = elsewhere.culprit
                 parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1

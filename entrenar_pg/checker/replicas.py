@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 
-def by_group(params: Iterable[torch.Tensor], home: Any) -> dict[int, tuple[Any, list[torch.Tensor]]]:
+def by_group(
+    params: Iterable[torch.Tensor], home: Any
+) -> dict[int, tuple[Any, list[torch.Tensor]]]:
     """``{id(group): (group, tensors)}``: the tensors each group's ranks must hold alike.
 
     ``home`` is the group of plain parameters (the training loop's group).

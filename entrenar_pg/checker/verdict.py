@@ -107,15 +107,19 @@ class Judge:
         n = len(recs)
         if dtype in INT_DTYPES:
             mask = (1 << _INT_BITS[dtype]) - 1
-            diffs = [
-                sum(r[at + R.S_OUT + k] - r[at + R.S_IN + k] for r in recs) & mask for k in ks
-            ]
+            diffs = [sum(r[at + R.S_OUT + k] - r[at + R.S_IN + k] for r in recs) & mask for k in ks]
             return any(diffs), f"exact checksums modulo 2^{_INT_BITS[dtype]} differ"
         if any(r[R.FLAGS] & R.OUT_NONFINITE for r in recs):
             # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
             # behaviour, e.g. float16); a replicated output's hash still applies.
             return False, ""
-        f = 1.0 / n if kind is Kind.AVG else R.i2f(recs[0][R.FACTOR]) if kind is Kind.PREMUL_SUM else 1.0
+        f = (
+            1.0 / n
+            if kind is Kind.AVG
+            else R.i2f(recs[0][R.FACTOR])
+            if kind is Kind.PREMUL_SUM
+            else 1.0
+        )
         got = [math.fsum(R.i2f(r[at + R.S_OUT + k]) for r in recs) for k in ks]
         expected = [f * math.fsum(R.i2f(r[at + R.S_IN + k]) for r in recs) for k in ks]
         tau = self.tolerance + (n + 1) * ROUNDOFF[dtype]
@@ -137,7 +141,10 @@ class Judge:
                 if not rec[got + R.HAS_RECV]:
                     continue
                 sent = R.slot_at(contract, q if contract.keyed else 0)
-                if not recs[p][sent + R.HAS_IN] or recs[p][sent + R.IN_HASH] != rec[got + R.RECV_HASH]:
+                if (
+                    not recs[p][sent + R.HAS_IN]
+                    or recs[p][sent + R.IN_HASH] != rec[got + R.RECV_HASH]
+                ):
                     wrong.append(f"rank {q}'s slot from rank {p}")
                     if q not in offenders:
                         offenders.append(q)
