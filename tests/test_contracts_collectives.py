@@ -1,4 +1,4 @@
-"""The checker on every collective (docs/contracts.md): each form, clean and with a corrupted output.
+"""The checker on every collective (docs/contracts.md): each form, clean and corrupted.
 
 Every collective and call form runs under the checker on three rank threads:
 clean, nothing is raised and every call is counted under its contract; with
