@@ -157,6 +157,7 @@ def _run(tmp_path: Any, world: int, scenario: str) -> list[dict[str, str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp2_clean_then_gathered_parameter_corrupted(tmp_path: Any) -> None:
     """Clean: nothing raised, every step judged, the weights of an unchecked run.
@@ -173,6 +174,7 @@ def test_fsdp2_clean_then_gathered_parameter_corrupted(tmp_path: Any) -> None:
         _caught(got, rank, "C-AG-001", "allgather", 0, STEPS + K)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp2_gradient_shard_corrupted(tmp_path: Any) -> None:
     """A reduce-scatter output (rank 1's gradient shard) far off at step K: caught at K."""
@@ -190,6 +192,7 @@ def _caught(
     assert f"[offending rank(s): [{victim}]]" in msg, msg
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_hsdp_replicas_compared_after_every_step(tmp_path: Any) -> None:
     """Rank 3 perturbs its shard at step K: ranks 1 and 3 (the same shard) disagree."""

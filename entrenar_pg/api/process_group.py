@@ -21,7 +21,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,16 @@ from ..wire import OpCode
 from . import requests as rq
 
 log = logging.getLogger(__name__)
+
+
+class _Blocking(NamedTuple):
+    """Call options of a job its caller waits for at once (torch's ``asyncOp=False``)."""
+
+    asyncOp: bool = False  # noqa: N815 (torch's name)
+    timeout: Any = None  # the group's
+
+
+_BLOCKING = _Blocking()
 
 
 class EntrenarProcessGroup(dist.ProcessGroup):
@@ -114,9 +124,11 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         The job (op CHECK, the next sequence number) runs in issue order with
         the group's collectives, on every rank, so ``run`` may exchange data
         through ``call`` (a ``collectives.Call``) and raise a verdict; an error
-        breaks the group like a failed collective. Returns the Work.
+        breaks the group like a failed collective. Returns the Work. A
+        blocking call (the checker waits at once): it runs in the caller's
+        thread when the group is idle, as a blocking collective does.
         """
-        return self._runtime.submit(rq.custom(OpCode.CHECK, run))
+        return self._runtime.submit(rq.custom(OpCode.CHECK, run), _BLOCKING)
 
     # ------------------------------------------------------------ torch integration
     #
