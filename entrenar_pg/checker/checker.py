@@ -170,6 +170,8 @@ class ContractChecker:
                     self._projection, m.contract, m.views, m.record, rt.rank, rt.mesh.world
                 )
                 self._pending.append(m.record)
+                if req.op is OpCode.ALLREDUCE:
+                    self.allreduces_checked += 1  # measured: judged in this batch or the next
             due = len(self._pending) >= self._hold or m.contract.rule is Rule.FLUSH
             if self._pending and due:
                 self._batch(rt.call(seq, OpCode.CHECK, 0), _NO_PARAMETERS, _AUX_BATCH)
@@ -190,8 +192,6 @@ class ContractChecker:
         at = len(parameters)
         for rec in pending:
             end = at + rec[records.LEN]
-            if rec[records.OPCODE] == int(OpCode.ALLREDUCE):
-                self.allreduces_checked += 1
             self._count(judge.collective([row[at:end] for row in rows]))
             at = end
         steps = [row[: len(parameters)] for row in rows]

@@ -17,6 +17,10 @@ BLOCK = 4096  # projection block: float32 accumulation over at most this many el
 _SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
 SEED = 0x5EED_C0DE
 PROJECTIONS = 2  # independent random projections, computed in the same pass
+# Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
+# every rank), so a corruption that recurs call after call meets fresh vectors.
+VARIANTS = 16
+_VARIANT_STRIDE = 1_000_003
 
 
 def tensor_weight(j: int) -> tuple[float, int]:
@@ -31,7 +35,8 @@ def tensor_weight(j: int) -> tuple[float, int]:
 
 
 class Projection:
-    """Two random vectors r_k, the same on every rank (fixed seed), applied blockwise.
+    """Two random vectors r_k, the same on every rank (fixed seeds), applied blockwise;
+    ``VARIANTS`` independent such pairs, chosen per call.
 
     r_k[j] = base[k, j mod 4096] * weight[k, j // 4096]: one matrix product
     over the (blocks x 4096) view of the data (both projections in one pass),
@@ -41,28 +46,36 @@ class Projection:
     """
 
     def __init__(self, seed: int = SEED) -> None:
-        g = torch.Generator().manual_seed(seed)
-        base = torch.randn(PROJECTIONS, BLOCK, generator=g, dtype=torch.float64)
-        base[base == 0] = 1.0
-        self.r64 = base
-        self.r32 = base.float()
-        self.rint = torch.randint(
-            1, 1 << 20, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64
-        ) * (torch.randint(0, 2, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * 2 - 1)
         self._seed = seed
-        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bases: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.r64, self.r32, self.rint = self.base(0)
 
-    def weights(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block weights (float64, int64) for >= ``blocks`` blocks: a function of the size only."""
+    def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 4096-entry vectors (float64, float32, int64) of one of the ``VARIANTS``."""
+        got = self._bases.get(variant)
+        if got is None:
+            g = torch.Generator().manual_seed(self._seed + _VARIANT_STRIDE * variant)
+            base = torch.randn(PROJECTIONS, BLOCK, generator=g, dtype=torch.float64)
+            base[base == 0] = 1.0
+            rint = torch.randint(
+                1, 1 << 20, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64
+            ) * (torch.randint(0, 2, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * 2 - 1)
+            got = self._bases[variant] = (base, base.float(), rint)
+        return got
+
+    def weights(self, blocks: int, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block weights (float64, int64) for >= ``blocks`` blocks: a function of the size
+        (and the variant) only."""
         cap = 1 << max(blocks - 1, 0).bit_length()
-        w = self._weights.get(cap)
+        w = self._weights.get((variant, cap))
         if w is None:
-            g = torch.Generator().manual_seed(self._seed + cap)
+            g = torch.Generator().manual_seed(self._seed + cap + _VARIANT_STRIDE * variant)
             wf = torch.randn(PROJECTIONS, cap, generator=g, dtype=torch.float64)
             wf[wf == 0] = 1.0
             wi = torch.randint(1, 1 << 20, (PROJECTIONS, cap), generator=g, dtype=torch.int64)
             w = (wf, wi)
-            self._weights[cap] = w
+            self._weights[(variant, cap)] = w
         return w
 
     @staticmethod
@@ -83,18 +96,21 @@ class Projection:
         wide: bool = False,
         norm: bool = True,
         part: tuple[int, int] = (0, 1),
+        variant: int = 0,
     ) -> tuple[list[float], float]:
         """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows).
 
         ``part = (i, parts)``: the projections over the i-th of ``parts`` block
         ranges only (summed over i they give the whole; ``parts = 0``: none);
-        the norm is always of the whole tensor, and 0 unless ``norm``.
+        the norm is always of the whole tensor, and 0 unless ``norm``. ``variant``:
+        which of the ``VARIANTS`` pairs of vectors.
         """
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
-        wf, _ = self.weights(n // BLOCK + (1 if tail else 0))
+        wf, _ = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
-        r = self.r64 if work == torch.float64 else self.r32
+        r = r64 if work == torch.float64 else r32
         s = torch.zeros(PROJECTIONS, dtype=torch.float64)
         if f1 > b0:
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
@@ -108,24 +124,28 @@ class Projection:
             s += (v.double() * wf[:, b0:f1]).sum(1)
         if with_tail:
             full = n // BLOCK
-            s += torch.mv(self.r64[:, :tail], x[full * BLOCK :].double()) * wf[:, full]
+            s += torch.mv(r64[:, :tail], x[full * BLOCK :].double()) * wf[:, full]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return s.tolist(), size
 
-    def ints(self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1)) -> list[int]:
-        """[r_k . x] over int64 with wrap-around (exact modulo 2^64); ``part`` as in floats."""
+    def ints(
+        self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1), variant: int = 0
+    ) -> list[int]:
+        """[r_k . x] over int64 with wrap-around (exact modulo 2^64); ``part``, ``variant``
+        as in floats."""
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
-        _, wi = self.weights(n // BLOCK + (1 if tail else 0))
+        _, wi = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        rint = self.base(variant)[2]
         s = torch.zeros(PROJECTIONS, dtype=torch.int64)
         if f1 > b0:
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
             v = torch.empty(PROJECTIONS, f1 - b0, dtype=torch.int64)
             for a in range(0, f1 - b0, _SLICE_ROWS):
                 b = min(a + _SLICE_ROWS, f1 - b0)
-                torch.mm(self.rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
+                torch.mm(rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
             s += (v * wi[:, b0:f1]).sum(1)
         if with_tail:
             full = n // BLOCK
-            s += torch.mv(self.rint[:, :tail], x[full * BLOCK :].to(torch.int64)) * wi[:, full]
+            s += torch.mv(rint[:, :tail], x[full * BLOCK :].to(torch.int64)) * wi[:, full]
         return [int(v) for v in s.tolist()]

@@ -21,7 +21,7 @@ from ..reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind
 from ..wire import DTYPE_CODE, OpCode
 from .hashing import digest, to_i64
 from .kinds import Contract, Rule, Views
-from .projection import PROJECTIONS, Projection, tensor_weight
+from .projection import PROJECTIONS, VARIANTS, Projection, tensor_weight
 
 # Header fields.
 (LEN, SEQ, OPCODE, FLAGS, DTYPE, KIND, FACTOR, BAD, NUMEL, BUCKET, STEP, DIGEST) = range(12)
@@ -111,7 +111,7 @@ def begin(
                 at = slot_at(contract, s) + S_IN
                 for j, t in enumerate(tensors):
                     w = tensor_weight(j)[1]
-                    for k, v in enumerate(proj.ints(t)):
+                    for k, v in enumerate(proj.ints(t, variant=seq % VARIANTS)):
                         rec[at + k] = to_i64((rec[at + k] + w * v) & _MASK64)
     return rec
 
@@ -125,12 +125,13 @@ def _float_inputs(
     F-DP-003 costs nothing beyond it. Non-linear ops need only that part.
     """
     part = (0, 1) if linear else (0, 0)
+    variant = rec[SEQ] % VARIANTS
     offset = 0
     for s, tensors in views.inputs.items():
         at = slot_at(contract, s)
         sums, norm2 = [0.0] * PROJECTIONS, 0.0
         for j, t in enumerate(tensors):
-            got, nrm = proj.floats(t, part=part)
+            got, nrm = proj.floats(t, part=part, variant=variant)
             if not (_finite(got) and math.isfinite(nrm)):
                 nonfinite = (~torch.isfinite(t)).nonzero()
                 if nonfinite.numel():
@@ -139,7 +140,7 @@ def _float_inputs(
                         rec[BAD] = offset + int(nonfinite[0].item())
                     got, nrm = [0.0] * PROJECTIONS, 0.0
                 else:  # finite but overflowed float32: redo wide
-                    got, nrm = proj.floats(t, wide=True, part=part)
+                    got, nrm = proj.floats(t, wide=True, part=part, variant=variant)
             w = tensor_weight(j)[0]
             for k in range(PROJECTIONS):
                 sums[k] += w * got[k]
@@ -168,6 +169,7 @@ def finish(
     # A replicated output is projected in 1/N shares, one per rank: they add up
     # to the projection of the output once the digests prove the outputs identical.
     part = (rank, world) if contract.replicated else (0, 1)
+    variant = rec[SEQ] % VARIANTS
     is_float = CODE_IS_FLOAT.get(rec[DTYPE], False)
     for s, tensors in views.outputs.items():
         at = slot_at(contract, s)
@@ -177,7 +179,7 @@ def finish(
         if is_float:
             sums = [0.0] * PROJECTIONS
             for j, t in enumerate(tensors):
-                got, _ = proj.floats(t, norm=False, part=part)
+                got, _ = proj.floats(t, norm=False, part=part, variant=variant)
                 w = tensor_weight(j)[0]
                 for k in range(PROJECTIONS):
                     sums[k] += w * got[k]
@@ -188,7 +190,7 @@ def finish(
         else:
             for j, t in enumerate(tensors):
                 w = tensor_weight(j)[1]
-                for k, v in enumerate(proj.ints(t, part=part)):
+                for k, v in enumerate(proj.ints(t, part=part, variant=variant)):
                     rec[at + S_OUT + k] = to_i64((rec[at + S_OUT + k] + w * v) & _MASK64)
 
 
