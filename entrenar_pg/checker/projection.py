@@ -49,6 +49,7 @@ class Projection:
         self._seed = seed
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
         self.r64, self.r32, self.rint = self.base(0)
 
     def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +78,14 @@ class Projection:
             w = (wf, wi)
             self._weights[(variant, cap)] = w
         return w
+
+    def weights_list(self, blocks: int, variant: int = 0) -> list[list[float]]:
+        """The float block weights as Python lists (cached with the tensors)."""
+        cap = 1 << max(blocks - 1, 0).bit_length()
+        got = self._weight_lists.get((variant, cap))
+        if got is None:
+            got = self._weight_lists[(variant, cap)] = self.weights(blocks, variant)[0].tolist()
+        return got
 
     @staticmethod
     def _range(n: int, part: tuple[int, int]) -> tuple[int, int, int, bool]:
@@ -111,7 +120,9 @@ class Projection:
         r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
-        s = torch.zeros(PROJECTIONS, dtype=torch.float64)
+        # Few torch ops: for the small tensors of many calls their overhead, not
+        # the arithmetic, is the cost.
+        sums = [0.0] * PROJECTIONS
         if f1 > b0:
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
             if rows.dtype == work:
@@ -121,12 +132,17 @@ class Projection:
                 for a in range(0, f1 - b0, _SLICE_ROWS):
                     b = min(a + _SLICE_ROWS, f1 - b0)
                     torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
-            s += (v.double() * wf[:, b0:f1]).sum(1)
-        if with_tail:
+            sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
+        if with_tail:  # the last, partial block: its weight applied in Python floats
             full = n // BLOCK
-            s += torch.mv(r64[:, :tail], x[full * BLOCK :].double()) * wf[:, full]
+            rest = x[full * BLOCK :]
+            if rest.dtype != work:
+                rest = rest.to(work)
+            last = torch.mv(r[:, :tail], rest).tolist()
+            w = self.weights_list(n // BLOCK + 1, variant)
+            sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
-        return s.tolist(), size
+        return sums, size
 
     def ints(
         self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1), variant: int = 0
