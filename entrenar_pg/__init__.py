@@ -15,8 +15,8 @@ import torch.distributed as dist
 from . import flight_recorder
 from ._plugin import BACKEND_NAME, register
 from .api.process_group import EntrenarProcessGroup
+from .checker import ContractChecker
 from .config import Options
-from .contracts import ContractChecker
 from .errors import CollectiveMismatchError, ContractViolation, EntrenarError, PeerConnectionError
 from .reduce_ops import tree_sum
 

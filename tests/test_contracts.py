@@ -19,15 +19,11 @@ import torch
 import torch.distributed as dist
 from conftest import run_ranks, torchrun
 
-from entrenar_pg import (
-    ContractChecker,
-    ContractViolation,
-    EntrenarProcessGroup,
-    Options,
-    contracts,
-)
-from entrenar_pg.collectives import Call
-from entrenar_pg.reduce_ops import Reduction
+from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
+from entrenar_pg.api import requests as rq
+from entrenar_pg.checker import hashing
+from entrenar_pg.checker.projection import Projection
+from entrenar_pg.runtime import jobs
 
 CHECK = Options(check=True)
 
@@ -38,31 +34,48 @@ def op(kind: Any, factor: float | None = None) -> dist.AllreduceOptions:
     return o
 
 
-class CorruptingChecker(ContractChecker):
-    """Test double: corrupts the allreduce output of ``victims`` at their ``at``-th call.
+class Corrupt:
+    """Test double of a faulty algorithm: runs a job, then corrupts the output of
+    ``victims`` at their ``at``-th call of that kind.
 
-    It runs inside the job, between the algorithm and the real check, exactly
-    where a faulty algorithm or transport would leave a wrong result.
+    It wraps the job itself (``jobs.JOBS``), so the checker measures the
+    corrupted output exactly as it would a wrong result left by a broken
+    algorithm or transport.
     """
 
-    def __init__(self, group: Any, at: int, victims: set[int], how: str) -> None:
-        super().__init__(group)
-        self.at, self.victims, self.how, self.calls = at, victims, how, 0
+    def __init__(self, job: Any, at: int, victims: set[int], how: str) -> None:
+        self.job, self.at, self.victims, self.how = job, at, victims, how
+        self.calls: dict[int, int] = {}
 
-    def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
-        self.calls += 1
-        if self.calls == self.at and call.rank in self.victims and flat.numel():
-            if self.how == "bump":  # one element off on one rank
-                flat[flat.numel() // 2] += 1
-            elif self.how == "scale":  # every rank the same wrong (scaled) output
-                flat.mul_(1.5)
-            elif self.how == "drop":  # a lost contribution: the first chunk zeroed
-                flat[: max(1, flat.numel() // call.world)] = 0
-        super().after_allreduce(call, flat, red)
+    def __call__(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        self.job(rt, seq, req, hosts)
+        rank = rt.rank
+        self.calls[rank] = self.calls.get(rank, 0) + 1
+        written = [t for (_, _, write), h in zip(req.io, hosts, strict=True) if write for t in h]
+        written = [t for t in written if t.numel()]
+        if self.calls[rank] != self.at or rank not in self.victims or not written:
+            return
+        flat = written[0]
+        if self.how == "bump":  # one element off on one rank
+            flat[flat.numel() // 2] += 1
+        elif self.how == "scale":  # every rank the same wrong (scaled) output
+            flat.mul_(1.5)
+        elif self.how == "drop":  # a lost contribution: the first chunk zeroed
+            flat[: max(1, flat.numel() // rt.mesh.world)] = 0
+        elif self.how == "inc7":  # integer off by one
+            flat[7] += 1
+        elif self.how == "gross":  # one element far off (beyond any rounding bound)
+            flat[flat.numel() // 2] += 1000
+        elif self.how == "copy-bit":  # the lowest mantissa bit of one float32 element
+            flat.view(torch.int32)[flat.numel() // 3] ^= 1
 
 
-def install(pg: EntrenarProcessGroup, checker: ContractChecker) -> None:
-    pg.checker = checker
+def corrupt(
+    monkeypatch: pytest.MonkeyPatch, kind: type, at: int, victims: set[int], how: str
+) -> Corrupt:
+    wrapper = Corrupt(jobs.JOBS[kind], at, victims, how)
+    monkeypatch.setitem(jobs.JOBS, kind, wrapper)
+    return wrapper
 
 
 def run_until_violation(
@@ -172,7 +185,7 @@ def test_install_in_code() -> None:
 @pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096, 100_003])
 def test_projection_parts_add_up(numel: int) -> None:
     """Each rank projects 1/N of the output: the N parts must add up to the whole."""
-    proj = contracts._Projection()
+    proj = Projection()
     x = torch.randn(numel, dtype=torch.float64)
     whole, norm = proj.floats(x)
     assert norm == pytest.approx(float(x.norm()))
@@ -195,12 +208,12 @@ def test_projection_parts_add_up(numel: int) -> None:
 def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = torch.arange(1000.0), torch.arange(1000.0)
     b[500] = 0.5
-    assert contracts.digest([a]) == contracts.digest([a.clone()])
-    assert contracts.digest([a]) != contracts.digest([b])
-    assert contracts.digest([a[:400], a[400:]]) == contracts.digest([a])  # streaming
-    monkeypatch.setattr(contracts, "_xxhash", None)  # xxhash not installed: blake2b
-    assert contracts.digest([a]) == contracts.digest([a.clone()])
-    assert contracts.digest([a]) != contracts.digest([b])
+    assert hashing.digest([a]) == hashing.digest([a.clone()])
+    assert hashing.digest([a]) != hashing.digest([b])
+    assert hashing.digest([a[:400], a[400:]]) == hashing.digest([a])  # streaming
+    monkeypatch.setattr(hashing, "_xxhash", None)  # xxhash not installed: blake2b
+    assert hashing.digest([a]) == hashing.digest([a.clone()])
+    assert hashing.digest([a]) != hashing.digest([b])
 
 
 # ---------------------------------------------------------------------- C-RING-001
@@ -218,18 +231,16 @@ def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 @pytest.mark.parametrize("algorithm", ["ring", "star", "direct"])
 def test_corrupt_output_caught_at_k(
-    world: int, how: str, victims: set[int], algorithm: str
+    monkeypatch: pytest.MonkeyPatch, world: int, how: str, victims: set[int], algorithm: str
 ) -> None:
     k = 4
-
-    def setup(rank: int, pg: EntrenarProcessGroup) -> None:
-        install(pg, CorruptingChecker(pg, k, victims, how))
+    corrupt(monkeypatch, rq.Allreduce, k, victims, how)
 
     def make(rank: int, i: int) -> torch.Tensor:
         return torch.randn(10_000, generator=torch.Generator().manual_seed(rank * 100 + i))
 
     opts = Options(check=True, algorithm=algorithm)
-    results = run_until_violation(world, k, make, setup, opts)
+    results = run_until_violation(world, k, make, options=opts)
     for rank, (at, msg) in enumerate(results):
         assert at == k, f"rank {rank}: caught at call {at}, not {k}: {msg}"
         assert "C-RING-001" in msg and f"allreduce #{k} " in msg, msg
@@ -239,23 +250,15 @@ def test_corrupt_output_caught_at_k(
 
 
 @pytest.mark.timeout(60)
-def test_integer_checksum_is_exact() -> None:
+def test_integer_checksum_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """int64 SUM: an off-by-one on every rank (hashes agree) is caught by the exact checksum."""
     k, world = 2, 3
-
-    class OffByOne(ContractChecker):
-        def after_allreduce(self, call: Call, flat: torch.Tensor, red: Reduction) -> None:
-            if call.seq == k:
-                flat[7] += 1
-            super().after_allreduce(call, flat, red)
-
-    def setup(rank: int, pg: EntrenarProcessGroup) -> None:
-        install(pg, OffByOne(pg))
+    corrupt(monkeypatch, rq.Allreduce, k, {0, 1, 2}, "inc7")
 
     def make(rank: int, i: int) -> torch.Tensor:
         return torch.randint(-(2**40), 2**40, (5000,), generator=torch.Generator().manual_seed(i))
 
-    for at, msg in run_until_violation(world, k, make, setup):
+    for at, msg in run_until_violation(world, k, make):
         assert at == k and "C-RING-001" in msg and "not the SUM" in msg, msg
 
 
@@ -433,10 +436,9 @@ def test_ddp_torchrun_clean(tmp_path: Path) -> None:
 def test_ddp_torchrun_fault_caught_at_step_k(tmp_path: Path, fault: str, contract: str) -> None:
     """Rank 1's weights perturbed after step k / a NaN in its gradient at step k: all stop at k.
 
-    C-DDP-001 is raised by the optimizer hook: ContractViolation itself. F-DP-003
-    is raised in the allreduce job, which DDP's reducer waits on in C++: the
-    error reaches backward() as torch's RuntimeError carrying the
-    ContractViolation's text.
+    Both are raised by the optimizer hook at step k: ContractViolation itself.
+    (From the first step on, the checker judges a step's allreduces in the
+    step's own exchange, with C-DDP-001's hashes; the NaN's allreduce is named.)
     """
     k = 3
     out = _ddp_run(tmp_path, f"{fault}:{k}")
@@ -444,8 +446,9 @@ def test_ddp_torchrun_fault_caught_at_step_k(tmp_path: Path, fault: str, contrac
     assert sorted(r for r, _, _, _ in caught) == ["0", "1"], out
     for _, step, kind, msg in caught:
         assert int(step) == k and contract in msg, msg
+        assert kind == "ContractViolation", msg
         if fault == "perturb":
-            assert kind == "ContractViolation" and f"optimizer step {k}:" in msg, msg
+            assert f"optimizer step {k}:" in msg, msg
         else:
-            assert "ContractViolation" in msg and f"of optimizer step {k};" in msg, msg
+            assert re.search(rf"allreduce #\d+ \(bucket \d of optimizer step {k};", msg), msg
             assert "rank(s) [1]" in msg, msg

@@ -19,25 +19,36 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import sparse
 from .._plugin import BACKEND_NAME
+from ..checker import ContractChecker
 from ..config import Options
-from ..contracts import ContractChecker
 from ..errors import EntrenarError, PeerConnectionError
 from ..ledger_writer import RunLedger
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
 from ..runtime.dispatch import Runtime
+from ..wire import OpCode
 from . import requests as rq
 
 log = logging.getLogger(__name__)
+
+
+class _Blocking(NamedTuple):
+    """Call options of a job its caller waits for at once (torch's ``asyncOp=False``)."""
+
+    asyncOp: bool = False  # noqa: N815 (torch's name)
+    timeout: Any = None  # the group's
+
+
+_BLOCKING = _Blocking()
 
 
 class EntrenarProcessGroup(dist.ProcessGroup):
@@ -105,12 +116,24 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 
     @property
     def checker(self) -> Any | None:
-        """The contract checker run around every allreduce, if any (``ContractChecker.install``)."""
+        """The contract checker run around every collective, if any (``ContractChecker``)."""
         return self._runtime.checker
 
     @checker.setter
     def checker(self, checker: Any | None) -> None:
         self._runtime.checker = checker
+
+    def submit_check(self, run: Callable[[Any], None]) -> Any:
+        """The contract checker's entry point: ``run(call)`` as the group's next job.
+
+        The job (op CHECK, the next sequence number) runs in issue order with
+        the group's collectives, on every rank, so ``run`` may exchange data
+        through ``call`` (a ``collectives.Call``) and raise a verdict; an error
+        breaks the group like a failed collective. Returns the Work. A
+        blocking call (the checker waits at once): it runs in the caller's
+        thread when the group is idle, as a blocking collective does.
+        """
+        return self._runtime.submit(rq.custom(OpCode.CHECK, run), _BLOCKING)
 
     # ------------------------------------------------------------ torch integration
     #

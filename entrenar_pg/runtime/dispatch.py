@@ -234,7 +234,14 @@ class Runtime:
                     assert it.host is not None, "internal: staging.load() not run"
                     group.append(it.host)
                 hosts.append(group)
-            JOBS[type(req)](self, seq, req, hosts)
+            checker = self.checker
+            if checker is None:
+                JOBS[type(req)](self, seq, req, hosts)
+            else:  # the contract checker measures the job's inputs and outputs around it
+                measuring = checker.before(self, seq, req, hosts)
+                JOBS[type(req)](self, seq, req, hosts)
+                if measuring is not None:
+                    checker.after(self, seq, req, hosts, measuring)
             staging.store()
             return req.result
         finally:

@@ -35,20 +35,65 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
 _REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
 
 
+# ---------------------------------------------------------------------- layouts
+# Where each rank's piece lies in a request's staged tensors: shared by the
+# jobs and by the contract checker's views of the same call (checker/kinds.py).
+
+
+def reduce_scatter_pieces(
+    req: rq.ReduceScatter, inputs: Sequence[torch.Tensor], world: int
+) -> list[list[torch.Tensor]]:
+    """``pieces[p]``: this rank's contributions to rank p's output, in output order."""
+    if req.sizes is None:
+        return [[h] for h in inputs]
+    return [
+        [h[p * m : (p + 1) * m] for h, m in zip(inputs, req.sizes, strict=True)]
+        for p in range(world)
+    ]
+
+
+def allgather_chunks(
+    req: rq.Allgather, dst: Sequence[torch.Tensor], world: int
+) -> Sequence[torch.Tensor]:
+    """The output chunk of each rank (a list of N tensors, or N slices of one)."""
+    if req.split is None:
+        return dst
+    n, flat = req.split, dst[0]
+    return [flat[i * n : (i + 1) * n] for i in range(world)]
+
+
+def allgather_dests(
+    req: rq.AllgatherPacked, hosts: Hosts, world: int
+) -> Sequence[Sequence[torch.Tensor]]:
+    """``dests[p]``: where rank p's pieces go on this rank, in piece order."""
+    if req.sizes is None:
+        return hosts[1:]
+    sizes, outs = req.sizes, hosts[1]
+    return [
+        [o[p * m : (p + 1) * m] for o, m in zip(outs, sizes, strict=True)] for p in range(world)
+    ]
+
+
+def alltoall_pieces(
+    req: rq.Alltoall, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    """(the piece for each rank, the piece from each rank)."""
+    if req.bounds is None:
+        return ins, outs
+    (inp,), (out,) = ins, outs
+    in_bounds, out_bounds = req.bounds
+    return [inp[a:b] for a, b in in_bounds], [out[a:b] for a, b in out_bounds]
+
+
 # ---------------------------------------------------------------------- reductions
 
 
 def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction, nbytes: int) -> None:
     """The one allreduce of a flat host tensor (of ``nbytes``) every allreduce request ends in."""
     call = rt.call(seq, OpCode.ALLREDUCE, nbytes)
-    checker = rt.checker
-    if checker is not None:
-        checker.before_allreduce(call, flat, red)
     prepare_(flat, red)
     if call.choice.algo is not Algo.NONE:
         _ALLREDUCE[call.choice.algo](call, flat, red)
-    if checker is not None:
-        checker.after_allreduce(call, flat, red)
 
 
 def allreduce(rt: Runtime, seq: int, req: rq.Allreduce, hosts: Hosts) -> None:
@@ -91,14 +136,7 @@ def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -
     is unpacked into the outputs.
     """
     inputs, outs = hosts
-    n = rt.mesh.world
-    if req.sizes is None:
-        pieces: list[list[torch.Tensor]] = [[h] for h in inputs]
-    else:
-        sizes = req.sizes
-        pieces = [
-            [h[p * m : (p + 1) * m] for h, m in zip(inputs, sizes, strict=True)] for p in range(n)
-        ]
+    pieces = reduce_scatter_pieces(req, inputs, rt.mesh.world)
     red = req.red
     chunk_sizes = [sum(t.numel() for t in ps) for ps in pieces]
     flat = rt.scratch.get("rs_packed", sum(chunk_sizes), outs[0].dtype)
@@ -136,11 +174,7 @@ def broadcast(rt: Runtime, seq: int, req: rq.Broadcast, hosts: Hosts) -> None:
 
 def allgather(rt: Runtime, seq: int, req: rq.Allgather, hosts: Hosts) -> None:
     (src,), dst = hosts
-    if req.split is None:
-        chunks = dst
-    else:
-        n, flat = req.split, dst[0]
-        chunks = [flat[i * n : (i + 1) * n] for i in range(rt.mesh.world)]
+    chunks = allgather_chunks(req, dst, rt.mesh.world)
     call = rt.call(seq, OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
     chunks[call.rank].copy_(src)
     if call.choice.algo is not Algo.NONE:
@@ -156,14 +190,7 @@ def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Host
     """
     pieces = hosts[0]
     n = rt.mesh.world
-    dests: Sequence[Sequence[torch.Tensor]]
-    if req.sizes is None:
-        dests = hosts[1:]
-    else:
-        sizes, outs = req.sizes, hosts[1]
-        dests = [
-            [o[p * m : (p + 1) * m] for o, m in zip(outs, sizes, strict=True)] for p in range(n)
-        ]
+    dests = allgather_dests(req, hosts, n)
     size = sum(t.numel() for t in pieces)
     flat = rt.scratch.get("ag_packed", size * n, pieces[0].dtype)
     chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
@@ -194,15 +221,14 @@ def rooted(rt: Runtime, seq: int, req: rq.Rooted, hosts: Hosts) -> None:
 def alltoall(rt: Runtime, seq: int, req: rq.Alltoall, hosts: Hosts) -> None:
     call = rt.call(seq, OpCode.ALLTOALL, req.nbytes)
     if req.bounds is None:
-        alg.alltoall(call, hosts[0], hosts[1])
+        alg.alltoall(call, *alltoall_pieces(req, hosts[0], hosts[1]))
         return
     (inp,), (out,) = hosts
     if inp.numel() and inp.data_ptr() == out.data_ptr():  # in place: keep the input
         copy = call.scratch.get("alltoall_in", inp.numel(), inp.dtype)
         copy.copy_(inp)
         inp = copy
-    in_bounds, out_bounds = req.bounds
-    alg.alltoall(call, [inp[a:b] for a, b in in_bounds], [out[a:b] for a, b in out_bounds])
+    alg.alltoall(call, *alltoall_pieces(req, [inp], [out]))
 
 
 def barrier(rt: Runtime, seq: int, req: rq.Barrier, hosts: Hosts) -> None:

@@ -2,6 +2,7 @@
 
     python tests/scripts/contracts_cost.py allreduce N MIB REPEATS
     python tests/scripts/contracts_cost.py ddp N STEPS WIDTH BATCH
+    python tests/scripts/contracts_cost.py gpt N STEPS
 
 ``allreduce``: ring vs deterministic ring vs ring + checker at one size, one
 entrenar group each, interleaved (rotating order) so drift hits all alike. A
@@ -12,7 +13,9 @@ ratios to the first variant.
 ``ddp``: DDP training steps (3-layer MLP, 512 -> WIDTH -> WIDTH -> 512, AdamW)
 on two entrenar groups, checks off and on, alternating step by step; same
 model, same data. Prints step medians, their ratio, and the checker's own
-counters (wall and CPU seconds per step).
+counters (wall and CPU seconds per step). ``gpt``: the same with the
+benchmark's DDP model and batch (``benchmarks.model.make_model``: the
+trainer's GPT); run it from the repository root.
 
 Ranks are processes (mp.spawn) over loopback, one torch thread each; a gloo
 group carries the timing side traffic.
@@ -85,10 +88,6 @@ def allreduce_worker(rank: int, world: int, port: int, mib: int, repeats: int) -
 
 
 def ddp_worker(rank: int, world: int, port: int, steps: int, width: int, batch: int) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from entrenar_pg import Options
-
     _setup(rank, world, port)
     torch.manual_seed(0)
     base = torch.nn.Sequential(
@@ -98,7 +97,46 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, width: int, batch: 
         torch.nn.GELU(),
         torch.nn.Linear(width, 512),
     )
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, 512, generator=g), torch.randn(batch, 512, generator=g)
     n_params = sum(p.numel() for p in base.parameters())
+    label = f"MLP {n_params / 1e6:.2f}M params, batch {batch}"
+    _ddp_ab(rank, world, steps, base, torch.nn.functional.mse_loss, x, y, label)
+
+
+def gpt_worker(rank: int, world: int, port: int, steps: int) -> None:
+    """The benchmark's DDP model (the trainer's GPT) and batch, as ``benchmarks.bench`` runs it."""
+    _setup(rank, world, port)
+    sys.path.insert(0, os.getcwd())
+    from benchmarks.model import make_model
+
+    torch.manual_seed(0)
+    spec = make_model()
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(0, spec.vocab_size, (spec.batch, spec.seq_len), generator=gen)
+    y = torch.randint(0, spec.vocab_size, (spec.batch, spec.seq_len), generator=gen)
+    n_params = sum(p.numel() for p in spec.model.parameters())
+
+    label = f"{spec.name} {n_params / 1e6:.2f}M params"
+    _ddp_ab(rank, world, steps, spec.model, None, x, y, label, spec_loss=spec.loss)
+
+
+def _ddp_ab(
+    rank: int,
+    world: int,
+    steps: int,
+    base: Any,
+    loss_fn: Any,
+    x: Any,
+    y: Any,
+    label: str,
+    spec_loss: Any = None,
+) -> None:
+    """Checks off and on, one DDP model each on its own group, alternating step by step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from entrenar_pg import Options
+
     models: dict[str, Any] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
     checker: Any = None
@@ -109,16 +147,17 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, width: int, batch: 
         if opts.check:
             checker = group.checker
             checker.watch(optims[name])  # not the default group: name the optimizer
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(batch, 512, generator=g), torch.randn(batch, 512, generator=g)
     wall: dict[str, list[float]] = {n: [] for n in models}
     cpu: dict[str, list[float]] = {n: [] for n in models}
     for i in range(steps + 3):
         for name in ("off", "check") if i % 2 else ("check", "off"):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            optims[name].zero_grad()
-            torch.nn.functional.mse_loss(models[name](x), y).backward()
+            optims[name].zero_grad(set_to_none=True)
+            if spec_loss is not None:
+                spec_loss(models[name], x, y).backward()
+            else:
+                loss_fn(models[name](x), y).backward()
             optims[name].step()
             w, c = _sample(t0, c0, world)
             if i >= 3:
@@ -129,8 +168,8 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, width: int, batch: 
         coff, con = statistics.median(cpu["off"]), statistics.median(cpu["check"])
         per = max(checker.steps_checked, 1)
         print(
-            f"N={world} MLP {n_params / 1e6:.2f}M params, batch {batch}: "
-            f"step off {off * 1e3:.1f} ms, check {on * 1e3:.1f} ms ({on / off:.3f}x); "
+            f"N={world} {label}: "
+            f"step off {off * 1e3:.2f} ms, check {on * 1e3:.2f} ms ({on / off:.3f}x); "
             f"cpu/rank {coff * 1e3:.1f} -> "
             f"{con * 1e3:.1f} ms ({con / coff:.3f}x); checker per step: wall "
             f"{checker.seconds / per * 1e3:.2f} ms, cpu {checker.cpu_seconds / per * 1e3:.2f} ms "
@@ -143,7 +182,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, width: int, batch: 
 def main(argv: list[str]) -> None:
     what, world, args = argv[0], int(argv[1]), [int(a) for a in argv[2:]]
     port = 20000 + os.getpid() % 20000
-    worker = {"allreduce": allreduce_worker, "ddp": ddp_worker}[what]
+    worker = {"allreduce": allreduce_worker, "ddp": ddp_worker, "gpt": gpt_worker}[what]
     mp.spawn(worker, args=(world, port, *args), nprocs=world)
 
 

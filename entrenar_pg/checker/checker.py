@@ -1,0 +1,366 @@
+"""The contract checker of a group: measures every collective, judges in batches, raises everywhere.
+
+The runtime calls ``before`` and ``after`` around every job (runtime/dispatch.py,
+``Runtime.run``). ``before`` asks the request kind for its slots
+(checker/kinds.py) and measures the inputs; ``after`` measures the outputs and
+keeps the record. Records are exchanged (one small direct exchange, op CHECK)
+and judged (checker/verdict.py) in batches:
+
+- until the group's first optimizer step, after every collective (the verdict
+  is raised by the collective itself: plain ``dist.all_reduce`` loops);
+- from then on, once per optimizer step, in the same exchange as C-DDP-001's
+  parameter hashes, and whenever ``flush_every`` records are pending or a
+  barrier runs (so a loop without steps still gets verdicts within
+  ``flush_every`` calls). A violation then raises in ``optimizer.step()`` of
+  the step whose collective broke, naming that collective's kind and sequence
+  number.
+
+Which batch a record lands in is decided inside the group's jobs, which run
+in the same order on every rank, so every rank exchanges the same batches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import step_hook
+from ..collectives.common import Call, bytes_of
+from ..errors import ContractViolation
+from ..transport import Plan
+from ..wire import Algo, OpCode
+from . import records, replicas
+from .hashing import HASH_NAME, digest
+from .kinds import CONTRACTS, PARAMETERS_ID, VIEWS, Contract, Rule, Views
+from .projection import Projection
+from .verdict import Judge, minority
+
+FLUSH_EVERY = 64  # records pending at most between optimizer steps
+
+# The step part of a batch: whether this group compares parameters at this
+# step, their hash, count, bytes and the step number; and whether another
+# group of this rank found a violation at this step (1 + its culprit's global
+# rank, or -1 for no single culprit; 0: none), so every rank of the default
+# group raises it.
+_P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP, _P_ELSEWHERE = range(6)
+_NO_PARAMETERS = [0, 0, 0, 0, 0, 0]
+# aux field of the CHECK header: a step's batch and a batch between steps
+# can't be confused.
+_AUX_BATCH = 1
+_AUX_STEP = 2
+
+
+def exchange(call: Call, payload: torch.Tensor, aux: int) -> list[list[int]]:
+    """All-gather one int64 vector per rank, directly (1 hop), op CHECK; row i is rank i's.
+
+    Bytes on the wire per rank: (N - 1) x the payload each way.
+    """
+    n, r = call.world, call.rank
+    out = torch.empty((n, payload.numel()), dtype=torch.int64)
+    out[r] = payload
+    if n > 1:
+        header = call.header(OpCode.CHECK, Algo.DIRECT, torch.int64, numel=out.numel(), aux=aux)
+        plan = Plan(r)
+        mine = bytes_of(out[r])
+        for p in range(n):
+            if p != r:
+                plan.open(p, header)
+                plan.send(p, mine)
+                plan.recv(p, bytes_of(out[p]))
+        call.mesh.run(plan, call.what(OpCode.CHECK))
+    rows: list[list[int]] = out.tolist()
+    return rows
+
+
+@dataclass(slots=True)
+class Measuring:
+    """One collective between ``before`` and ``after``: its contract, slots and record."""
+
+    contract: Contract
+    views: Views
+    record: list[int]
+
+
+class ContractChecker:
+    """Checks every collective of ``group`` against its contract, and C-DDP-001 per step.
+
+    Counters: ``allreduces_checked``, ``steps_checked``, ``checked`` (judged
+    checks per contract id), ``seconds`` and ``cpu_seconds`` (what checking cost).
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        tolerance: float | None = None,
+        watch_optimizers: bool = True,
+        flush_every: int = FLUSH_EVERY,
+    ) -> None:
+        if flush_every < 1:
+            raise ValueError(f"ContractChecker: flush_every must be >= 1, got {flush_every}")
+        self.group = group
+        options = getattr(group, "options", None)
+        self.tolerance = (
+            tolerance
+            if tolerance is not None
+            else (options.check_tolerance if options is not None else 1e-3)
+        )
+        self.flush_every = flush_every
+        self.step = 0  # optimizer steps checked
+        self.allreduces_checked = 0
+        self.steps_checked = 0
+        self.checked: Counter[str] = Counter()  # checks judged and held, by contract id
+        self.seconds = 0.0  # wall time spent checking (measuring, exchanges)
+        self.cpu_seconds = 0.0  # CPU time of the checking threads in it (excludes waiting)
+        self._projection = Projection()
+        self._pending: list[list[int]] = []  # records not judged yet (job threads only)
+        self._hold = 1  # records held before judging: 1 until the first step, then flush_every
+        self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
+        self._passed: Counter[str] = Counter()  # held since take_verdicts
+        self._lock = threading.Lock()  # _passed: counted in job threads, taken by the caller's
+        if watch_optimizers:
+            step_hook.install()
+
+    @classmethod
+    def install(cls, group: Any = None, **kwargs: Any) -> ContractChecker:
+        """Attach a checker to ``group`` (default: the default group), which must be entrenar."""
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if not hasattr(pg, "checker") or not hasattr(pg, "submit_check"):
+            raise TypeError(f"ContractChecker needs an entrenar process group, got {pg!r}")
+        checker = cls(pg, **kwargs)
+        pg.checker = checker
+        return checker
+
+    # ------------------------------------------------------------ the runtime's hooks
+
+    def before(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> Any:
+        """Measure a job's inputs (None: the request kind has no contract)."""
+        views_of = VIEWS.get(type(req))
+        if views_of is None:
+            return None
+        start, cpu = time.perf_counter(), time.thread_time()
+        op = req.op
+        world = rt.mesh.world
+        contract = CONTRACTS[op]
+        views = views_of(req, hosts, rt.rank, world)
+        bucket = self._since_step[op] + 1
+        self._since_step[op] = bucket
+        rec = records.begin(
+            self._projection, contract, views, op, seq, world, bucket, self.step + 1
+        )
+        self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
+        return Measuring(contract, views, rec)
+
+    def after(
+        self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]], m: Measuring
+    ) -> None:
+        """Measure the outputs; judge the pending records when it is time (raises on violation)."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            if m.contract.rule is not Rule.FLUSH:
+                records.finish(
+                    self._projection, m.contract, m.views, m.record, rt.rank, rt.mesh.world
+                )
+                self._pending.append(m.record)
+                if req.op is OpCode.ALLREDUCE:
+                    self.allreduces_checked += 1  # measured: judged in this batch or the next
+            due = len(self._pending) >= self._hold or m.contract.rule is Rule.FLUSH
+            if self._pending and due:
+                self._batch(rt.call(seq, OpCode.CHECK, 0), _NO_PARAMETERS, _AUX_BATCH)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
+
+    # ------------------------------------------------------------ batches
+
+    def _batch(self, call: Call, parameters: list[int], aux: int) -> None:
+        """Exchange the pending records (and a parameter record), then judge them in call order."""
+        pending, self._pending = self._pending, []
+        payload = torch.tensor(
+            [*parameters, *(v for rec in pending for v in rec)], dtype=torch.int64
+        )
+        rows = exchange(call, payload, aux)
+        judge = Judge(call.rank, self.tolerance)
+        at = len(parameters)
+        for rec in pending:
+            end = at + rec[records.LEN]
+            self._count(judge.collective([row[at:end] for row in rows]))
+            at = end
+        steps = [row[: len(parameters)] for row in rows]
+        if parameters[_P_HAS]:
+            self._judge_parameters(call, steps)
+            self._count([PARAMETERS_ID])
+        reporters = [r for r, row in enumerate(steps) if row[_P_ELSEWHERE]]
+        if reporters:
+            culprits = sorted({row[_P_ELSEWHERE] - 1 for row in steps if row[_P_ELSEWHERE] > 0})
+            raise ContractViolation(
+                f"rank {call.rank}: a contract was violated at optimizer step {self.step} in "
+                f"another group of rank(s) {reporters} (culprit rank(s) {culprits}); "
+                "halting every rank",
+                culprit=culprits[0] if len(culprits) == 1 else None,
+            )
+
+    def _count(self, held: Iterable[str]) -> None:
+        with self._lock:
+            for cid in held:
+                self._passed[cid] += 1
+                self.checked[cid] += 1
+
+    def take_verdicts(self) -> dict[str, int]:
+        """Checks that held since the previous call, by contract id (the ledger's column).
+
+        After the optimizer step hook every collective issued before the step
+        has been judged, so the counts are final for that step.
+        """
+        with self._lock:
+            out = dict(self._passed)
+            self._passed.clear()
+        return out
+
+    def _absorb(self, other: ContractChecker) -> None:
+        """Count ``other``'s held checks as this checker's (one step's verdicts, all groups)."""
+        self._count(Counter(other.take_verdicts()).elements())
+
+    def flush(self) -> None:
+        """Judge every pending record now. A collective: every rank of the group calls it."""
+        self.group.submit_check(_Batch(self, _NO_PARAMETERS, _AUX_BATCH)).wait()
+
+    # ------------------------------------------------------------ optimizer steps
+
+    def watch(self, optimizer: Any) -> Any:
+        """Check after every step of ``optimizer`` (for groups that are not the default).
+
+        Returns the hook handle; the global hook then skips this optimizer.
+        """
+        step_hook.watched(optimizer)
+        return optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self.check_parameters(_params(opt))
+        )
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        """The global hook's step (this is the default group's checker): every checked
+        group of the process judges its pending records and compares its replicas'
+        parameters, in group creation order (the same on every rank)."""
+        plan = replicas.by_group(_params(optimizer), self.group)
+        # The other groups first: a violation in one (an HSDP replicate group)
+        # is known to its ranks only; the default group's exchange, last,
+        # tells every rank, so all of them stop at this step.
+        elsewhere: ContractViolation | None = None
+        for group in _checked_groups(self.group):
+            if group is self.group:
+                continue
+            try:
+                group.checker._step(plan.get(id(group), (group, []))[1])
+            except ContractViolation as e:
+                if elsewhere is None:
+                    elsewhere = e
+                    e.culprit = _global_rank(group, e.culprit)
+            self._absorb(group.checker)
+        try:
+            self._step(plan.get(id(self.group), (self.group, []))[1], elsewhere)
+        except ContractViolation:
+            if elsewhere is not None:
+                raise elsewhere from None  # this rank's own, fuller account
+            raise
+
+    def check_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """One step of this group now: judge the pending records and C-DDP-001 for the
+        parameters replicated across its ranks. A collective: every rank calls it."""
+        self._step(replicas.by_group(params, self.group).get(id(self.group), (None, []))[1])
+
+    def _step(
+        self, tensors: list[torch.Tensor], elsewhere: ContractViolation | None = None
+    ) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            parameters = list(_NO_PARAMETERS)
+            if tensors:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                parameters[:_P_ELSEWHERE] = [
+                    1,
+                    digest(tensors),
+                    len(tensors),
+                    nbytes,
+                    self.step + 1,
+                ]
+            if elsewhere is not None:
+                culprit = elsewhere.culprit
+                parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1
+            self.group.submit_check(_Batch(self, parameters, _AUX_STEP)).wait()
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def _stepped(self) -> None:
+        """In the step's job: the next records belong to the next step, and are held."""
+        self.step += 1
+        self.steps_checked += 1
+        self._since_step.clear()
+        self._hold = self.flush_every
+
+    def _judge_parameters(self, call: Call, rows: list[list[int]]) -> None:
+        step = rows[call.rank][_P_STEP]
+        where = f"rank {call.rank}: {PARAMETERS_ID} violated after optimizer step {step}"
+        steps = [row[_P_STEP] for row in rows]
+        if len(set(steps)) > 1:
+            raise ContractViolation(f"{where}: the ranks are at different steps ({steps} by rank)")
+        shapes = [(row[_P_COUNT], row[_P_BYTES]) for row in rows]
+        if len(set(shapes)) > 1:
+            raise ContractViolation(
+                f"{where}: the ranks hold different parameter sets ((count, bytes) by rank: "
+                f"{shapes})"
+            )
+        diverged, listing = minority([row[_P_HASH] for row in rows])
+        if diverged:
+            raise ContractViolation(
+                f"{where}: the ranks hold different parameters (parameter {HASH_NAME} by "
+                f"ranks: {listing}); rank(s) {diverged} diverged",
+                culprit=diverged[0] if len(diverged) == 1 else None,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """The checker's job on its group: judge the pending records (a step's: and the parameters)."""
+
+    checker: ContractChecker
+    parameters: list[int]
+    aux: int
+
+    def __call__(self, call: Call) -> None:
+        if self.aux == _AUX_STEP:
+            self.checker._stepped()
+        self.checker._batch(call, self.parameters, self.aux)
+
+
+def _params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _global_rank(group: Any, rank: int | None) -> int | None:
+    if rank is None:
+        return None
+    try:
+        return int(dist.get_global_rank(group, rank))
+    except (RuntimeError, ValueError):  # not a group torch knows
+        return rank
+
+
+def _checked_groups(default: Any) -> list[Any]:
+    """The process's checked entrenar groups in creation order (torch creates groups
+    in the same order on every rank); the default group first."""
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except AttributeError:  # pragma: no cover - torch internals moved
+        groups = []
+    if default not in groups:
+        groups.insert(0, default)
+    return [g for g in groups if getattr(g, "checker", None) is not None]

@@ -1,0 +1,167 @@
+"""Random projections: the linear checksum of a reduction (docs/contracts.md, "The float bound").
+
+``r_k . x`` for two random vectors ``r_k``, the same on every rank (fixed
+seeds): a reduction's output ``y = f * sum_i x_i`` must satisfy
+``r_k . y = f * sum_i r_k . x_i`` (up to rounding for floats; exactly, modulo
+2^bits, for integers). Each rank projects only its own data, so checking the
+identity costs one pass per rank and a few numbers on the wire.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
+_SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
+SEED = 0x5EED_C0DE
+PROJECTIONS = 2  # independent random projections, computed in the same pass
+# Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
+# every rank), so a corruption that recurs call after call meets fresh vectors.
+VARIANTS = 16
+_VARIANT_STRIDE = 1_000_003
+
+
+def tensor_weight(j: int) -> tuple[float, int]:
+    """The weight (float, int) of the j-th tensor of a list: lists are projected as
+    ``sum_j w_j r.x_j``, so two same-sized tensors that trade places change it.
+    1 for the first (a single tensor is projected as itself)."""
+    if j == 0:
+        return 1.0, 1
+    rng = random.Random(SEED + j)
+    sign = rng.choice((-1, 1))
+    return sign * (0.5 + rng.random()), sign * rng.randrange(1, 1 << 20)
+
+
+class Projection:
+    """Two random vectors r_k, the same on every rank (fixed seeds), applied blockwise;
+    ``VARIANTS`` independent such pairs, chosen per call.
+
+    r_k[j] = base[k, j mod 4096] * weight[k, j // 4096]: one matrix product
+    over the (blocks x 4096) view of the data (both projections in one pass),
+    then a float64 dot with the block weights. Distinct weights per block make
+    aligned block swaps visible; two projections make a miss (a corruption
+    whose projection happens to be tiny) the product of two small chances.
+    """
+
+    def __init__(self, seed: int = SEED) -> None:
+        self._seed = seed
+        self._bases: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
+        self.r64, self.r32, self.rint = self.base(0)
+
+    def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 4096-entry vectors (float64, float32, int64) of one of the ``VARIANTS``."""
+        got = self._bases.get(variant)
+        if got is None:
+            g = torch.Generator().manual_seed(self._seed + _VARIANT_STRIDE * variant)
+            base = torch.randn(PROJECTIONS, BLOCK, generator=g, dtype=torch.float64)
+            base[base == 0] = 1.0
+            rint = torch.randint(
+                1, 1 << 20, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64
+            ) * (torch.randint(0, 2, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * 2 - 1)
+            got = self._bases[variant] = (base, base.float(), rint)
+        return got
+
+    def weights(self, blocks: int, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block weights (float64, int64) for >= ``blocks`` blocks: a function of the size
+        (and the variant) only."""
+        cap = 1 << max(blocks - 1, 0).bit_length()
+        w = self._weights.get((variant, cap))
+        if w is None:
+            g = torch.Generator().manual_seed(self._seed + cap + _VARIANT_STRIDE * variant)
+            wf = torch.randn(PROJECTIONS, cap, generator=g, dtype=torch.float64)
+            wf[wf == 0] = 1.0
+            wi = torch.randint(1, 1 << 20, (PROJECTIONS, cap), generator=g, dtype=torch.int64)
+            w = (wf, wi)
+            self._weights[(variant, cap)] = w
+        return w
+
+    def weights_list(self, blocks: int, variant: int = 0) -> list[list[float]]:
+        """The float block weights as Python lists (cached with the tensors)."""
+        cap = 1 << max(blocks - 1, 0).bit_length()
+        got = self._weight_lists.get((variant, cap))
+        if got is None:
+            got = self._weight_lists[(variant, cap)] = self.weights(blocks, variant)[0].tolist()
+        return got
+
+    @staticmethod
+    def _range(n: int, part: tuple[int, int]) -> tuple[int, int, int, bool]:
+        """Blocks [b0, f1) of a ``part = (i, parts)`` split of ``n`` elements, and the tail."""
+        full, tail = divmod(n, BLOCK)
+        blocks = full + (1 if tail else 0)
+        i, parts = part
+        if parts == 0:  # no blocks at all (the norm only)
+            return 0, 0, tail, False
+        b0, b1 = blocks * i // parts, blocks * (i + 1) // parts
+        return b0, min(b1, full), tail, bool(tail) and b0 <= full < b1
+
+    def floats(
+        self,
+        x: torch.Tensor,
+        *,
+        wide: bool = False,
+        norm: bool = True,
+        part: tuple[int, int] = (0, 1),
+        variant: int = 0,
+    ) -> tuple[list[float], float]:
+        """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows).
+
+        ``part = (i, parts)``: the projections over the i-th of ``parts`` block
+        ranges only (summed over i they give the whole; ``parts = 0``: none);
+        the norm is always of the whole tensor, and 0 unless ``norm``. ``variant``:
+        which of the ``VARIANTS`` pairs of vectors.
+        """
+        n = x.numel()
+        b0, f1, tail, with_tail = self._range(n, part)
+        wf, _ = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        r64, r32, _ = self.base(variant)
+        work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
+        r = r64 if work == torch.float64 else r32
+        # Few torch ops: for the small tensors of many calls their overhead, not
+        # the arithmetic, is the cost.
+        sums = [0.0] * PROJECTIONS
+        if f1 > b0:
+            rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+            if rows.dtype == work:
+                v = torch.mm(r, rows.t())
+            else:
+                v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+                for a in range(0, f1 - b0, _SLICE_ROWS):
+                    b = min(a + _SLICE_ROWS, f1 - b0)
+                    torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
+            sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
+        if with_tail:  # the last, partial block: its weight applied in Python floats
+            full = n // BLOCK
+            rest = x[full * BLOCK :]
+            if rest.dtype != work:
+                rest = rest.to(work)
+            last = torch.mv(r[:, :tail], rest).tolist()
+            w = self.weights_list(n // BLOCK + 1, variant)
+            sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
+        size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
+        return sums, size
+
+    def ints(
+        self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1), variant: int = 0
+    ) -> list[int]:
+        """[r_k . x] over int64 with wrap-around (exact modulo 2^64); ``part``, ``variant``
+        as in floats."""
+        n = x.numel()
+        b0, f1, tail, with_tail = self._range(n, part)
+        _, wi = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        rint = self.base(variant)[2]
+        s = torch.zeros(PROJECTIONS, dtype=torch.int64)
+        if f1 > b0:
+            rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+            v = torch.empty(PROJECTIONS, f1 - b0, dtype=torch.int64)
+            for a in range(0, f1 - b0, _SLICE_ROWS):
+                b = min(a + _SLICE_ROWS, f1 - b0)
+                torch.mm(rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
+            s += (v * wi[:, b0:f1]).sum(1)
+        if with_tail:
+            full = n // BLOCK
+            s += torch.mv(rint[:, :tail], x[full * BLOCK :].to(torch.int64)) * wi[:, full]
+        return [int(v) for v in s.tolist()]
