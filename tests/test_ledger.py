@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, rank_env, run_ranks
 
-from entrenar_pg import ContractChecker, Options
+from entrenar_pg import Options
 from entrenar_pg.config import ENV_LEDGER
 from entrenar_pg.ledger import FAILED, OK, UNREADABLE, LedgerError, chain_errors, read_lines
 from entrenar_pg.ledger import diff as ledger_diff
@@ -151,15 +151,6 @@ def test_trainer_passes_the_ledger_path_to_entrenar_only():
         group_options("gloo", False, "run.jsonl")
 
 
-def test_take_verdicts_returns_the_checks_since_the_last_call():
-    checker = ContractChecker(_OneRank(), watch_optimizers=False)
-    checker.allreduces_checked, checker.steps_checked = 5, 1
-    assert checker.take_verdicts() == {"C-RING-001": 5, "C-DDP-001": 1}
-    checker.allreduces_checked, checker.steps_checked = 7, 2
-    assert checker.take_verdicts() == {"C-RING-001": 2, "C-DDP-001": 1}
-    assert checker.take_verdicts() == {"C-RING-001": 0, "C-DDP-001": 0}
-
-
 @pytest.mark.timeout(60)
 def test_group_with_a_ledger_writes_on_rank_0_only_with_the_checker_verdicts(tmp_path):
     path = tmp_path / "run.jsonl"
@@ -180,7 +171,11 @@ def test_group_with_a_ledger_writes_on_rank_0_only_with_the_checker_verdicts(tmp
     lines = read_lines(path)
     assert [line.step for line in lines] == [1, 2, 3]  # rank 1 wrote nothing
     assert all(line.fields["world_size"] == 2 for line in lines)
-    assert all(line.fields["verdicts"] == {"C-RING-001": 1, "C-DDP-001": 1} for line in lines)
+    # Each step: its allreduce (C-RING-001, F-DP-003) and C-DDP-001; from step 2 also the
+    # ledger's own digest all-gather of the step before (C-AG-001), judged with this step.
+    step = {"C-RING-001": 1, "F-DP-003": 1, "C-DDP-001": 1}
+    expected = [step] + [{**step, "C-AG-001": 1}] * 2
+    assert [line.fields["verdicts"] for line in lines] == expected
     assert lines[-1].param_hash == final[0] == final[1]
     assert chain_errors(lines) is None
 
