@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BenchConfig
+from benchmarks.deepspeed_peer import remove_segments
 from benchmarks.sizes import plan_for
 from benchmarks.workers import rank_main
 
@@ -104,6 +105,15 @@ def run_world(world: int, cfg: BenchConfig, import_root: str | None = None) -> l
             return [json.loads(Path(path).read_text()) for path in paths]
         finally:
             _kill_all(procs)
+            if "deepspeed" in cfg.algos:
+                left = remove_segments(port, world)
+                if left:
+                    log.info(
+                        "world size %d: removed %d segments DeepSpeed left in /dev/shm (%s ...)",
+                        world,
+                        len(left),
+                        left[0],
+                    )
 
 
 def run_mpi(world: int, cfg: BenchConfig, mpiexec: str, tcp: bool) -> dict[str, Any]:
