@@ -150,8 +150,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 )
         transports = tuple(t for t in transports if t in honoured)
     cfg = dataclasses.replace(cfg, algos=tuple(algos), transports=transports, entrenar=ok)
-    for name, why in unavailable.items():
-        notes.append(f"{name} skipped: {why}")
     mpiexec, mpi_why = mpi_available() if cfg.mpi else (None, "disabled (--no-mpi)")
     if mpiexec is None:
         notes.append(f"MPI column skipped: {mpi_why}")
