@@ -66,6 +66,7 @@ from benchmarks.config import (
     GiB,
     MiB,
     Variant,
+    base_name,
     with_transports,
 )
 from benchmarks.deepspeed_peer import deepspeed_available
@@ -189,7 +190,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _measure_worlds(cfg, result, mpiexec, None)
     for r in result["ddp"]:
         active = r.get("check_active", {}).get(r["variant"], True)
-        if r["variant"].removesuffix(BASELINE).endswith("-check") and not active:
+        if base_name(r["variant"]).endswith("-check") and not active:
             notes.append(
                 f"DDP N={r['world_size']} {r['variant']}: Options(check=True) was set but the "
                 f"group has no active contract checker (check_active={active}); the row "

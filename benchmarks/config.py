@@ -89,8 +89,8 @@ def with_transports(variants: Sequence[Variant], transports: Sequence[str]) -> l
 
 
 def base_name(name: str) -> str:
-    """A variant's name without its ``[transport]`` suffix."""
-    return name.split("[", 1)[0]
+    """A variant's name without its ``[transport]`` and ``@baseline`` suffixes."""
+    return name.removesuffix(BASELINE).split("[", 1)[0]
 
 
 DEFAULT_SIZES = "4K:256M:x4"
