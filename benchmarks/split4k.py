@@ -25,7 +25,8 @@ allreduces of ``--size`` on three process groups, interleaved in blocks:
 The report is rank 0's medians per layer and the exclusive time of each
 (a layer minus the one nested in it). ``--transport`` sets ENTRENAR_TRANSPORT
 for the entrenar group (ignored by an entrenar_pg without ``Options.transport``);
-``--cprofile FILE`` also profiles rank 0's probed calls (pstats, 25 top lines).
+``--cprofile FILE`` also profiles a block of unprobed entrenar calls after
+each probed one (rank 0's profile saved to FILE; its 25 top lines printed).
 """
 
 from __future__ import annotations
@@ -174,7 +175,10 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out_path: 
         "entrenar": _AllReduce(t, ent),
     }
     samples: dict[str, list[int]] = {name: [] for name in (*calls, "entrenar (no probes)")}
-    profiler = cProfile.Profile() if args["cprofile"] and rank == 0 else None
+    # Every rank runs the profiled block (the calls are collective); rank 0 records it.
+    profiler = cProfile.Profile() if args["cprofile"] else None
+    if profiler is not None:
+        samples["entrenar (cProfile)"] = []
     for _ in range(10):
         dist.all_reduce(t, group=ent)  # warm-up: connections, the policy's cache
     probes.clear()
@@ -183,15 +187,16 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out_path: 
         for name, call in calls.items():
             dist.barrier()
             if name == "entrenar":
-                if profiler is not None:
-                    profiler.enable()
                 _timed(call, BLOCK, samples[name])
-                if profiler is not None:
-                    profiler.disable()
                 # The same calls without the probes, right after: their cost.
                 probes.remove()
                 dist.barrier()
                 _timed(call, BLOCK, samples["entrenar (no probes)"])
+                if profiler is not None:  # a block of its own: cProfile slows every call
+                    dist.barrier()
+                    profiler.enable()
+                    _timed(call, BLOCK, samples["entrenar (cProfile)"])
+                    profiler.disable()
                 probes.install()
             else:
                 _timed(call, BLOCK, samples[name])
@@ -201,7 +206,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out_path: 
             "samples_ns": samples,
             "probes_ns": probes.ns,
         }
-        if profiler is not None:
+        if profiler is not None:  # rank 0's; the others profiled only to keep in step
             buf = io.StringIO()
             pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(25)
             profiler.dump_stats(args["cprofile"])
@@ -264,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--size", default="4K")
     p.add_argument("--iters", type=int, default=2000, help="timed calls per variant")
     p.add_argument("--transport", default="", help="ENTRENAR_TRANSPORT for the entrenar group")
-    p.add_argument("--cprofile", default="", metavar="FILE", help="profile rank 0's probed calls")
+    p.add_argument("--cprofile", default="", metavar="FILE", help="profile extra unprobed calls")
     p.add_argument("--json", default="", metavar="FILE", help="also write rank 0's samples here")
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args(argv)
