@@ -25,6 +25,7 @@ import torch
 ADDR = "127.0.0.1"
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"  # SHM_BUFFER_NAME in csrc/cpu/comm/shm.cpp
 WANT_VERSION = "0.19.8"
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def deepspeed_available() -> tuple[bool, str]:
@@ -47,21 +48,15 @@ class DeepSpeedShm:
     that group and maps its peers' segments (collective: every rank, together).
     """
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
-        # What a torchrun rank would have, plus LOCAL_SIZE, which DeepSpeed reads
-        # instead of LOCAL_WORLD_SIZE to decide that all ranks share this host.
-        os.environ.update(
-            {
-                "DS_ACCELERATOR": "cpu",
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world),
-                "LOCAL_SIZE": str(world),
-                "MASTER_ADDR": ADDR,
-                "MASTER_PORT": str(port),
-            }
-        )
+    def __init__(self, rank: int) -> None:
+        # A torchrun rank's environment is there (workers.torchrun_env); DeepSpeed
+        # reads LOCAL_SIZE, not LOCAL_WORLD_SIZE, to decide that all ranks share
+        # this host, and MASTER_ADDR/MASTER_PORT to name its segments.
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"rank {rank}: DeepSpeedShm needs torchrun's {missing}")
+        os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["DS_ACCELERATOR"] = "cpu"
         import deepspeed
         import deepspeed.comm as ds_comm
 

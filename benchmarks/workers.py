@@ -8,6 +8,7 @@ CLI runs as ``__main__``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import selectors
@@ -55,6 +56,10 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
     if variant.transport:
         # The variable a user sets, read where a user's group reads it (Options.from_env).
         environ[ENV_TRANSPORT] = variant.transport
+    if variant.transport and "transport" not in {f.name for f in dataclasses.fields(Options)}:
+        # An entrenar_pg from before the transports (a --baseline-tree) ignores
+        # the variable: its "[shm]" row would silently measure TCP.
+        raise RuntimeError(f"{variant.name}: this entrenar_pg has no Options.transport")
     opts = Options.from_env(environ, **variant.options)
     return dist.new_group(ranks, backend="entrenar", pg_options=opts)
 
@@ -292,7 +297,7 @@ def _checker_stats(checker: Any) -> dict[str, float]:
 
 
 def _deepspeed_contestant(
-    rank: int, world: int, port: int, ctrl: dist.ProcessGroup
+    rank: int, world: int, ctrl: dist.ProcessGroup
 ) -> tuple[Contestant | None, str]:
     """DeepSpeed's SHM allreduce if it starts on every rank, else ``(None, why)``.
 
@@ -304,7 +309,7 @@ def _deepspeed_contestant(
     ds: DeepSpeedShm | None = None
     why = ""
     try:
-        ds = DeepSpeedShm(rank, world, port)
+        ds = DeepSpeedShm(rank)
     except Exception as e:  # noqa: BLE001 - any failure means "no DeepSpeed column"
         why = f"rank {rank}: {e!r}"
     outcomes: list[str | None] = [None] * world
@@ -315,10 +320,29 @@ def _deepspeed_contestant(
     return ds, ""
 
 
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """Set what ``torchrun --nproc_per_node=world`` gives each rank, before any group exists.
+
+    Every variant then sees the environment of a same-host torchrun job
+    (entrenar's transport selection may read it; DeepSpeed needs it).
+    """
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+
+
 def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path: str) -> None:
     """One rank of a world-size run: sweep, raw reference, DDP; writes its samples as JSON."""
     cfg = BenchConfig.from_json(cfg_json)
     torch.set_num_threads(1)
+    torchrun_env(rank, world, port)
     variants = with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
     entrenar_file = ""
     if cfg.entrenar:
@@ -343,7 +367,7 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
         }
         unavailable: dict[str, str] = {}
         if any(v.backend == "deepspeed" for v in variants):
-            ds, why = _deepspeed_contestant(rank, world, port, ctrl)
+            ds, why = _deepspeed_contestant(rank, world, ctrl)
             if ds is not None:
                 groups[DEEPSPEED] = ds
             else:

@@ -251,3 +251,22 @@ def test_deepspeed_column_smoke(tmp_path: Path) -> None:
         assert not left, f"the bench left DeepSpeed's segments in /dev/shm: {sorted(left)}"
     else:
         assert f"unavailable: {DEEPSPEED}:" in proc.stdout
+
+
+def test_transport_variant_refuses_an_entrenar_without_the_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entrenar_pg that ignores ENTRENAR_TRANSPORT must not be measured under a [shm] name."""
+    import dataclasses
+
+    import entrenar_pg
+    from benchmarks import workers
+
+    @dataclasses.dataclass(frozen=True)
+    class OldOptions:  # an entrenar_pg from before the transports (e.g. a --baseline-tree)
+        algorithm: str = "auto"
+
+    monkeypatch.setattr(entrenar_pg, "Options", OldOptions)
+    (shm,) = with_transports([SWEEP_VARIANTS["auto"]], ("shm",))
+    with pytest.raises(RuntimeError, match=r"entrenar-auto\[shm\]: .*no Options.transport"):
+        workers._new_group(shm, 2)
