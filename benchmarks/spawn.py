@@ -102,6 +102,12 @@ def run_world(world: int, cfg: BenchConfig, import_root: str | None = None) -> l
                 if now > deadline:
                     raise BenchError(f"world size {world}: timed out after {cfg.timeout_s:.0f} s")
                 time.sleep(0.05)
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:  # every rank exited between two looks, some of them failing
+                raise BenchError(
+                    f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
+                    " (its traceback is above on stderr)"
+                )
             return [json.loads(Path(path).read_text()) for path in paths]
         finally:
             _kill_all(procs)

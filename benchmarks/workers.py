@@ -56,9 +56,11 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
     if variant.transport:
         # The variable a user sets, read where a user's group reads it (Options.from_env).
         environ[ENV_TRANSPORT] = variant.transport
-    if variant.transport and "transport" not in {f.name for f in dataclasses.fields(Options)}:
+    if variant.transport not in ("", "tcp") and "transport" not in {
+        f.name for f in dataclasses.fields(Options)
+    }:
         # An entrenar_pg from before the transports (a --baseline-tree) ignores
-        # the variable: its "[shm]" row would silently measure TCP.
+        # the variable and is TCP only: its "[shm]" row would silently measure TCP.
         raise RuntimeError(f"{variant.name}: this entrenar_pg has no Options.transport")
     opts = Options.from_env(environ, **variant.options)
     return dist.new_group(ranks, backend="entrenar", pg_options=opts)
