@@ -34,7 +34,10 @@ parsing, per-size plans), ``workers`` (what each spawned rank runs), ``model``
 (the DDP step's model), ``spawn`` (starting ranks and ``mpiexec``),
 ``results`` (samples to rows), ``baseline`` (``--baseline-tree``), ``machine``
 (what this machine offers), ``report`` (tables, plots, files), ``mpi`` (the MPI
-ranks, run by path) and ``floor`` (the backend that moves nothing).
+ranks, run by path), ``floor`` (the backend that moves nothing),
+``deepspeed_peer`` (DeepSpeed's SHM allreduce, the ``deepspeed`` variant),
+``goals`` (issue 17's PASS/FAIL table) and ``split4k`` (a separate program:
+where a 4 KiB call's time goes).
 """
 
 from __future__ import annotations
