@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from benchmarks.config import BASELINE, DDP_VARIANTS, SWEEP_VARIANTS, BenchConfig
+from benchmarks.config import BASELINE, DDP_VARIANTS, SWEEP_VARIANTS, BenchConfig, base_name
 from benchmarks.spawn import BenchError, run_world
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def mark_baseline(rank_result: dict[str, Any]) -> dict[str, Any]:
     """A worker's result with its entrenar variants renamed ``<name>@baseline``."""
 
     def rename(name: str) -> str:
-        return name + BASELINE if name in ENTRENAR_VARIANT_NAMES else name
+        return name + BASELINE if base_name(name) in ENTRENAR_VARIANT_NAMES else name
 
     def rename_keys(d: dict[str, Any]) -> dict[str, Any]:
         return {rename(k): v for k, v in d.items()}

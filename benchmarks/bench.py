@@ -34,7 +34,10 @@ parsing, per-size plans), ``workers`` (what each spawned rank runs), ``model``
 (the DDP step's model), ``spawn`` (starting ranks and ``mpiexec``),
 ``results`` (samples to rows), ``baseline`` (``--baseline-tree``), ``machine``
 (what this machine offers), ``report`` (tables, plots, files), ``mpi`` (the MPI
-ranks, run by path) and ``floor`` (the backend that moves nothing).
+ranks, run by path), ``floor`` (the backend that moves nothing),
+``deepspeed_peer`` (DeepSpeed's SHM allreduce, the ``deepspeed`` variant),
+``goals`` (issue 17's PASS/FAIL table) and ``split4k`` (a separate program:
+where a 4 KiB call's time goes).
 """
 
 from __future__ import annotations
@@ -54,16 +57,30 @@ from typing import Any
 from benchmarks.baseline import add_baseline_ratios, copy_baseline_package, run_world_vs_baseline
 from benchmarks.config import (
     BASELINE,
+    DDP_VARIANTS,
+    DEEPSPEED,
     DEFAULT_SIZES,
     MPI_SHM,
     MPI_TCP,
     QUICK_SIZES,
     SWEEP_VARIANTS,
+    TRANSPORTS,
     BenchConfig,
     GiB,
     MiB,
+    Variant,
+    base_name,
+    with_transports,
 )
-from benchmarks.machine import entrenar_available, git_revision, machine_info, mpi_available
+from benchmarks.deepspeed_peer import deepspeed_available
+from benchmarks.goals import issue17_goals
+from benchmarks.machine import (
+    entrenar_available,
+    entrenar_transports,
+    git_revision,
+    machine_info,
+    mpi_available,
+)
 from benchmarks.report import report_lines, write_outputs
 from benchmarks.results import add_ratios, allreduce_row, combine_world, ratio_to
 from benchmarks.sizes import parse_bytes, parse_sizes
@@ -77,7 +94,7 @@ def _measure_worlds(
 ) -> None:
     """Every world size's runs (and MPI runs), their rows appended to ``result``."""
     notes = result["meta"]["notes"]
-    order = [SWEEP_VARIANTS[a].name for a in cfg.algos]
+    order = [v.name for v in sweep_variants(cfg)]
     if baseline_root is not None:
         order = [x for name in order for x in (name, name + BASELINE)]
     for world in cfg.world_sizes:
@@ -88,6 +105,9 @@ def _measure_worlds(
             ranks, files = run_world_vs_baseline(world, cfg, baseline_root)
             result["meta"]["baseline"].setdefault("entrenar_pg_file", {})[world] = files
         part = combine_world(world, ranks, order)
+        for r in ranks:
+            for name, why in r.get("unavailable", {}).items():
+                result["meta"]["unavailable"].setdefault(name, f"N={world}: {why}")
         for k in ("allreduce", "raw_tcp", "ddp"):
             result[k].extend(part[k])
         if mpiexec is not None:
@@ -103,6 +123,11 @@ def _measure_worlds(
                     result["mpi"].append(allreduce_row(world, name, int(size_s), samples))
 
 
+def sweep_variants(cfg: BenchConfig) -> list[Variant]:
+    """The allreduce sweep's variants for ``cfg``, entrenar ones once per transport."""
+    return with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the whole benchmark described by ``cfg``; returns the JSON-able result."""
     started = time.time()
@@ -112,7 +137,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if not ok and any(SWEEP_VARIANTS[a].backend == "entrenar" for a in algos):
         notes.append(f"entrenar variants skipped: {why}")
         algos = [a for a in algos if SWEEP_VARIANTS[a].backend != "entrenar"]
-    cfg = dataclasses.replace(cfg, algos=tuple(algos), entrenar=ok)
+    unavailable: dict[str, str] = {}
+    if "deepspeed" in algos:
+        ds_ok, ds_why = deepspeed_available()
+        if not ds_ok:
+            unavailable[DEEPSPEED] = ds_why
+            algos.remove("deepspeed")
+    transports = cfg.transports
+    if ok and transports:
+        honoured = entrenar_transports()
+        for t in transports:
+            if t not in honoured:
+                unavailable[f"entrenar[{t}]"] = (
+                    "this entrenar_pg has no Options.transport (ENTRENAR_TRANSPORT is ignored, "
+                    "every group is TCP)"
+                )
+        transports = tuple(t for t in transports if t in honoured)
+    cfg = dataclasses.replace(cfg, algos=tuple(algos), transports=transports, entrenar=ok)
     mpiexec, mpi_why = mpi_available() if cfg.mpi else (None, "disabled (--no-mpi)")
     if mpiexec is None:
         notes.append(f"MPI column skipped: {mpi_why}")
@@ -122,8 +163,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "git": git_revision(),
             "loadavg_start": list(os.getloadavg()),
             "config": cfg.to_json(),
-            "variants": [SWEEP_VARIANTS[a].name for a in algos],
-            "variant_options": {SWEEP_VARIANTS[a].name: SWEEP_VARIANTS[a].options for a in algos},
+            "variants": [v.name for v in sweep_variants(cfg)],
+            "variant_options": {v.name: v.options for v in sweep_variants(cfg)},
+            "variant_transport": {v.name: v.transport for v in sweep_variants(cfg)},
+            # Columns asked for but not measured, and why (never silently missing).
+            "unavailable": unavailable,
             "timing": "per iteration, max over ranks of each rank's blocking all_reduce time; "
             "median/min/max over samples; warm-up excluded; variants interleaved",
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
@@ -149,7 +193,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _measure_worlds(cfg, result, mpiexec, None)
     for r in result["ddp"]:
         active = r.get("check_active", {}).get(r["variant"], True)
-        if r["variant"].removesuffix(BASELINE).endswith("-check") and not active:
+        if base_name(r["variant"]).endswith("-check") and not active:
             notes.append(
                 f"DDP N={r['world_size']} {r['variant']}: Options(check=True) was set but the "
                 f"group has no active contract checker (check_active={active}); the row "
@@ -160,6 +204,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     add_ratios(result["mpi"], raw)
     for r in result["mpi"]:
         r["time_vs_gloo"] = ratio_to(result["allreduce"], r)
+    result["goals"] = issue17_goals(result["allreduce"])
     result["meta"]["elapsed_s"] = time.time() - started
     result["meta"]["loadavg_end"] = list(os.getloadavg())
     return result
@@ -179,8 +224,19 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     )
     p.add_argument(
         "--algos",
-        default=",".join(SWEEP_VARIANTS),
-        help=f"variants from {','.join(SWEEP_VARIANTS)} (default all)",
+        default=None,
+        help=f"variants from {','.join(SWEEP_VARIANTS)} (default all; --quick: all but deepspeed)",
+    )
+    p.add_argument(
+        "--transports",
+        default="",
+        help=f"ENTRENAR_TRANSPORT values from {','.join(TRANSPORTS)}: every entrenar variant runs"
+        " once per transport, named <variant>[<transport>] (default: the environment's, one run)",
+    )
+    p.add_argument(
+        "--ddp-variants",
+        default="",
+        help=f"DDP step variants from {','.join(v.name for v in DDP_VARIANTS)} (default all)",
     )
     p.add_argument(
         "--repeats",
@@ -220,16 +276,30 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     )
     p.add_argument("--out", default="bench_out", help="output directory")
     a = p.parse_args(argv)
-    algos = tuple(x.strip() for x in a.algos.split(",") if x.strip())
+    # --quick leaves DeepSpeed out: its spinning collapses on a loaded machine
+    # (tens of ms a call), which would put the smoke run past its time limit.
+    quick_algos = ",".join(k for k in SWEEP_VARIANTS if k != "deepspeed")
+    algos_text = a.algos or (quick_algos if a.quick else ",".join(SWEEP_VARIANTS))
+    algos = tuple(x.strip() for x in algos_text.split(",") if x.strip())
     unknown = [x for x in algos if x not in SWEEP_VARIANTS]
     if unknown:
         p.error(f"unknown --algos {unknown}; choose from {list(SWEEP_VARIANTS)}")
+    transports = tuple(x.strip() for x in a.transports.split(",") if x.strip())
+    bad = [x for x in transports if x not in TRANSPORTS]
+    if bad or len(set(transports)) != len(transports):
+        p.error(f"bad --transports {a.transports!r}; choose distinct values from {TRANSPORTS}")
+    ddp_names = tuple(x.strip() for x in a.ddp_variants.split(",") if x.strip())
+    bad = [x for x in ddp_names if x not in {v.name for v in DDP_VARIANTS}]
+    if bad:
+        p.error(f"unknown --ddp-variants {bad}; choose from {[v.name for v in DDP_VARIANTS]}")
     q = a.quick
     worlds = a.world_sizes or ("2" if q else "2,4")
     cfg = BenchConfig(
         world_sizes=tuple(int(x) for x in worlds.split(",")),
         sizes=parse_sizes(a.sizes or (QUICK_SIZES if q else DEFAULT_SIZES)),
         algos=algos,
+        transports=transports,
+        ddp_variants=ddp_names,
         repeats=a.repeats or (8 if q else 50),
         min_repeats=3 if q else 5,
         rounds=a.rounds or (2 if q else 5),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ RAW = "raw-tcp"
 MPI_SHM = "mpi"
 MPI_TCP = "mpi-tcp"
 GLOO = "gloo"
+DEEPSPEED = "deepspeed-shm"  # deepspeed.comm.inference_all_reduce (benchmarks/deepspeed_peer.py)
 BASELINE = "@baseline"  # suffix of the variants run on the --baseline-tree's entrenar_pg
 
 
@@ -27,6 +29,9 @@ class Variant:
     name: str
     backend: str
     options: dict[str, Any] = field(default_factory=dict)
+    # entrenar only: the ENTRENAR_TRANSPORT its group is created with ("": the
+    # environment's, unchanged). Set by with_transports(), which also names it.
+    transport: str = ""
 
 
 # Allreduce sweep variants, keyed by the short names --algos takes.
@@ -40,7 +45,14 @@ SWEEP_VARIANTS: dict[str, Variant] = {
     ),
     "auto": Variant("entrenar-auto", "entrenar", {"algorithm": "auto"}),
     "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
+    # DeepSpeed's same-host shared-memory allreduce (SUM only, whole world only):
+    # the peer of entrenar's shm transport. Skipped, with a note, where deepspeed
+    # is not installed (benchmarks/install_peers.sh installs it).
+    "deepspeed": Variant(DEEPSPEED, "deepspeed"),
 }
+
+# The ENTRENAR_TRANSPORT values --transports takes.
+TRANSPORTS = ("tcp", "shm", "auto")
 
 FLOOR = "floor (no comm)"
 
@@ -58,8 +70,33 @@ DDP_VARIANTS: tuple[Variant, ...] = (
     Variant(FLOOR, floor.BACKEND),
 )
 
+
+def with_transports(variants: Sequence[Variant], transports: Sequence[str]) -> list[Variant]:
+    """Each entrenar variant once per transport, named ``<name>[<transport>]``; others as given.
+
+    No transports: the variants unchanged (their groups take ENTRENAR_TRANSPORT
+    from the environment, as a user's would).
+    """
+    if not transports:
+        return list(variants)
+    out: list[Variant] = []
+    for v in variants:
+        if v.backend != "entrenar":
+            out.append(v)
+            continue
+        out += [dataclasses.replace(v, name=f"{v.name}[{t}]", transport=t) for t in transports]
+    return out
+
+
+def base_name(name: str) -> str:
+    """A variant's name without its ``[transport]`` and ``@baseline`` suffixes."""
+    return name.removesuffix(BASELINE).split("[", 1)[0]
+
+
 DEFAULT_SIZES = "4K:256M:x4"
 QUICK_SIZES = "4K,64K,1M,4M"
+# Issue 17's table: the sizes its goals name.
+ISSUE17_SIZES = "4K,64K,1M,16M,64M"
 
 
 @dataclass(frozen=True)
@@ -69,6 +106,8 @@ class BenchConfig:
     world_sizes: tuple[int, ...] = (2, 4)
     sizes: tuple[int, ...] = ()
     algos: tuple[str, ...] = tuple(SWEEP_VARIANTS)
+    transports: tuple[str, ...] = ()
+    ddp_variants: tuple[str, ...] = ()  # DDP_VARIANTS names to run ((): all)
     repeats: int = 50
     min_repeats: int = 5
     rounds: int = 5
@@ -95,6 +134,6 @@ class BenchConfig:
     def from_json(cls, data: dict[str, Any]) -> BenchConfig:
         """Inverse of :meth:`to_json`."""
         kw = dict(data)
-        for name in ("world_sizes", "sizes", "algos"):
+        for name in ("world_sizes", "sizes", "algos", "transports", "ddp_variants"):
             kw[name] = tuple(kw[name])
         return cls(**kw)

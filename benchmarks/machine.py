@@ -25,6 +25,21 @@ def entrenar_available() -> tuple[bool, str]:
     return True, ""
 
 
+def entrenar_transports() -> tuple[str, ...]:
+    """The ENTRENAR_TRANSPORT values this entrenar_pg honours (issue 17's ``Options.transport``).
+
+    Before the shared-memory transport landed there was no such option: the
+    variable was ignored and every group was TCP, so only ``tcp`` is honest then.
+    """
+    import dataclasses
+
+    from entrenar_pg import Options
+
+    if "transport" not in {f.name for f in dataclasses.fields(Options)}:
+        return ("tcp",)
+    return ("tcp", "shm", "auto")
+
+
 def mpi_available() -> tuple[str | None, str]:
     """Path of ``mpiexec`` if it and mpi4py are usable, else ``(None, reason)``."""
     try:

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.config import BASELINE, GLOO, MPI_SHM, MPI_TCP, RAW
+from benchmarks.config import BASELINE, DEEPSPEED, GLOO, MPI_SHM, MPI_TCP, RAW
+from benchmarks.goals import SHM, TCP
 from benchmarks.sizes import format_bytes
 
 
@@ -156,6 +157,51 @@ def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     return _render(header, body, markdown)
 
 
+def goals_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """Issue 17's table: DeepSpeed, entrenar shm and tcp side by side, ratios, PASS/FAIL."""
+    header = [
+        "N",
+        "size",
+        DEEPSPEED,
+        SHM,
+        TCP,
+        "shm/DS time",
+        "shm/DS busbw",
+        "tcp/DS time",
+        "shm/tcp time",
+        "goal vs DS",
+        "vs DS",
+        "vs tcp",
+    ]
+    body = []
+    for g in result.get("goals", []):
+        limit = g["ds_limit"]
+        if limit is None:
+            goal = "-"
+        elif limit == 1.0:
+            goal = "time <= DS (busbw >= DS)"  # the same test: same bytes, same N
+        else:
+            goal = f"time <= {limit}x DS"
+        body.append(
+            [
+                str(g["world_size"]),
+                format_bytes(g["size_bytes"]),
+                *(
+                    "-" if g[k] is None else _fmt_time(g[k])
+                    for k in ("deepspeed_s", "shm_s", "tcp_s")
+                ),
+                _fmt_ratio(g["shm_vs_ds_time"]),
+                _fmt_ratio(g["shm_vs_ds_busbw"]),
+                _fmt_ratio(g["tcp_vs_ds_time"]),
+                _fmt_ratio(g["shm_vs_tcp_time"]),
+                goal,
+                g["vs_deepspeed"],
+                g["vs_tcp"],
+            ]
+        )
+    return _render(header, body, markdown)
+
+
 def _render(header: list[str], body: list[list[str]], markdown: bool) -> list[str]:
     """A padded text table, or a markdown one."""
     if markdown:
@@ -227,6 +273,16 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
                 f"N={world} workers imported entrenar_pg from {files.get('new')} (new) and "
                 f"{files.get('baseline')} (baseline copy)"
             )
+    if result.get("goals") or meta.get("unavailable"):
+        lines += [
+            "",
+            "issue 17 goals (median times of one job's interleaved rounds; n/a: a row is "
+            "missing, see below):",
+            "",
+        ]
+        lines += goals_table(result, markdown)
+        for name, why in meta.get("unavailable", {}).items():
+            lines.append(f"unavailable: {name}: {why}")
     for note in meta["notes"]:
         lines.append(f"note: {note}")
     return lines
@@ -274,6 +330,52 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def write_goals_plot(result: dict[str, Any], out: Path) -> Path | None:
+    """Issue 17's ratios against size, one panel per world size, goal limits as steps."""
+    goals = result.get("goals") or []
+    if not goals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({g["world_size"] for g in goals})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        mine = sorted((g for g in goals if g["world_size"] == world), key=lambda g: g["size_bytes"])
+        for key, label, style in (
+            ("shm_vs_ds_time", f"{SHM} / {DEEPSPEED}", "-o"),
+            ("tcp_vs_ds_time", f"{TCP} / {DEEPSPEED}", "-s"),
+            ("shm_vs_tcp_time", f"{SHM} / {TCP}", "-^"),
+        ):
+            pts = [(g["size_bytes"], g[key]) for g in mine if g[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, ms=4, label=label)
+        limits = [(g["size_bytes"], g["ds_limit"]) for g in mine if g["ds_limit"] is not None]
+        if limits:
+            ax.step(
+                *zip(*limits, strict=True),
+                "--",
+                color="red",
+                where="mid",
+                label="goal: shm / DS at most",
+            )
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("median time ratio (below 1: first is faster)")
+        ax.set_title(f"issue 17, allreduce float32, N={world}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "issue17_ratios.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     """bench.json, results.md and the PNGs under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -281,4 +383,5 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     jpath.write_text(json.dumps(result, indent=1))
     mpath = out / "results.md"
     mpath.write_text("\n".join(report_lines(result, markdown=True)) + "\n")
-    return [jpath, mpath, *write_plots(result, out)]
+    goals_png = write_goals_plot(result, out)
+    return [jpath, mpath, *write_plots(result, out), *([goals_png] if goals_png else [])]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BenchConfig
+from benchmarks.deepspeed_peer import remove_segments
 from benchmarks.sizes import plan_for
 from benchmarks.workers import rank_main
 
@@ -101,9 +102,24 @@ def run_world(world: int, cfg: BenchConfig, import_root: str | None = None) -> l
                 if now > deadline:
                     raise BenchError(f"world size {world}: timed out after {cfg.timeout_s:.0f} s")
                 time.sleep(0.05)
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:  # every rank exited between two looks, some of them failing
+                raise BenchError(
+                    f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
+                    " (its traceback is above on stderr)"
+                )
             return [json.loads(Path(path).read_text()) for path in paths]
         finally:
             _kill_all(procs)
+            if "deepspeed" in cfg.algos:
+                left = remove_segments(port, world)
+                if left:
+                    log.info(
+                        "world size %d: removed %d segments DeepSpeed left in /dev/shm (%s ...)",
+                        world,
+                        len(left),
+                        left[0],
+                    )
 
 
 def run_mpi(world: int, cfg: BenchConfig, mpiexec: str, tcp: bool) -> dict[str, Any]:

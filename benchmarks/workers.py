@@ -8,6 +8,7 @@ CLI runs as ``__main__``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import selectors
@@ -18,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,14 +28,18 @@ from torch import nn
 from benchmarks import floor
 from benchmarks.config import (
     DDP_VARIANTS,
+    DEEPSPEED,
     FLOAT32_BYTES,
     RAW,
     SWEEP_VARIANTS,
     BenchConfig,
     Variant,
+    with_transports,
 )
 from benchmarks.model import make_model
 from benchmarks.sizes import plan_for, rotated
+
+ENV_TRANSPORT = "ENTRENAR_TRANSPORT"  # issue 17's transport switch (tcp | shm | auto)
 
 
 def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
@@ -47,7 +52,34 @@ def _new_group(variant: Variant, world: int) -> dist.ProcessGroup:
         return dist.new_group(ranks, backend=floor.BACKEND)
     from entrenar_pg import Options
 
-    return dist.new_group(ranks, backend="entrenar", pg_options=Options.from_env(**variant.options))
+    environ = dict(os.environ)
+    if variant.transport:
+        # The variable a user sets, read where a user's group reads it (Options.from_env).
+        environ[ENV_TRANSPORT] = variant.transport
+    if variant.transport not in ("", "tcp") and "transport" not in {
+        f.name for f in dataclasses.fields(Options)
+    }:
+        # An entrenar_pg from before the transports (a --baseline-tree) ignores
+        # the variable and is TCP only: its "[shm]" row would silently measure TCP.
+        raise RuntimeError(f"{variant.name}: this entrenar_pg has no Options.transport")
+    opts = Options.from_env(environ, **variant.options)
+    return dist.new_group(ranks, backend="entrenar", pg_options=opts)
+
+
+class _GroupAllreduce:
+    """A contestant that is a torch process group: ``dist.all_reduce`` on it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.group)
+
+
+class Contestant(Protocol):
+    """What the sweep times: one blocking in-place float32 SUM allreduce over the world."""
+
+    def all_reduce(self, t: torch.Tensor) -> None: ...
 
 
 class _RawPair:
@@ -120,10 +152,10 @@ class _RawPair:
             self.sock.close()
 
 
-def _verify(t: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int, name: str) -> None:
+def _verify(t: torch.Tensor, who: Contestant, rank: int, world: int, name: str) -> None:
     """One checked allreduce (also a warm-up): every element must be sum(1..world)."""
     t.fill_(rank + 1)
-    dist.all_reduce(t, group=group)
+    who.all_reduce(t)
     want = world * (world + 1) / 2
     if not bool(torch.all(t == want)):
         bad = t[t != want]
@@ -134,14 +166,14 @@ def _verify(t: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int, na
     t.zero_()
 
 
-def _time_allreduce(t: torch.Tensor, group: dist.ProcessGroup, warmup: int, n: int) -> list[float]:
+def _time_allreduce(t: torch.Tensor, who: Contestant, warmup: int, n: int) -> list[float]:
     """``warmup`` untimed then ``n`` timed blocking allreduces; per-call seconds."""
     for _ in range(warmup):
-        dist.all_reduce(t, group=group)
+        who.all_reduce(t)
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
-        dist.all_reduce(t, group=group)
+        who.all_reduce(t)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -151,7 +183,7 @@ def _sweep(
     world: int,
     cfg: BenchConfig,
     ctrl: dist.ProcessGroup,
-    groups: dict[str, dist.ProcessGroup],
+    groups: dict[str, Contestant],
     raw: _RawPair | None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """The interleaved allreduce sweep; returns ``{"variant|size": samples}`` and raw samples."""
@@ -177,12 +209,12 @@ def _sweep(
                         samples = [raw.exchange(send, recv) for _ in range(plan.per_block)]
                         raw_times.setdefault(str(size), []).extend(samples)
                     continue
-                group = groups[name]
+                who = groups[name]
                 warm = plan.warmup
                 if r == 0:
-                    _verify(t, group, rank, world, name)
+                    _verify(t, who, rank, world, name)
                     warm = max(warm, 1)
-                samples = _time_allreduce(t, group, warm, plan.per_block)
+                samples = _time_allreduce(t, who, warm, plan.per_block)
                 times.setdefault(f"{name}|{size}", []).extend(samples)
         del t
         if use_raw:
@@ -266,11 +298,54 @@ def _checker_stats(checker: Any) -> dict[str, float]:
     return {n: float(getattr(checker, n)) for n in names if hasattr(checker, n)}
 
 
+def _deepspeed_contestant(
+    rank: int, world: int, ctrl: dist.ProcessGroup
+) -> tuple[Contestant | None, str]:
+    """DeepSpeed's SHM allreduce if it starts on every rank, else ``(None, why)``.
+
+    Every rank learns every rank's outcome (one all_gather on ``ctrl``), so all
+    of them run the column or none does, and a failure is reported, not hidden.
+    """
+    from benchmarks.deepspeed_peer import DeepSpeedShm
+
+    ds: DeepSpeedShm | None = None
+    why = ""
+    try:
+        ds = DeepSpeedShm(rank)
+    except Exception as e:  # noqa: BLE001 - any failure means "no DeepSpeed column"
+        why = f"rank {rank}: {e!r}"
+    outcomes: list[str | None] = [None] * world
+    dist.all_gather_object(outcomes, why, group=ctrl)
+    failed = [w for w in outcomes if w]
+    if failed:
+        return None, failed[0]
+    return ds, ""
+
+
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """Set what ``torchrun --nproc_per_node=world`` gives each rank, before any group exists.
+
+    Every variant then sees the environment of a same-host torchrun job
+    (entrenar's transport selection may read it; DeepSpeed needs it).
+    """
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+
+
 def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path: str) -> None:
     """One rank of a world-size run: sweep, raw reference, DDP; writes its samples as JSON."""
     cfg = BenchConfig.from_json(cfg_json)
     torch.set_num_threads(1)
-    variants = [SWEEP_VARIANTS[a] for a in cfg.algos]
+    torchrun_env(rank, world, port)
+    variants = with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
     entrenar_file = ""
     if cfg.entrenar:
         import entrenar_pg  # registers the backend
@@ -287,7 +362,18 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
     try:
         ctrl = dist.group.WORLD
         assert ctrl is not None
-        groups = {v.name: _new_group(v, world) for v in variants}
+        groups: dict[str, Contestant] = {
+            v.name: _GroupAllreduce(_new_group(v, world))
+            for v in variants
+            if v.backend != "deepspeed"
+        }
+        unavailable: dict[str, str] = {}
+        if any(v.backend == "deepspeed" for v in variants):
+            ds, why = _deepspeed_contestant(rank, world, ctrl)
+            if ds is not None:
+                groups[DEEPSPEED] = ds
+            else:
+                unavailable[DEEPSPEED] = why
         if cfg.raw and world >= 2:
             raw = _RawPair(rank, ctrl, cfg.op_timeout_s)
         times, raw_times = _sweep(rank, world, cfg, ctrl, groups, raw)
@@ -295,6 +381,9 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
         ddp_info: dict[str, Any] = {}
         if cfg.ddp:
             ddp_variants = [v for v in DDP_VARIANTS if v.backend != "entrenar" or cfg.entrenar]
+            if cfg.ddp_variants:
+                ddp_variants = [v for v in ddp_variants if v.name in cfg.ddp_variants]
+            ddp_variants = with_transports(ddp_variants, cfg.transports)
             ddp_times, ddp_info = _ddp(rank, world, cfg, ctrl, ddp_variants)
         dist.barrier(group=ctrl)
         result = {
@@ -304,6 +393,7 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
             "ddp": ddp_times,
             "ddp_info": ddp_info,
             "entrenar_pg_file": entrenar_file,
+            "unavailable": unavailable,
         }
         tmp_path = out_path + ".tmp"
         Path(tmp_path).write_text(json.dumps(result))

@@ -10,10 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench, deepspeed_peer
 from benchmarks.baseline import add_baseline_ratios, mark_baseline, merge_runs
-from benchmarks.config import DDP_VARIANTS, GLOO, SWEEP_VARIANTS, BenchConfig
+from benchmarks.config import (
+    DDP_VARIANTS,
+    DEEPSPEED,
+    GLOO,
+    SWEEP_VARIANTS,
+    BenchConfig,
+    with_transports,
+)
+from benchmarks.goals import SHM, TCP, issue17_goals
 from benchmarks.machine import entrenar_available
-from benchmarks.results import busbw_factor, combine_ranks
+from benchmarks.report import report_lines
+from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
 from benchmarks.sizes import parse_sizes, plan_for, rotated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +85,111 @@ def test_baseline_runs_are_renamed_merged_and_compared() -> None:
     assert "time_vs_baseline" not in rows[1] and "time_vs_baseline" not in rows[2]
 
 
+def test_transports_and_ddp_variants_parse() -> None:
+    cfg = bench.parse_args(["--transports", "tcp, shm", "--ddp-variants", "gloo,entrenar"])
+    assert cfg.transports == ("tcp", "shm")
+    assert cfg.ddp_variants == ("gloo", "entrenar")
+    assert BenchConfig.from_json(cfg.to_json()) == cfg  # what the workers receive
+    assert bench.parse_args([]).transports == ()  # default: the environment's transport
+    for bad in (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_with_transports_names_entrenar_variants_only() -> None:
+    base = [SWEEP_VARIANTS["gloo"], SWEEP_VARIANTS["auto"], SWEEP_VARIANTS["deepspeed"]]
+    got = with_transports(base, ("tcp", "shm"))
+    assert [(v.name, v.transport) for v in got] == [
+        (GLOO, ""),
+        ("entrenar-auto[tcp]", "tcp"),
+        ("entrenar-auto[shm]", "shm"),
+        (DEEPSPEED, ""),
+    ]
+    assert got[1].options == SWEEP_VARIANTS["auto"].options
+    assert with_transports(base, ()) == base
+    # --baseline-tree renames a transport variant like its plain twin.
+    marked = mark_baseline(
+        {"allreduce": {"entrenar-auto[shm]|4096": [1.0]}, "ddp": {}, "ddp_info": {}}
+    )
+    assert set(marked["allreduce"]) == {"entrenar-auto[shm]@baseline|4096"}
+
+
+def _row(world: int, variant: str, size: int, seconds: float) -> dict:
+    return allreduce_row(world, variant, size, [seconds])
+
+
+def test_issue17_goals_pass_fail_and_missing_rows() -> None:
+    k4, m1 = 4096, 1 << 20
+    rows = [
+        # N=2, 4 KiB: shm 1.4x DeepSpeed (limit 1.5) and faster than TCP.
+        _row(2, DEEPSPEED, k4, 10e-6),
+        _row(2, SHM, k4, 14e-6),
+        _row(2, TCP, k4, 100e-6),
+        # N=2, 1 MiB: shm slower than DeepSpeed (busbw below), and slower than TCP.
+        _row(2, DEEPSPEED, m1, 200e-6),
+        _row(2, SHM, m1, 250e-6),
+        _row(2, TCP, m1, 240e-6),
+        # N=4, 4 KiB: 0.6x DeepSpeed, over the 0.5x limit.
+        _row(4, DEEPSPEED, k4, 5e-3),
+        _row(4, SHM, k4, 3e-3),
+        _row(4, TCP, k4, 4e-3),
+        # N=4, 1 MiB: no shm row (transport not available): n/a, with TCP's ratio still shown.
+        _row(4, DEEPSPEED, m1, 1e-3),
+        _row(4, TCP, m1, 2e-3),
+        _row(4, GLOO, m1, 9e-3),
+    ]
+    goals = {(g["world_size"], g["size_bytes"]): g for g in issue17_goals(rows)}
+    assert set(goals) == {(2, k4), (2, m1), (4, k4), (4, m1)}
+    g = goals[(2, k4)]
+    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("PASS", "PASS", 1.5)
+    assert g["shm_vs_ds_time"] == pytest.approx(1.4)
+    g = goals[(2, m1)]
+    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("FAIL", "FAIL", 1.0)
+    assert g["shm_vs_ds_busbw"] == pytest.approx(0.8)
+    g = goals[(4, k4)]
+    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("FAIL", "PASS", 0.5)
+    g = goals[(4, m1)]
+    assert (g["vs_deepspeed"], g["vs_tcp"]) == ("n/a", "n/a")
+    assert g["tcp_vs_ds_time"] == pytest.approx(2.0) and g["shm_s"] is None
+
+
+def test_missing_deepspeed_and_transport_are_reported_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench, "deepspeed_available", lambda: (False, "deepspeed not installed"))
+    monkeypatch.setattr(bench, "entrenar_available", lambda: (True, ""))
+    monkeypatch.setattr(bench, "entrenar_transports", lambda: ("tcp",))
+    seen: list[BenchConfig] = []
+    monkeypatch.setattr(bench, "_measure_worlds", lambda cfg, *a: seen.append(cfg))
+    cfg = BenchConfig(algos=("gloo", "auto", "deepspeed"), transports=("tcp", "shm"), mpi=False)
+    result = bench.run_bench(cfg)
+    (ran,) = seen
+    assert ran.algos == ("gloo", "auto") and ran.transports == ("tcp",)
+    meta = result["meta"]
+    assert meta["variants"] == [GLOO, "entrenar-auto[tcp]"]
+    assert meta["unavailable"] == {
+        DEEPSPEED: "deepspeed not installed",
+        "entrenar[shm]": "this entrenar_pg has no Options.transport (ENTRENAR_TRANSPORT is "
+        "ignored, every group is TCP)",
+    }
+    text = "\n".join(report_lines(result))
+    assert f"unavailable: {DEEPSPEED}: deepspeed not installed" in text
+    assert "unavailable: entrenar[shm]:" in text
+
+
+def test_deepspeed_availability_and_segment_cleanup(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(deepspeed_peer.importlib.util, "find_spec", lambda name: None)
+    ok, why = deepspeed_peer.deepspeed_available()
+    assert not ok and "install_peers.sh" in why
+    prefix = f"{deepspeed_peer.SEGMENT_PREFIX}_{__import__('os').getuid()}_127.0.0.1_5000_"
+    for name in (prefix + "0", prefix + "1", "other_segment"):
+        (tmp_path / name).write_bytes(b"x")
+    assert deepspeed_peer.remove_segments(5000, 4, str(tmp_path)) == [prefix + "0", prefix + "1"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other_segment"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_bench_smoke(tmp_path: Path) -> None:
@@ -94,7 +209,8 @@ def test_quick_bench_smoke(tmp_path: Path) -> None:
     variants = meta["variants"]
     assert GLOO in variants and sizes
     if entrenar_available()[0]:  # the backend imports here, so the bench must have used it
-        assert {v.name for v in SWEEP_VARIANTS.values()} <= set(variants), meta["notes"]
+        entrenar = {v.name for v in SWEEP_VARIANTS.values() if v.backend == "entrenar"}
+        assert entrenar <= set(variants), meta["notes"]
         assert {v.name for v in DDP_VARIANTS} <= {r["variant"] for r in result["ddp"]}
     got = {(r["variant"], r["size_bytes"]) for r in result["allreduce"] if r["world_size"] == 2}
     assert got == {(v, s) for v in variants for s in sizes}
@@ -107,3 +223,50 @@ def test_quick_bench_smoke(tmp_path: Path) -> None:
     for png in ("allreduce_busbw.png", "allreduce_latency.png"):
         assert (out / png).stat().st_size > 1000
     assert "allreduce float32, N=2" in proc.stdout
+
+
+def _ds_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"{deepspeed_peer.SEGMENT_PREFIX}_*")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_deepspeed_column_smoke(tmp_path: Path) -> None:
+    """DeepSpeed's SHM allreduce measured beside gloo, or reported unavailable, never absent."""
+    out = tmp_path / "bench"
+    before = _ds_segments()
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--world-sizes", "2", "--sizes", "4K"]
+    cmd += ["--algos", "gloo,deepspeed", "--rounds", "2", "--repeats", "4", "--no-ddp"]
+    cmd += ["--no-raw", "--no-mpi", "--timeout", "180", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((out / "bench.json").read_text())
+    measured = {r["variant"] for r in result["allreduce"]}
+    unavailable = result["meta"]["unavailable"]
+    assert (DEEPSPEED in measured) != (DEEPSPEED in unavailable), result["meta"]
+    if deepspeed_peer.deepspeed_available()[0]:
+        # Installed: the column must have run (a failure to start is a finding, not a skip).
+        assert DEEPSPEED in measured, unavailable
+        left = _ds_segments() - before
+        assert not left, f"the bench left DeepSpeed's segments in /dev/shm: {sorted(left)}"
+    else:
+        assert f"unavailable: {DEEPSPEED}:" in proc.stdout
+
+
+def test_transport_variant_refuses_an_entrenar_without_the_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entrenar_pg that ignores ENTRENAR_TRANSPORT must not be measured under a [shm] name."""
+    import dataclasses
+
+    import entrenar_pg
+    from benchmarks import workers
+
+    @dataclasses.dataclass(frozen=True)
+    class OldOptions:  # an entrenar_pg from before the transports (e.g. a --baseline-tree)
+        algorithm: str = "auto"
+
+    monkeypatch.setattr(entrenar_pg, "Options", OldOptions)
+    (shm,) = with_transports([SWEEP_VARIANTS["auto"]], ("shm",))
+    with pytest.raises(RuntimeError, match=r"entrenar-auto\[shm\]: .*no Options.transport"):
+        workers._new_group(shm, 2)
