@@ -112,9 +112,9 @@ def test_smoke_ddp_mode_outputs(tmp_path, backend):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("nproc", [1, 4])
+@pytest.mark.parametrize("nproc", [4])  # N=1 against N=2, step by step: test_ledger.py
 def test_world_size_invariance(tmp_path, reference, nproc):
-    """Deterministic mode: N=1 and N=4 end with the same bits as N=2."""
+    """Deterministic mode: N=4 ends with the same bits as N=2."""
     torchrun(nproc, [*DET, "--steps", str(STEPS), *run_dir(tmp_path, "r")], timeout=120)
     end = end_record(tmp_path / "r" / "metrics.jsonl")
     assert end["world_size"] == nproc and end["replicas_agree"]
