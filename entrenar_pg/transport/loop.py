@@ -461,6 +461,43 @@ class Progress(Links):
             if data_event:
                 return
 
+    # ------------------------------------------------- a slot area's sleep (transport/slots.py)
+
+    def sleep_on(self, waiting_on: list[int], peers: list[int], what: str, wait_s: float) -> None:
+        """One sleep of a shared-memory slot wait: until a wake-up byte arrives
+        on a data socket of ``peers``, a control frame, a hang-up, or
+        ``wait_s`` passes. Wake-up bytes are drained; a peer's hang-up or
+        abort raises (``Causes``), naming it at once. ``waiting_on`` is what
+        a QUERY hears this rank waits on."""
+        socks = self._socks
+        want = {socks[p].fileno(): _POLLIN for p in peers}
+        if self.control is not None:
+            self.control.waiting = (what, waiting_on, [])
+        events = self.sleep(want, wait_s)
+        if self.causes.closed_here:
+            raise self.causes.here_closed(what)
+        for fd, _ in events:
+            peer = self._fd_peer.get(fd)
+            if peer is None:
+                self._on_control(fd, what)
+                continue
+            link = socks[peer]
+            sock = link.sock if isinstance(link, ShmLink) else link
+            try:
+                while True:
+                    if not sock.recv(4096):
+                        raise self.causes.peer_closed(peer, what)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                raise self.causes.link_failed(peer, what, e) from e
+
+    def done_sleeping(self) -> None:
+        """After a slot wait: poll watches hang-ups only again; QUERY hears "not waiting"."""
+        self._arm({})
+        if self.control is not None:
+            self.control.waiting = None
+
     def _on_control(self, fd: int, what: str) -> None:
         """A control socket is readable: answer queries; raise a peer's abort."""
         control = self.control

@@ -1,0 +1,182 @@
+"""The shm-native allreduce: ranks all on one host reduce straight from each other's slots.
+
+No plan and no byte ring: each rank's input goes once into its own slot
+area (``transport/slots.py``), which every peer has mapped, and the
+reduction reads the peers' slots in place.
+
+- Small (<= ``SMALL_MAX_BYTES``), one phase: each rank writes its 32-byte
+  wire header and its input into its slot, publishes, waits for every peer,
+  compares every peer's header byte for byte with its own (so a mismatch
+  raises ``CollectiveMismatchError`` on every rank, in the call), then
+  combines all N slots into its output, in rank order left to right (the
+  canonical tree order when ``call.choice.tree``): the operations and
+  operands of ``direct.py``, so the bits equal TCP's.
+- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB path):
+  copy the chunk in; each rank combines its 1/N slice of the chunk across
+  all slots (same order) into its other slot; then every rank copies all N
+  reduced slices out. The first chunk's headers are compared as above.
+
+PREMUL_SUM's scale was applied to the input before (``reduce_ops.prepare_``,
+by the job), AVG's division is applied once to the result here
+(``finish_``), as every algorithm does. Per call on the small path: two
+copies of the message per rank (in, and the reduction's output), no
+allocation (views cached per dtype and size, the header packed once per
+shape and restamped), no syscall when the peers are already there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
+from ..transport.slots import SLOT_DATA_BYTES, SlotArea
+from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
+from .common import Call, ScratchPool, chunk_bounds
+
+# Up to this size every rank reduces the whole message (one phase); above,
+# each rank reduces a slice (N-fold less reduction work, one more phase per
+# chunk). DeepSpeed's crossover, which matches ours on 2 cores.
+SMALL_MAX_BYTES = 1 << 20
+
+
+def allreduce_shm(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Allreduce of the flat CPU tensor ``buf``, in place, through the slot areas."""
+    area = call.mesh.slots
+    assert area is not None, "internal: the policy chose SHM without slot areas"
+    numel = buf.numel()
+    packed = _packed_header(call, op, buf.dtype, red, numel)
+    what = call.what(op)
+    if numel * buf.element_size() <= SMALL_MAX_BYTES:
+        _small(call, area, buf, red.combine_kind, packed, what)
+    else:
+        _chunked(call, area, buf, red.combine_kind, packed, what)
+    finish_(buf, red, call.world)
+
+
+def _packed_header(
+    call: Call, op: OpCode, dtype: torch.dtype, red: Reduction, numel: int
+) -> bytearray:
+    """This call's header, packed once per shape and restamped with the sequence number."""
+    key = ("shm_header", op, dtype, int(red.kind), numel, call.choice.flags)
+    packed = call.scratch.plan(key)
+    if packed is None:
+        packed = bytearray(HEADER_BYTES)
+        call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
+        call.scratch.keep_plan(key, packed)
+    stamp_seq(packed, call.seq)
+    return packed
+
+
+def _small(
+    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, what: str
+) -> None:
+    n, r = call.world, call.rank
+    phase = area.phase + 1
+    parity = phase & 1
+    views = area.views(buf.dtype, buf.numel())
+    views[r][parity].copy_(buf)
+    area.write_header(phase, packed)
+    area.publish(phase)
+    area.wait(phase, call.mesh.progress, what)
+    _check_headers(area, call, phase, packed)
+    parts = [views[q][parity] for q in range(n)]
+    _combine(buf, parts, kind, call.choice.tree, call.scratch)
+
+
+def _chunked(
+    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, what: str
+) -> None:
+    n, r = call.world, call.rank
+    progress = call.mesh.progress
+    step = SLOT_DATA_BYTES // buf.element_size()
+    numel = buf.numel()
+    for start in range(0, numel, step):
+        m = min(step, numel - start)
+        views = area.views(buf.dtype, m)
+        bounds = chunk_bounds(m, n)
+        chunk = buf[start : start + m]
+        # Phase A: the chunk into this rank's slot.
+        phase = area.phase + 1
+        pa = phase & 1
+        views[r][pa].copy_(chunk)
+        area.write_header(phase, packed)
+        area.publish(phase)
+        area.wait(phase, progress, what)
+        if start == 0:
+            _check_headers(area, call, phase, packed)
+        # Phase B: this rank's slice, reduced across every slot, into its other slot.
+        lo, hi = bounds[r]
+        pb = pa ^ 1
+        parts = [views[q][pa][lo:hi] for q in range(n)]
+        _combine(views[r][pb][lo:hi], parts, kind, call.choice.tree, call.scratch)
+        area.publish(phase + 1)
+        area.wait(phase + 1, progress, what)
+        for q, (a, b) in enumerate(bounds):  # every rank's reduced slice out
+            if b > a:
+                chunk[a:b].copy_(views[q][pb][a:b])
+
+
+def _check_headers(area: SlotArea, call: Call, phase: int, packed: bytearray) -> None:
+    """Every peer's header of ``phase`` equals ours, byte for byte; else the
+    mismatch, naming both calls (every rank compares every header, so every
+    rank raises in the call)."""
+    for q in range(call.world):
+        if q == call.rank:
+            continue
+        raw = area.header_of(q, phase, HEADER_BYTES)
+        if raw == packed:
+            continue
+        # Imported here: the error path only.
+        from ..errors import CollectiveMismatchError
+
+        mine = Header.unpack(packed)
+        try:
+            theirs = Header.unpack(raw)
+        except ValueError as e:
+            raise CollectiveMismatchError(
+                f"rank {call.rank}: garbage from rank {q} where the header of "
+                f"{mine.describe()} was due ({e}); the ranks are out of step"
+            ) from None
+        if theirs != mine:
+            raise CollectiveMismatchError(
+                f"rank {call.rank}: collective mismatch with rank {q}: this rank called "
+                f"{mine.describe()}, rank {q} called {theirs.describe()}"
+            )
+
+
+def _combine(
+    dst: torch.Tensor, parts: list[torch.Tensor], kind: Kind, tree: bool, scratch: ScratchPool
+) -> None:
+    """``dst`` = the combination of ``parts`` (never written: peers read them):
+    left to right in rank order, or in the canonical tree order."""
+    if tree:
+        _tree_into(dst, parts, kind, scratch, 0)
+        return
+    combine_into(dst, parts[0], parts[1], kind)
+    for p in parts[2:]:
+        combine_(dst, p, kind)
+
+
+def _tree_into(
+    dst: torch.Tensor, parts: list[torch.Tensor], kind: Kind, scratch: ScratchPool, depth: int
+) -> None:
+    """``reduce_ops.tree_reduce_``'s order (split at ``(k + 1) // 2``, left op
+    right) without writing ``parts``: right halves go through scratch, one
+    buffer per depth."""
+    k = len(parts)
+    if k == 1:
+        dst.copy_(parts[0])
+        return
+    if k == 2:
+        combine_into(dst, parts[0], parts[1], kind)
+        return
+    m = (k + 1) // 2
+    _tree_into(dst, parts[:m], kind, scratch, depth + 1)
+    right = scratch.get(_TREE_SCRATCH[depth], dst.numel(), dst.dtype)
+    _tree_into(right, parts[m:], kind, scratch, depth + 1)
+    combine_(dst, right, kind)
+
+
+_TREE_SCRATCH = [f"shm_tree{d}" for d in range(64)]
