@@ -31,7 +31,7 @@ import torch
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
 from ..transport.slots import SLOT_DATA_BYTES, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
-from .common import Call, ScratchPool, chunk_bounds
+from .common import Call, ScratchPool, bytes_of, chunk_bounds
 
 # Up to this size every rank reduces the whole message (one phase); above,
 # each rank reduces a slice (N-fold less reduction work, one more phase per
@@ -47,11 +47,10 @@ def allreduce_shm(
     assert area is not None, "internal: the policy chose SHM without slot areas"
     numel = buf.numel()
     packed = _packed_header(call, op, buf.dtype, red, numel)
-    what = call.what(op)
     if numel * buf.element_size() <= SMALL_MAX_BYTES:
-        _small(call, area, buf, red.combine_kind, packed, what)
+        _small(call, area, buf, red.combine_kind, packed, op)
     else:
-        _chunked(call, area, buf, red.combine_kind, packed, what)
+        _chunked(call, area, buf, red.combine_kind, packed, op)
     finish_(buf, red, call.world)
 
 
@@ -70,26 +69,28 @@ def _packed_header(
 
 
 def _small(
-    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, what: str
+    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, op: OpCode
 ) -> None:
-    n, r = call.world, call.rank
+    n = call.world
     phase = area.phase + 1
     parity = phase & 1
     views = area.views(buf.dtype, buf.numel())
-    views[r][parity].copy_(buf)
+    area.write_data(phase, bytes_of(buf))
     area.write_header(phase, packed)
     area.publish(phase)
-    area.wait(phase, call.mesh.progress, what)
+    if not area.ready(phase):
+        area.wait(phase, call.mesh.progress, call.what(op))
     _check_headers(area, call, phase, packed)
     parts = [views[q][parity] for q in range(n)]
     _combine(buf, parts, kind, call.choice.tree, call.scratch)
 
 
 def _chunked(
-    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, what: str
+    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, op: OpCode
 ) -> None:
     n, r = call.world, call.rank
     progress = call.mesh.progress
+    what = call.what(op)
     step = SLOT_DATA_BYTES // buf.element_size()
     numel = buf.numel()
     for start in range(0, numel, step):
