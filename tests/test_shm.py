@@ -608,7 +608,8 @@ def test_a_peer_on_another_host(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal host keys but rank 1 cannot map rank 0's segment (as in another
     pid namespace): under ``auto`` both ends of that pair use TCP (the
-    verdict round), the other pairs shared memory, and the sums are right."""
+    verdict round), the other pairs shared memory, no rank the slot areas
+    (the completeness round), and the sums are right."""
     real = shm._map_peer
 
     def map_peer(offer: dict[str, object]) -> tuple[Any, str]:
@@ -637,6 +638,11 @@ def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatc
         assert sorted(groups[0]._runtime.mesh.shm) == [2]
         assert sorted(groups[1]._runtime.mesh.shm) == [2]
         assert sorted(groups[2]._runtime.mesh.shm) == [0, 1]
+        # Rank 2 shares memory with both peers, but the group does not: no
+        # rank uses the slot areas (the policy must choose alike everywhere).
+        for r in range(3):
+            assert groups[r]._runtime.mesh.slots is None, r
+            assert not groups[r]._runtime.mesh.all_local, r
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> float:
             t = torch.full((70_000,), float(rank + 1))

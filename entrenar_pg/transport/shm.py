@@ -308,7 +308,7 @@ class _Segment:
     area_nonce: bytes
 
 
-def _make_segment(rank: int, peers: list[int], with_area: bool) -> _Segment:
+def _make_segment(rank: int, peers: list[int], with_area: bool = False) -> _Segment:
     rings = BLOCK_BYTES * len(peers)
     size = rings + (AREA_BYTES if with_area else 0)
     # memfd: no name in any filesystem (nothing in /dev/shm to leak, whatever
@@ -357,7 +357,9 @@ def _map_peer(offer: dict[str, object]) -> tuple[_Mapped | None, str]:
     except (OSError, KeyError, ValueError, TypeError) as e:
         return None, f"cannot open its segment ({e})"
     try:
-        end = max(offset + BLOCK_BYTES, area_offset + AREA_BYTES)
+        end = offset + BLOCK_BYTES
+        if area_offset >= 0:
+            end = max(end, area_offset + AREA_BYTES)
         if os.fstat(fd).st_size < end or size < end:
             return None, "its segment is smaller than announced"
         block = memoryview(mmap.mmap(fd, BLOCK_BYTES, offset=offset))

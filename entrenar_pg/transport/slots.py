@@ -76,6 +76,7 @@ class SlotArea:
         self._peers = [q for q in range(self.world) if q != rank]
         self._peer_ctl = [(q, self._ctl[q]) for q in self._peers]
         self._socks = {q: links[q].sock for q in self._peers}
+        self._watched = list(self._peers)  # data sockets not known to have hung up
         self._slots = [
             [
                 a[_PAGE + p * _SLOT_STRIDE : _PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES]
@@ -192,9 +193,17 @@ class SlotArea:
                     if left <= 0:
                         own[_SLEEPS] = 0
                         raise progress.causes.stalled(what, now_missing, [], timeout_s)
-                    progress.sleep_on(now_missing, self._peers, what, min(left, _SLEEP_S))
+                    closed = progress.sleep_on(
+                        now_missing, self._watched, what, min(left, _SLEEP_S)
+                    )
                     own[_SLEEPS] = 0
                     now_missing = self.missing(phase)
+                    for q in closed:
+                        if q in now_missing:  # gone before doing its part: name it now
+                            raise progress.causes.peer_closed(q, what)
+                        # It published and left (its last call): stop watching it.
+                        self._watched.remove(q)
+                        progress.forget(progress.sockets[q].fileno())
                 if len(now_missing) < len(missing):  # progress: the timeout starts again
                     deadline = time.monotonic() + timeout_s
                 missing = now_missing
