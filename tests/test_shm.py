@@ -497,6 +497,33 @@ def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
+@pytest.mark.timeout(90)
+def test_a_stopped_peer_is_named_at_the_timeout() -> None:
+    """Three ranks allreduce through the slot areas with a 3 s timeout;
+    SIGSTOP rank 2: ranks 0 and 1 each raise after the timeout (not at once,
+    not never), naming rank 2 as the one they wait on and the culprit."""
+    procs = _start(3, "loop", ENTRENAR_TRANSPORT="shm", ENTRENAR_TEST_TIMEOUT_S="3")
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("READY") and line.split()[3] == "1", line
+        t0 = time.monotonic()
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        for rank in (0, 1):
+            stdout = procs[rank].stdout
+            assert stdout is not None
+            line = stdout.readline()
+            took = time.monotonic() - t0
+            _, r, cls, culprit, message = line.split(" ", 4)
+            assert (r, cls, culprit) == (str(rank), "PeerConnectionError", "2"), line
+            assert "no progress for 3.0s" in message and "rank(s) [2]" in message, message
+            assert 2.5 < took < 30, f"{took:.1f}s"
+    finally:
+        os.kill(procs[2].pid, signal.SIGCONT)
+        _kill_all(procs)
+
+
 @pytest.mark.timeout(120)
 def test_four_ranks_on_two_cores_stay_fast() -> None:
     """N=4 > cores: DeepSpeed's spinning takes ~5 ms per 4 KiB call here; a
