@@ -81,6 +81,7 @@ def _small(
     if not area.ready(phase):
         area.wait(phase, call.mesh.progress, call.what(op))
     _check_headers(area, call, phase, packed)
+    area.check_peers(call.mesh.progress, call.what(op))
     parts = [views[q][parity] for q in range(n)]
     _combine(buf, parts, kind, call.choice.tree, call.scratch)
 
@@ -107,6 +108,7 @@ def _chunked(
         area.wait(phase, progress, what)
         if start == 0:
             _check_headers(area, call, phase, packed)
+        area.check_peers(progress, what)
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         lo, hi = bounds[r]
         pb = pa ^ 1

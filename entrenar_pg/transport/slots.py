@@ -55,6 +55,7 @@ AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the
 # a cache line of its own: the last phase published, and "asleep: wake me".
 _ARRIVED = 64 // 8
 _SLEEPS = 128 // 8
+_FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
 _NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
 
 
@@ -159,6 +160,20 @@ class SlotArea:
             if ctl[_ARRIVED] < phase:
                 return False
         return True
+
+    def check_peers(self, progress: Progress, what: str) -> None:
+        """Raise if a peer's group failed (``mark_failed``): it published its
+        part of this call and then failed, so the call did not complete on
+        every rank and must not complete here (TCP plans end with the same
+        check, ``Progress.run``). Memory reads only, when none failed."""
+        for q, ctl in self._peer_ctl:
+            if ctl[_FAILED]:
+                # Its ABORT frame went out before the word: read its record.
+                raise progress.causes.peer_closed(q, what)
+
+    def mark_failed(self) -> None:
+        """This rank's group is aborted: peers still in (or entering) a call raise."""
+        self._own[_FAILED] = 1
 
     def missing(self, phase: int) -> list[int]:
         """The peers that have not published ``phase`` yet."""

@@ -140,6 +140,8 @@ class Mesh:
             self.causes.closed_here = True
             if self.control is not None:
                 self.control.close(None if error is None else abort_record(self.rank, error))
+            if self.slots is not None and error is not None:
+                self.slots.mark_failed()  # after the ABORT frames: a peer reads the record
             for link in self.shm.values():
                 link.close()
             for (_, ch), sock in self._links.items():
