@@ -368,6 +368,7 @@ MISMATCHES = [  # (what rank 2 does differently, elements)
     ("dtype", 100),
     ("op", 100),
     ("op", 3 << 20),
+    ("collective", 100),  # rank 2 runs a reduce (a plan over the rings) instead
 ]
 
 
@@ -393,14 +394,17 @@ def test_a_mismatch_raises_in_the_call_on_every_rank(
                 t = t.double()
             op = R.MAX if odd and differs == "op" else R.SUM
             pg.allreduce([torch.ones(8)]).wait()  # one good call first: the streams line up
-            pg.allreduce([t], _opts(c10d.AllreduceOptions, reduceOp=op)).wait()
+            if odd and differs == "collective":
+                pg.reduce([t], _opts(c10d.ReduceOptions, rootRank=0, reduceOp=op)).wait()
+            else:
+                pg.allreduce([t], _opts(c10d.AllreduceOptions, reduceOp=op)).wait()
 
         got = _each_rank(groups, fn, [0, 1, 2])
         for rank in range(3):
             e = got[rank]
             assert isinstance(e, CollectiveMismatchError), (rank, e)
             assert "allreduce#" in str(e) and f"rank {rank}:" in str(e), e
-            if not rings_only:  # the message names both calls
+            if not rings_only and differs != "collective":  # it names both calls
                 assert "this rank called allreduce#" in str(e), e
     finally:
         for g in groups:

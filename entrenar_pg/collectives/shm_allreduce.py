@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import CollectiveMismatchError
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
-from ..transport.slots import SLOT_DATA_BYTES, SlotArea
+from ..transport.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
 from .common import Call, ScratchPool, bytes_of, chunk_bounds
 
@@ -79,7 +80,7 @@ def _small(
     area.write_header(phase, packed)
     area.publish(phase)
     if not area.ready(phase):
-        area.wait(phase, call.mesh.progress, call.what(op))
+        _wait(area, phase, call, op, packed)
     _check_headers(area, call, phase, packed)
     area.check_peers(call.mesh.progress, call.what(op))
     parts = [views[q][parity] for q in range(n)]
@@ -90,8 +91,8 @@ def _chunked(
     call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, op: OpCode
 ) -> None:
     n, r = call.world, call.rank
-    progress = call.mesh.progress
     what = call.what(op)
+    progress = call.mesh.progress
     step = SLOT_DATA_BYTES // buf.element_size()
     numel = buf.numel()
     for start in range(0, numel, step):
@@ -105,7 +106,7 @@ def _chunked(
         views[r][pa].copy_(chunk)
         area.write_header(phase, packed)
         area.publish(phase)
-        area.wait(phase, progress, what)
+        _wait(area, phase, call, op, packed)
         if start == 0:
             _check_headers(area, call, phase, packed)
         area.check_peers(progress, what)
@@ -115,10 +116,22 @@ def _chunked(
         parts = [views[q][pa][lo:hi] for q in range(n)]
         _combine(views[r][pb][lo:hi], parts, kind, call.choice.tree, call.scratch)
         area.publish(phase + 1)
-        area.wait(phase + 1, progress, what)
+        _wait(area, phase + 1, call, op, packed)
         for q, (a, b) in enumerate(bounds):  # every rank's reduced slice out
             if b > a:
                 chunk[a:b].copy_(views[q][pb][a:b])
+
+
+def _wait(area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray) -> None:
+    """``area.wait``; a peer found running another collective (its plan's
+    header in its ring to us) is a mismatch naming both calls."""
+    try:
+        area.wait(phase, call.mesh.progress, call.what(op))
+    except ForeignTraffic as e:
+        error = _mismatch(call.rank, e.peer, packed, e.raw) or CollectiveMismatchError(
+            f"rank {call.rank}: {call.what(op)}: rank {e.peer} runs another collective"
+        )
+        raise error from None
 
 
 def _check_headers(area: SlotArea, call: Call, phase: int, packed: bytearray) -> None:
@@ -129,24 +142,30 @@ def _check_headers(area: SlotArea, call: Call, phase: int, packed: bytearray) ->
         if q == call.rank:
             continue
         raw = area.header_of(q, phase, HEADER_BYTES)
-        if raw == packed:
-            continue
-        # Imported here: the error path only.
-        from ..errors import CollectiveMismatchError
+        if raw != packed:
+            error = _mismatch(call.rank, q, packed, bytes(raw))
+            if error is not None:
+                raise error
 
-        mine = Header.unpack(packed)
-        try:
-            theirs = Header.unpack(raw)
-        except ValueError as e:
-            raise CollectiveMismatchError(
-                f"rank {call.rank}: garbage from rank {q} where the header of "
-                f"{mine.describe()} was due ({e}); the ranks are out of step"
-            ) from None
-        if theirs != mine:
-            raise CollectiveMismatchError(
-                f"rank {call.rank}: collective mismatch with rank {q}: this rank called "
-                f"{mine.describe()}, rank {q} called {theirs.describe()}"
-            )
+
+def _mismatch(
+    rank: int, peer: int, packed: bytearray, raw: bytes
+) -> CollectiveMismatchError | None:
+    """The error for ``peer``'s header ``raw`` against ours (None: equal after all)."""
+    mine = Header.unpack(packed)
+    try:
+        theirs = Header.unpack(raw)
+    except ValueError as e:
+        return CollectiveMismatchError(
+            f"rank {rank}: garbage from rank {peer} where the header of "
+            f"{mine.describe()} was due ({e}); the ranks are out of step"
+        )
+    if theirs == mine:
+        return None
+    return CollectiveMismatchError(
+        f"rank {rank}: collective mismatch with rank {peer}: this rank called "
+        f"{mine.describe()}, rank {peer} called {theirs.describe()}"
+    )
 
 
 def _combine(

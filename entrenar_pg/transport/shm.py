@@ -215,6 +215,20 @@ class ShmLink:
             self._wake()
         return n
 
+    def peek(self, n: int) -> bytes | None:
+        """The first ``n`` bytes the incoming ring holds, left there; None if
+        it holds fewer (the shm-native allreduce looks for a peer's plan
+        header: a peer running another collective, ``slots.ForeignTraffic``)."""
+        ctl = self._in
+        tail = ctl[_TAIL]
+        if ctl[_HEAD] - tail < n:
+            return None
+        pos = tail % self._cap
+        end = pos + n
+        if end <= self._cap:
+            return bytes(self._in_data[pos:end])
+        return bytes(self._in_data[pos:]) + bytes(self._in_data[: end - self._cap])
+
     # ---------------------------------------------------------------- sleeping
 
     def arm_recv(self) -> bool:

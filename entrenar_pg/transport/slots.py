@@ -56,7 +56,19 @@ AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the
 _ARRIVED = 64 // 8
 _SLEEPS = 128 // 8
 _FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
+_HEADER_BYTES = 32  # wire.HEADER_BYTES (a plan's frame starts with one)
 _NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
+
+
+class ForeignTraffic(Exception):
+    """A peer wrote a plan's frame into its byte ring to this rank while this
+    rank waits in the shm-native allreduce: it runs another collective.
+    ``raw`` is its header (the caller names both calls)."""
+
+    def __init__(self, peer: int, raw: bytes) -> None:
+        super().__init__(peer, raw)
+        self.peer = peer
+        self.raw = raw
 
 
 class SlotArea:
@@ -77,6 +89,7 @@ class SlotArea:
         self._peers = [q for q in range(self.world) if q != rank]
         self._peer_ctl = [(q, self._ctl[q]) for q in self._peers]
         self._socks = {q: links[q].sock for q in self._peers}
+        self._links = [links[q] for q in self._peers]
         self._watched = list(self._peers)  # data sockets not known to have hung up
         self._slots = [
             [
@@ -193,6 +206,17 @@ class SlotArea:
                 return
         self._sleep_until(phase, progress, what)
 
+    def _foreign_traffic(self, phase: int) -> None:
+        """Raise ``ForeignTraffic`` if a peer that has not published ``phase``
+        runs a plan instead (its header is in its ring to us). A peer that
+        is a call ahead writes there only after every rank published this
+        phase, so the words are looked at again after the ring (x86-64's
+        stores are seen in one order by all)."""
+        for link in self._links:
+            raw = link.peek(_HEADER_BYTES)
+            if raw is not None and self.missing(phase):
+                raise ForeignTraffic(link.peer, raw)
+
     def _sleep_until(self, phase: int, progress: Progress, what: str) -> None:
         own, fence = self._own, self._fence
         timeout_s = progress.timeout_s
@@ -200,6 +224,7 @@ class SlotArea:
         deadline = time.monotonic() + timeout_s
         try:
             while missing:
+                self._foreign_traffic(phase)
                 own[_SLEEPS] = 1
                 fence()  # Dekker: our flag before their words (see ``publish``)
                 now_missing = self.missing(phase)
