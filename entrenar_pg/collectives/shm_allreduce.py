@@ -12,7 +12,8 @@ reduction reads the peers' slots in place.
   canonical tree order when ``call.choice.tree``): the operations and
   operands of ``direct.py``, so the bits equal TCP's.
 - Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB path):
-  copy the chunk in; each rank combines its 1/N slice of the chunk across
+  copy the chunk in (all but the slice this rank reduces: it reads that
+  from its input); each rank combines its 1/N slice of the chunk across
   all slots (same order) into its other slot; then every rank copies all N
   reduced slices out. The first chunk's headers are compared as above.
 
@@ -100,10 +101,15 @@ def _chunked(
         views = area.views(buf.dtype, m)
         bounds = chunk_bounds(m, n)
         chunk = buf[start : start + m]
-        # Phase A: the chunk into this rank's slot.
+        # Phase A: the chunk into this rank's slot, but for the slice this
+        # rank reduces itself (read from ``buf`` directly: 1/N less copying).
         phase = area.phase + 1
         pa = phase & 1
-        views[r][pa].copy_(chunk)
+        lo, hi = bounds[r]
+        if lo:
+            views[r][pa][:lo].copy_(chunk[:lo])
+        if hi < m:
+            views[r][pa][hi:].copy_(chunk[hi:])
         area.write_header(phase, packed)
         area.publish(phase)
         _wait(area, phase, call, op, packed)
@@ -111,9 +117,8 @@ def _chunked(
             _check_headers(area, call, phase, packed)
         area.check_peers(progress, what)
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
-        lo, hi = bounds[r]
         pb = pa ^ 1
-        parts = [views[q][pa][lo:hi] for q in range(n)]
+        parts = [views[q][pa][lo:hi] if q != r else chunk[lo:hi] for q in range(n)]
         _combine(views[r][pb][lo:hi], parts, kind, call.choice.tree, call.scratch)
         area.publish(phase + 1)
         _wait(area, phase + 1, call, op, packed)
