@@ -4,8 +4,9 @@
 then check one allreduce's sum and print ``OK <rank>``.
 ``loop``: print ``READY <rank> <pid> <slots>`` after the first allreduce
 (``slots``: 1 if the group has the slot areas of the shm-native allreduce),
-then allreduce ``LOOP_NUMEL`` floats (default 16 Ki: 64 KiB) until an error; print ``RESULT <rank> <ErrorClass>
-<culprit> <message>`` and wait to be killed (the test kills every rank).
+then allreduce ``LOOP_NUMEL`` floats (default 16 Ki: 64 KiB) until an error;
+print ``RESULT <rank> <ErrorClass> <culprit> <message>`` and wait to be
+killed (the test kills every rank).
 ``small``: time ``ITERS`` 4 KiB allreduces; print ``MEDIAN <rank> <seconds>``
 (median over blocks of 20 calls) and ``OK <rank>``.
 """
