@@ -108,9 +108,7 @@ def main() -> None:
                 cpu.setdefault((name, size), []).append(used)
     if dist.get_rank() == 0:
         print(f"N={world}  median per call (us); busbw = bytes*2(N-1)/N / time (GB/s)")
-        print(
-            f"{'size':>9} " + " ".join(f"{n:>15}" for n in names) + "  slots/rings slots/tcp"
-        )
+        print(f"{'size':>9} " + " ".join(f"{n:>15}" for n in names) + "  slots/rings slots/tcp")
         for size in sizes:
             med = {n: statistics.median(times[(n, size)]) for n in names}
             bw = size * 2 * (world - 1) / world
