@@ -62,7 +62,9 @@ def test_blocking_call_completes_in_the_callers_thread() -> None:
         async_elsewhere = ran_in[-1] is not threading.current_thread()
         return blocking_done, blocking_here, async_pending, async_elsewhere
 
-    res = run_ranks(2, fn)
+    # TCP: the spy sits on the plans' entry point (``mesh.run``), which the
+    # shm-native allreduce of an all-local group does not use.
+    res = run_ranks(2, fn, options=Options(transport="tcp"))
     assert all(r[0] and r[1] for r in res), res  # blocking: done on return, in the caller
     assert res[0][2], res  # rank 0's async call returned before rank 1 joined it
     assert all(r[3] for r in res), res  # async: on the comm thread
@@ -197,7 +199,8 @@ def test_spin_is_set_by_who_runs_the_job() -> None:
         pg.allreduce([t], _opts(blocking=True)).wait()
         pg.allreduce([t], _opts(blocking=False)).wait()  # type: ignore[attr-defined]
 
-    run_ranks(2, fn, options=Options(caller_spin_us=123, spin_us=7), timeout_s=30)
+    opts = Options(caller_spin_us=123, spin_us=7, transport="tcp")  # the spy is on plans
+    run_ranks(2, fn, options=opts, timeout_s=30)
     assert seen == {"caller": pytest.approx(123e-6), "comm": pytest.approx(7e-6)}, seen
 
 
@@ -247,7 +250,7 @@ def test_ctrl_c_in_a_callers_thread_collective_breaks_the_group_everywhere() -> 
             pg.allreduce([torch.ones(4)], _opts(blocking=True)).wait()
         return str(info.value)
 
-    res = run_ranks(2, fn, options=Options(), timeout_s=60)
+    res = run_ranks(2, fn, options=Options(transport="tcp"), timeout_s=60)  # plans: mesh.run
     assert res[0] == "interrupted"
     assert "rank 0" in res[1], res[1]
 

@@ -73,12 +73,16 @@ ROWS = [
     row(A, STAR_MAX, 3, Algo.STAR, det=True),
     row(A, STAR_MAX + 4, 3, Algo.TREE_RING, det=True),
     row(A, DIRECT_MAX + 4, 3, Algo.STAR),  # direct_max_bytes is for two ranks only...
-    # ...or every rank on one host (shared memory): direct up to it, then star, then ring
-    row(A, DIRECT_MAX, 3, Algo.DIRECT, local=True),
-    row(A, DIRECT_MAX, 3, Algo.DIRECT, det=True, local=True),
-    row(A, DIRECT_MAX + 4, 3, Algo.STAR, local=True),
-    row(A, STAR_MAX + 4, 3, Algo.RING, local=True),
-    row(A, 8, 3, Algo.RING, algorithm="ring", local=True),
+    # every rank on one host (shared memory between all): the shm-native
+    # allreduce at any size and world, in tree order when deterministic
+    row(A, 8, 2, Algo.SHM, local=True),
+    row(A, 8 * STAR_MAX, 2, Algo.SHM, local=True),
+    row(A, DIRECT_MAX, 3, Algo.SHM, local=True),
+    row(A, DIRECT_MAX, 3, Algo.SHM, det=True, local=True),
+    row(A, STAR_MAX + 4, 3, Algo.SHM, local=True),
+    row(A, 8 * STAR_MAX, 3, Algo.SHM, det=True, local=True),
+    row(A, 8, 3, Algo.RING, algorithm="ring", local=True),  # an explicit one still wins
+    row(A, 8, 2, Algo.DIRECT, algorithm="direct", local=True),
     # an explicit algorithm, whatever the size
     row(A, 8 * STAR_MAX, 3, Algo.DIRECT, algorithm="direct"),
     row(A, 8 * STAR_MAX, 2, Algo.STAR, algorithm="star"),

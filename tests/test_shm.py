@@ -42,7 +42,9 @@ from entrenar_pg import (
     EntrenarProcessGroup,
     Options,
 )
-from entrenar_pg.transport import shm
+from entrenar_pg.runtime import jobs
+from entrenar_pg.transport import shm, slots
+from entrenar_pg.wire import Algo
 
 c10d = torch._C._distributed_c10d
 JOB = REPO / "tests" / "scripts" / "shm_job.py"
@@ -126,12 +128,20 @@ def _sweep(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
     return out
 
 
-def _run(world: int, options: Options, fn: Any, shm_expected: bool) -> list[Any]:
+def _run(
+    world: int, options: Options, fn: Any, shm_expected: bool, rings_only: bool = False
+) -> list[Any]:
+    """``fn`` on every rank of a fresh group. ``rings_only``: the policy is told
+    the ranks are not all local, so allreduce too runs its TCP plans over the
+    byte rings (not the slot areas' shm-native allreduce)."""
     groups = make_groups(world, options)
     try:
         for g in groups:
             mesh = g._runtime.mesh
             assert (len(mesh.shm) == world - 1) == shm_expected, (options.transport, mesh.shm)
+            assert (mesh.slots is not None) == shm_expected, mesh.slots
+            if rings_only:
+                mesh.all_local = False
         return run_ranks(world, fn, groups=groups, timeout_s=120)
     finally:
         for g in groups:
@@ -141,8 +151,10 @@ def _run(world: int, options: Options, fn: Any, shm_expected: bool) -> list[Any]
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_collective_matches_tcp_bit_for_bit(world: int) -> None:
+    """The byte rings carry every plan of every collective (the shm-native
+    allreduce has its own sweep below)."""
     tcp = _run(world, Options(transport="tcp"), _sweep, shm_expected=False)
-    mem = _run(world, Options(transport="shm"), _sweep, shm_expected=True)
+    mem = _run(world, Options(transport="shm"), _sweep, shm_expected=True, rings_only=True)
     for rank in range(world):
         assert len(tcp[rank]) == len(mem[rank])
         for i, (a, b) in enumerate(zip(tcp[rank], mem[rank], strict=True)):
@@ -170,7 +182,8 @@ def test_a_piece_larger_than_the_ring_moves_in_parts() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_deterministic_bits_equal_tcp_and_the_tree_sum() -> None:
+@pytest.mark.parametrize("rings_only", [True, False], ids=["rings", "slots"])
+def test_deterministic_bits_equal_tcp_and_the_tree_sum(rings_only: bool) -> None:
     from entrenar_pg import tree_sum
 
     world = 3
@@ -185,12 +198,148 @@ def test_deterministic_bits_equal_tcp_and_the_tree_sum() -> None:
         return out
 
     tcp = _run(world, Options(transport="tcp", deterministic=True), fn, False)
-    mem = _run(world, Options(transport="shm", deterministic=True), fn, True)
+    mem = _run(world, Options(transport="shm", deterministic=True), fn, True, rings_only)
     for i, n in enumerate(sizes):
         want = tree_sum([_data(r, n, torch.float32) for r in range(world)])
         for rank in range(world):
             assert torch.equal(mem[rank][i], tcp[rank][i]), (n, rank)
             assert torch.equal(mem[rank][i], want), (n, rank)
+
+
+# (dtype, op, PREMUL_SUM factor or None): every op and dtype class.
+SLOT_OPS = [
+    (torch.float32, R.SUM, None),
+    (torch.float32, R.AVG, None),
+    (torch.float32, R.MAX, None),
+    (torch.float32, R.PREMUL_SUM, 0.5),
+    (torch.float64, R.PRODUCT, None),
+    (torch.bfloat16, R.SUM, None),
+    (torch.float16, R.MIN, None),
+    (torch.int64, R.SUM, None),
+    (torch.int32, R.AVG, None),
+    (torch.int32, R.BXOR, None),
+    (torch.uint8, R.BOR, None),
+    (torch.int16, R.BAND, None),
+    (torch.bool, R.MAX, None),
+]
+SLOT_SIZES = [0, 1, 1001]
+# Beyond SMALL_MAX_BYTES (one chunk), beyond a slot and several chunks, with odd tails.
+BIG_SIZES = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5, 5 * slots.SLOT_DATA_BYTES // 8 + 1]
+BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
+
+
+def _slot_cases() -> list[tuple[torch.dtype, Any, float | None, int]]:
+    small = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in SLOT_SIZES]
+    big = [(dt, op, f, n) for dt, op, f in BIG_OPS for n in BIG_SIZES]
+    return small + big
+
+
+def _reduce_op(op: Any, factor: float | None) -> Any:
+    return dist._make_nccl_premul_sum(factor) if factor is not None else op
+
+
+def _reference(
+    world: int, dtype: torch.dtype, op: Any, factor: float | None, n: int, tree: bool
+) -> torch.Tensor:
+    """The allreduce in this process: every rank's input, scaled (PREMUL_SUM),
+    combined left to right in rank order (or in the canonical tree order),
+    divided (AVG) as NCCL does; reduce_ops' kernels, so the same bits."""
+    from entrenar_pg.reduce_ops import Kind, combine_, finish_, resolve, tree_reduce_
+
+    red = resolve(_reduce_op(op, factor), dtype, where="reference")
+    parts = [_data(r, n, dtype) for r in range(world)]
+    if factor is not None:
+        parts = [p * factor for p in parts]
+    if tree:
+        out = tree_reduce_(parts, red.combine_kind)
+    else:
+        out = parts[0]
+        for p in parts[1:]:
+            combine_(out, p, red.combine_kind)
+    finish_(out, red, world)
+    assert red.kind is not Kind.PREMUL_SUM or factor is not None
+    return out
+
+
+def _slot_sweep(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+    out = []
+    for dtype, op, factor, n in _slot_cases():
+        t = _data(rank, n, dtype)
+        opts = _opts(c10d.AllreduceOptions, reduceOp=_reduce_op(op, factor))
+        pg.allreduce([t], opts).wait()
+        out.append(t)
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_shm_native_allreduce_matches_tcp_and_the_reference(
+    world: int, deterministic: bool
+) -> None:
+    """Every op and dtype class at 0, 1 and odd sizes, and beyond a slot in
+    several chunks, through the slot areas: the bits of a single-process
+    reference in the order the mode promises (rank order; the canonical
+    tree when deterministic), and TCP's bits wherever TCP sums in that
+    order too (always when deterministic; at N=2; at N=3 up to star's size)."""
+    spy: list[Any] = []
+    groups_opts = Options(transport="shm", deterministic=deterministic)
+    tcp = _run(world, Options(transport="tcp", deterministic=deterministic), _slot_sweep, False)
+    original = jobs._ALLREDUCE[Algo.SHM]
+
+    def counting(*args: Any) -> None:
+        spy.append(1)
+        original(*args)
+
+    jobs._ALLREDUCE[Algo.SHM] = counting
+    try:
+        mem = _run(world, groups_opts, _slot_sweep, True)
+    finally:
+        jobs._ALLREDUCE[Algo.SHM] = original
+    cases = _slot_cases()
+    assert len(spy) == world * len(cases), "not every allreduce ran through the slots"
+    star_max = Options().star_max_bytes
+    for i, (dtype, op, factor, n) in enumerate(cases):
+        want = _reference(world, dtype, op, factor, n, deterministic)
+        same_order_as_tcp = deterministic or world == 2 or n * dtype.itemsize <= star_max
+        for rank in range(world):
+            got = mem[rank][i]
+            where = (dtype, op, factor, n, rank)
+            assert got.dtype == dtype and torch.equal(got, want), where
+            if same_order_as_tcp:
+                assert torch.equal(got, tcp[rank][i]), where
+            else:  # TCP's ring sums in ring order: close, not equal
+                assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
+
+
+@pytest.mark.timeout(120)
+def test_back_to_back_calls_with_skew() -> None:
+    """Calls queued without waiting, one rank delayed before some of them:
+    the fast ranks run up to a phase ahead (double-buffered slots) and must
+    wait, not overwrite a slot a slow rank still reads. Small and chunked
+    sizes interleaved; every result is checked."""
+    world = 3
+    sizes = [1000, 70_000, 1, (1 << 18) + 3, 0, 1000, slots.SLOT_DATA_BYTES // 4 + 5] * 3
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        works, outs = [], []
+        for i, n in enumerate(sizes):
+            if rank == 1 and i % 3 == 0:
+                time.sleep(0.02)  # the others get ahead
+            t = _data(rank, n, torch.float32) + i
+            works.append(pg.allreduce([t]))
+            outs.append(t)
+        for w in works:
+            w.wait()
+        return outs
+
+    got = _run(world, Options(transport="shm"), fn, True)
+    for i, n in enumerate(sizes):
+        want = _data(0, n, torch.float32) + i
+        for r in range(1, world):
+            want += _data(r, n, torch.float32) + i
+        for rank in range(world):
+            assert torch.equal(got[rank][i], want), (i, n, rank)
 
 
 def _each_rank(groups: list[EntrenarProcessGroup], fn: Any, ranks: list[int]) -> dict[int, Any]:
@@ -212,18 +361,51 @@ def _each_rank(groups: list[EntrenarProcessGroup], fn: Any, ranks: list[int]) ->
     return got
 
 
+MISMATCHES = [  # (what rank 2 does differently, elements)
+    ("size", 100),
+    ("size", 400_000),
+    ("size", 3 << 20),  # chunks through the slots
+    ("dtype", 100),
+    ("op", 100),
+    ("op", 3 << 20),
+    ("collective", 100),  # rank 2 runs a reduce (a plan over the rings) instead
+]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("numel", [100, 400_000])
-def test_a_mismatch_raises_in_the_call_on_every_rank(numel: int) -> None:
+@pytest.mark.parametrize("rings_only", [True, False], ids=["rings", "slots"])
+@pytest.mark.parametrize(("differs", "numel"), MISMATCHES)
+def test_a_mismatch_raises_in_the_call_on_every_rank(
+    differs: str, numel: int, rings_only: bool
+) -> None:
+    """Rank 2 calls a different allreduce: every rank raises
+    CollectiveMismatchError in that call (over the slot areas every rank
+    compares every peer's header, so each names a disagreeing peer)."""
     groups = make_groups(3, Options(transport="shm"), timeout_s=20)
+    if rings_only:
+        for g in groups:
+            g._runtime.mesh.all_local = False
     try:
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> None:
-            pg.allreduce([torch.ones(numel + (rank == 2))]).wait()
+            odd = rank == 2
+            t = torch.ones(numel + (odd and differs == "size"))
+            if odd and differs == "dtype":
+                t = t.double()
+            op = R.MAX if odd and differs == "op" else R.SUM
+            pg.allreduce([torch.ones(8)]).wait()  # one good call first: the streams line up
+            if odd and differs == "collective":
+                pg.reduce([t], _opts(c10d.ReduceOptions, rootRank=0, reduceOp=op)).wait()
+            else:
+                pg.allreduce([t], _opts(c10d.AllreduceOptions, reduceOp=op)).wait()
 
         got = _each_rank(groups, fn, [0, 1, 2])
         for rank in range(3):
-            assert isinstance(got[rank], CollectiveMismatchError), (rank, got[rank])
+            e = got[rank]
+            assert isinstance(e, CollectiveMismatchError), (rank, e)
+            assert "allreduce#" in str(e) and f"rank {rank}:" in str(e), e
+            if not rings_only and differs != "collective":  # it names both calls
+                assert "this rank called allreduce#" in str(e), e
     finally:
         for g in groups:
             g.abort()
@@ -284,18 +466,24 @@ def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry() -> None:
-    """Two ranks allreduce over shared memory with a 60 s timeout. SIGKILL
-    rank 1: rank 0 names it at once (from the hang-up, not the timeout). Then
-    SIGKILL rank 0 too: nothing is left in /dev/shm (the segments were
-    memfds, and both ranks had them mapped)."""
+@pytest.mark.parametrize("numel", [16 << 10, 3 << 20])  # one phase; chunks through the slots
+def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
+    numel: int,
+) -> None:
+    """Two ranks allreduce over shared memory (the shm-native allreduce) with
+    a 60 s timeout. SIGKILL rank 1: rank 0 names it at once (from the
+    hang-up, not the timeout). Then SIGKILL rank 0 too: nothing is left in
+    /dev/shm (the segments were memfds, and both ranks had them mapped)."""
     before = set(os.listdir("/dev/shm"))
-    procs = _start(2, "loop", ENTRENAR_TRANSPORT="shm", ENTRENAR_TEST_TIMEOUT_S="60")
+    procs = _start(
+        2, "loop", ENTRENAR_TRANSPORT="shm", ENTRENAR_TEST_TIMEOUT_S="60", LOOP_NUMEL=str(numel)
+    )
     try:
         for p in procs:
             assert p.stdout is not None
             line = p.stdout.readline()
             assert line.startswith("READY"), line + (p.stderr.read() if p.stderr else "")
+            assert line.split()[3] == "1", line  # the slot areas are in use
         for p in procs:  # shared memory really is in use: each maps both memfds
             maps = Path(f"/proc/{p.pid}/maps").read_text()
             assert maps.count("/memfd:entrenar-r") >= 2, maps[-2000:]
@@ -311,6 +499,33 @@ def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry()
     finally:
         _kill_all(procs)
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_peer_is_named_at_the_timeout() -> None:
+    """Three ranks allreduce through the slot areas with a 3 s timeout;
+    SIGSTOP rank 2: ranks 0 and 1 each raise after the timeout (not at once,
+    not never), naming rank 2 as the one they wait on and the culprit."""
+    procs = _start(3, "loop", ENTRENAR_TRANSPORT="shm", ENTRENAR_TEST_TIMEOUT_S="3")
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("READY") and line.split()[3] == "1", line
+        t0 = time.monotonic()
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        for rank in (0, 1):
+            stdout = procs[rank].stdout
+            assert stdout is not None
+            line = stdout.readline()
+            took = time.monotonic() - t0
+            _, r, cls, culprit, message = line.split(" ", 4)
+            assert (r, cls, culprit) == (str(rank), "PeerConnectionError", "2"), line
+            assert "no progress for 3.0s" in message and "rank(s) [2]" in message, message
+            assert 2.5 < took < 30, f"{took:.1f}s"
+    finally:
+        os.kill(procs[2].pid, signal.SIGCONT)
+        _kill_all(procs)
 
 
 @pytest.mark.timeout(120)
@@ -424,7 +639,8 @@ def test_a_peer_on_another_host(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal host keys but rank 1 cannot map rank 0's segment (as in another
     pid namespace): under ``auto`` both ends of that pair use TCP (the
-    verdict round), the other pairs shared memory, and the sums are right."""
+    verdict round), the other pairs shared memory, no rank the slot areas
+    (the completeness round), and the sums are right."""
     real = shm._map_peer
 
     def map_peer(offer: dict[str, object]) -> tuple[Any, str]:
@@ -453,6 +669,11 @@ def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatc
         assert sorted(groups[0]._runtime.mesh.shm) == [2]
         assert sorted(groups[1]._runtime.mesh.shm) == [2]
         assert sorted(groups[2]._runtime.mesh.shm) == [0, 1]
+        # Rank 2 shares memory with both peers, but the group does not: no
+        # rank uses the slot areas (the policy must choose alike everywhere).
+        for r in range(3):
+            assert groups[r]._runtime.mesh.slots is None, r
+            assert not groups[r]._runtime.mesh.all_local, r
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> float:
             t = torch.full((70_000,), float(rank + 1))

@@ -11,6 +11,7 @@ from .direct import allreduce_direct
 from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
+from .shm_allreduce import allreduce_shm
 from .star import allreduce_star, barrier
 from .tree import allreduce_tree_ring, reduce_scatter_tree
 
@@ -21,6 +22,7 @@ __all__ = [
     "allgather_ring",
     "allreduce_direct",
     "allreduce_ring",
+    "allreduce_shm",
     "allreduce_star",
     "allreduce_tree_ring",
     "alltoall",

@@ -11,16 +11,15 @@ builders follow the ``Choice`` they are handed (``Call.choice``).
 The table (docs/architecture.md, "The policy table", lists it row by row):
 
 - One rank, any op: ``NONE`` (nothing moves; local copies only).
-- ``ALLREDUCE``: ``algorithm="auto"``: with two
-  ranks ``DIRECT`` up to ``direct_max_bytes``, else ``RING``; with more,
-  ``STAR`` up to ``star_max_bytes``, else ``RING`` (crossovers measured on 2
-  cores, docs/benchmarks.md); with more and every rank on one host
-  (``local``: shared memory between all), ``DIRECT`` up to
-  ``direct_max_bytes`` first (its (N-1)·n bytes are memory copies there,
-  not loopback crossings, and one hop instead of star's two saves a
-  scheduling round when ranks outnumber cores). An explicit ``algorithm`` is taken as is.
+- ``ALLREDUCE``: ``algorithm="auto"``: every rank on one host with shared
+  memory between all (``local``: the slot areas exist): ``SHM`` at any size
+  and world (collectives/shm_allreduce.py: reduced straight from each
+  other's memory); else with two ranks ``DIRECT`` up to
+  ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
+  ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
+  docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
-  chunk); ``STAR`` and ``DIRECT`` keep their plan and sum in tree order.
+  chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree order.
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
 - ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes``; ``CHAIN`` (pipelined, in rank order from the root) above.
@@ -62,7 +61,8 @@ _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
 def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = False) -> Choice:
     """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks;
-    ``local``: every rank is on this host (``Mesh.all_local``, the same on every rank)."""
+    ``local``: every rank is on this host with shared memory between all
+    (``Mesh.all_local``: its slot areas exist; the same on every rank)."""
     tree = options.deterministic
     if world == 1:
         algo = Algo.NONE
@@ -70,10 +70,10 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = 
         name = options.algorithm
         if name != "auto":
             algo = _NAMED[name]
+        elif local:
+            algo = Algo.SHM
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
-        elif local and nbytes <= options.direct_max_bytes:
-            algo = Algo.DIRECT
         else:
             algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
         if algo is Algo.RING and tree:

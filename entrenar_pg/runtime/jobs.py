@@ -31,6 +31,7 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
     Algo.STAR: alg.allreduce_star,  # the same, at the root
     Algo.RING: alg.allreduce_ring,
     Algo.TREE_RING: alg.allreduce_tree_ring,
+    Algo.SHM: alg.allreduce_shm,  # ranks all on one host: through the slot areas
 }
 _REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import peer_gone
 from .abort import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
 from .shm import ShmLink
@@ -460,6 +461,51 @@ class Progress(Links):
                 self.forget(fd)
             if data_event:
                 return
+
+    # ------------------------------------------------- a slot area's sleep (transport/slots.py)
+
+    def sleep_on(
+        self, waiting_on: list[int], peers: list[int], what: str, wait_s: float
+    ) -> list[int]:
+        """One sleep of a shared-memory slot wait: until a wake-up byte arrives
+        on a data socket of ``peers``, a control frame, a hang-up, or
+        ``wait_s`` passes. Wake-up bytes are drained; a peer's abort raises
+        (``Causes``). Returns the peers whose data socket hung up: the caller
+        decides (one that already did its part of the call may leave; one
+        still awaited is named at once, ``Causes.peer_closed``). ``waiting_on``
+        is what a QUERY hears this rank waits on."""
+        socks = self._socks
+        want = {socks[p].fileno(): _POLLIN for p in peers}
+        if self.control is not None:
+            self.control.waiting = (what, waiting_on, [])
+        events = self.sleep(want, wait_s)
+        if self.causes.closed_here:
+            raise self.causes.here_closed(what)
+        closed = []
+        for fd, _ in events:
+            peer = self._fd_peer.get(fd)
+            if peer is None:
+                self._on_control(fd, what)
+                continue
+            link = socks[peer]
+            sock = link.sock if isinstance(link, ShmLink) else link
+            try:
+                while sock.recv(4096):
+                    pass
+                closed.append(peer)  # end of stream
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                if not peer_gone(e):
+                    raise self.causes.link_failed(peer, what, e) from e
+                closed.append(peer)
+        return closed
+
+    def done_sleeping(self) -> None:
+        """After a slot wait: poll watches hang-ups only again; QUERY hears "not waiting"."""
+        self._arm({})
+        if self.control is not None:
+            self.control.waiting = None
 
     def _on_control(self, fd: int, what: str) -> None:
         """A control socket is readable: answer queries; raise a peer's abort."""

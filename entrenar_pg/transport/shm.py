@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import PeerConnectionError
+from .slots import AREA_BYTES, SlotArea, new_area_nonce
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,20 @@ class ShmLink:
             self._wake()
         return n
 
+    def peek(self, n: int) -> bytes | None:
+        """The first ``n`` bytes the incoming ring holds, left there; None if
+        it holds fewer (the shm-native allreduce looks for a peer's plan
+        header: a peer running another collective, ``slots.ForeignTraffic``)."""
+        ctl = self._in
+        tail = ctl[_TAIL]
+        if ctl[_HEAD] - tail < n:
+            return None
+        pos = tail % self._cap
+        end = pos + n
+        if end <= self._cap:
+            return bytes(self._in_data[pos:end])
+        return bytes(self._in_data[pos:]) + bytes(self._in_data[: end - self._cap])
+
     # ---------------------------------------------------------------- sleeping
 
     def arm_recv(self) -> bool:
@@ -295,17 +310,21 @@ def host_key() -> str:
 
 @dataclass(slots=True)
 class _Segment:
-    """This rank's memfd: one ring block per local peer, each starting with a nonce."""
+    """This rank's memfd: one ring block per local peer, each starting with a
+    nonce, then (``area_offset`` >= 0) the slot area (``slots.py``), with its own."""
 
     fd: int
     size: int
     offsets: dict[int, int]
     nonces: dict[int, bytes]
     view: memoryview
+    area_offset: int
+    area_nonce: bytes
 
 
-def _make_segment(rank: int, peers: list[int]) -> _Segment:
-    size = BLOCK_BYTES * len(peers)
+def _make_segment(rank: int, peers: list[int], with_area: bool = False) -> _Segment:
+    rings = BLOCK_BYTES * len(peers)
+    size = rings + (AREA_BYTES if with_area else 0)
     # memfd: no name in any filesystem (nothing in /dev/shm to leak, whatever
     # happens to the processes), reachable only through this fd, which peers
     # open as /proc/<pid>/fd/<n>: the kernel allows that to this user (and
@@ -324,31 +343,56 @@ def _make_segment(rank: int, peers: list[int]) -> _Segment:
         off = offsets[p] = i * BLOCK_BYTES
         nonce = nonces[p] = secrets.token_bytes(_NONCE_BYTES)
         view[off : off + _NONCE_BYTES] = nonce
-    return _Segment(fd, size, offsets, nonces, view)
+    area_nonce = b""
+    if with_area:
+        area_nonce = secrets.token_bytes(_NONCE_BYTES)
+        new_area_nonce(view[rings:size], area_nonce)
+    return _Segment(fd, size, offsets, nonces, view, rings if with_area else -1, area_nonce)
 
 
-def _map_peer(offer: dict[str, object]) -> tuple[memoryview | None, str]:
-    """Map a peer's ring block from its offer; (the block, "") or (None, why not)."""
+@dataclass(slots=True)
+class _Mapped:
+    """A peer's segment as this rank mapped it: the ring block it writes to
+    us, and its slot area when it offered one."""
+
+    block: memoryview
+    area: memoryview | None
+
+
+def _map_peer(offer: dict[str, object]) -> tuple[_Mapped | None, str]:
+    """Map a peer's ring block (and slot area) from its offer; (them, "") or (None, why not)."""
     try:
         path = f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}"  # type: ignore[call-overload]
         offset, size = int(offer["offset"]), int(offer["size"])  # type: ignore[call-overload]
         nonce = bytes.fromhex(str(offer["nonce"]))
+        area_offset = int(offer.get("area_offset", -1))  # type: ignore[call-overload]
+        area_nonce = bytes.fromhex(str(offer.get("area_nonce", "")))
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except (OSError, KeyError, ValueError, TypeError) as e:
         return None, f"cannot open its segment ({e})"
     try:
-        if os.fstat(fd).st_size < offset + BLOCK_BYTES or size < offset + BLOCK_BYTES:
+        end = offset + BLOCK_BYTES
+        if area_offset >= 0:
+            end = max(end, area_offset + AREA_BYTES)
+        if os.fstat(fd).st_size < end or size < end:
             return None, "its segment is smaller than announced"
         block = memoryview(mmap.mmap(fd, BLOCK_BYTES, offset=offset))
+        area = None
+        if area_offset >= 0:
+            area = memoryview(mmap.mmap(fd, AREA_BYTES, offset=area_offset))
     except (OSError, ValueError) as e:
         return None, f"cannot map its segment ({e})"
     finally:
         os.close(fd)
-    if bytes(block[:_NONCE_BYTES]) != nonce:
+    if bytes(block[:_NONCE_BYTES]) != nonce or (
+        area is not None and bytes(area[:_NONCE_BYTES]) != area_nonce
+    ):
         # Another process answers at that pid (another pid namespace): not ours.
         block.release()
+        if area is not None:
+            area.release()
         return None, "its segment did not carry the nonce it announced (another pid namespace?)"
-    return block, ""
+    return _Mapped(block, area), ""
 
 
 class _Exchange:
@@ -413,11 +457,14 @@ class _Exchange:
 
 @dataclass(slots=True)
 class ShmPeers:
-    """What set-up found: the peers with this rank's host key, and the links to
-    those whose segments both sides mapped (normally all of them)."""
+    """What set-up found: the peers with this rank's host key, the links to
+    those whose segments both sides mapped (normally all of them), and the
+    slot areas when every rank of the group mapped every other's (the same
+    answer on every rank: the policy's ``local``)."""
 
     local: list[int]
     links: dict[int, ShmLink]
+    slots: SlotArea | None = None
 
 
 def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float) -> ShmPeers:
@@ -452,7 +499,9 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
         )
     if not local:
         return ShmPeers(local, {})
-    seg = _make_segment(rank, local)
+    # Slot areas only where the shm-native allreduce can run: every rank here.
+    with_area = len(local) == len(peers)
+    seg = _make_segment(rank, local, with_area)
     try:
         offers = ex.all(
             local,
@@ -463,16 +512,18 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
                     "offset": seg.offsets[p],
                     "size": seg.size,
                     "nonce": seg.nonces[p].hex(),
+                    "area_offset": seg.area_offset,
+                    "area_nonce": seg.area_nonce.hex(),
                 }
                 for p in local
             },
         )
-        mapped: dict[int, memoryview] = {}
+        mapped: dict[int, _Mapped] = {}
         why: dict[int, str] = {}
         for p in local:
-            block, why[p] = _map_peer(offers[p])
-            if block is not None:
-                mapped[p] = block
+            got, why[p] = _map_peer(offers[p])
+            if got is not None:
+                mapped[p] = got
         verdicts = ex.all(local, {p: {"ok": p in mapped, "why": why[p]} for p in local})
     finally:
         os.close(seg.fd)  # every peer has opened it (or given up): the mappings keep it
@@ -482,7 +533,7 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
         theirs = verdicts[p]
         if p in mapped and theirs.get("ok"):
             out = seg.view[seg.offsets[p] : seg.offsets[p] + BLOCK_BYTES]
-            links[p] = ShmLink(p, data[p], out, mapped[p])
+            links[p] = ShmLink(p, data[p], out, mapped[p].block)
         else:
             reason = why[p] or f"rank {p} could not map ours: {theirs.get('why', '?')}"
             failed.append(f"rank {p}: {reason}")
@@ -493,4 +544,15 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
         raise ValueError(
             f"rank {rank}: ENTRENAR_TRANSPORT=shm: no shared memory with " + "; ".join(failed)
         )
-    return ShmPeers(local, links)
+    slots = None
+    if with_area:
+        # A fourth round: whether each rank has shared memory with every
+        # other (a pair's failure is known to that pair only): the slot areas
+        # are used only when all say yes, so every rank decides alike.
+        complete = len(links) == len(peers) and all(mapped[p].area is not None for p in local)
+        answers = ex.all(local, {p: {"complete": complete} for p in local})
+        if complete and all(answers[p].get("complete") for p in local):
+            areas = {p: mapped[p].area for p in local}
+            areas[rank] = seg.view[seg.area_offset : seg.area_offset + AREA_BYTES]
+            slots = SlotArea(rank, areas, links)  # type: ignore[arg-type]
+    return ShmPeers(local, links, slots)

@@ -26,6 +26,7 @@ from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
 from .shm import ShmLink
 from .shm import connect as connect_shm
+from .slots import SlotArea
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,18 @@ class Mesh:
         data: dict[int, Any] = self._channel(DATA)
         # Peers whose collective data goes through shared memory (Options.transport).
         self.shm: dict[int, ShmLink] = {}
-        # Every rank of the group is on this host (equal host keys: the same
-        # answer on every rank, so the policy may depend on it).
+        # Every rank of the group is on this host and every pair shares
+        # memory (the slot areas exist; the same answer on every rank, so the
+        # policy may depend on it: the shm-native allreduce).
         self.all_local = False
+        self.slots: SlotArea | None = None
         if options.transport != "tcp" and data:
             try:
                 found = connect_shm(
                     rank, data, options.transport, max(timeout.total_seconds(), 0.001)
                 )
-                self.shm, self.all_local = found.links, len(found.local) == len(data)
+                self.shm, self.slots = found.links, found.slots
+                self.all_local = found.slots is not None
                 log.info(
                     "rank %d: collective data over shared memory with rank(s) %s, TCP with %s",
                     rank,
@@ -136,6 +140,8 @@ class Mesh:
             self.causes.closed_here = True
             if self.control is not None:
                 self.control.close(None if error is None else abort_record(self.rank, error))
+            if self.slots is not None and error is not None:
+                self.slots.mark_failed()  # after the ABORT frames: a peer reads the record
             for link in self.shm.values():
                 link.close()
             for (_, ch), sock in self._links.items():

@@ -2,9 +2,11 @@
 
 ``where``: print ``WHERE <rank> <peers over shared memory, comma-separated>``,
 then check one allreduce's sum and print ``OK <rank>``.
-``loop``: print ``READY <rank> <pid>`` after the first allreduce, then
-allreduce 64 KiB until an error; print ``RESULT <rank> <ErrorClass>
-<culprit> <message>`` and wait to be killed (the test kills every rank).
+``loop``: print ``READY <rank> <pid> <slots>`` after the first allreduce
+(``slots``: 1 if the group has the slot areas of the shm-native allreduce),
+then allreduce ``LOOP_NUMEL`` floats (default 16 Ki: 64 KiB) until an error;
+print ``RESULT <rank> <ErrorClass> <culprit> <message>`` and wait to be
+killed (the test kills every rank).
 ``small``: time ``ITERS`` 4 KiB allreduces; print ``MEDIAN <rank> <seconds>``
 (median over blocks of 20 calls) and ``OK <rank>``.
 """
@@ -31,9 +33,9 @@ if mode == "where":
     assert torch.equal(t, torch.full((3000,), world * (world + 1) / 2)), t[:4]
     print(f"OK {rank}", flush=True)
 elif mode == "loop":
-    t = torch.ones(16 << 10)
+    t = torch.ones(int(os.environ.get("LOOP_NUMEL", 16 << 10)))
     dist.all_reduce(t)
-    print(f"READY {rank} {os.getpid()}", flush=True)
+    print(f"READY {rank} {os.getpid()} {int(mesh.slots is not None)}", flush=True)
     try:
         while True:
             dist.all_reduce(t)

@@ -1,0 +1,265 @@
+"""Slot areas: the shared memory of the shm-native allreduce (``collectives/shm_allreduce.py``).
+
+When every rank of a group is on this host and every pair mapped the
+other's segment (``shm.connect``), each rank's segment also holds a *slot
+area*, mapped by every peer:
+
+    one page of control words | slot 0 | slot 1
+
+Each slot is ``SLOT_HEADER_BYTES`` (a collective's 32-byte wire header,
+padded to a cache line) then ``SLOT_DATA_BYTES`` of data. A collective
+moves through *phases*: in phase k a rank writes its slot ``k % 2`` and then
+publishes k in its ``ARRIVED`` word; a rank reads the peers' slot ``k % 2``
+only once every peer published k. A rank publishes k + 1 only after it has
+finished reading phase k, so when any rank writes slot ``k % 2`` again (phase
+k + 2) every peer has finished reading it: double-buffering by parity means
+no separate "done reading" word and no wait for readers, except that a rank
+cannot get more than one phase ahead of the slowest.
+
+Waiting (``SlotArea.wait``): look at the peers' words; spin a little with
+``sched_yield`` (the loop's ``spin_s``); then set this rank's ``SLEEPS`` word,
+fence, look again, and sleep in the progress loop's ``poll()`` on the peers'
+TCP data sockets (a publisher that sees ``SLEEPS`` set sends one wake-up
+byte there), which also watches the control sockets (aborts, QUERY) and
+hang-ups (a killed peer is named at once). Nothing moving for the job's
+timeout is ``Causes.stalled`` naming the ranks still missing. A publisher
+whose peers are awake makes no syscall.
+
+Memory order: x86-64 only (``shm.connect`` offers shared memory nowhere
+else); the fence before ``ARRIVED`` also drains the non-temporal stores a
+large ``memcpy`` may use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .loop import Progress
+    from .shm import ShmLink
+
+SLOT_HEADER_BYTES = 64
+# Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
+# a larger one moves in chunks of this size (two phases each).
+SLOT_DATA_BYTES = 4 << 20
+_PAGE = mmap.PAGESIZE
+_SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
+AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the page)
+
+# Control words (indices into the area's first page viewed as 'q'), each on
+# a cache line of its own: the last phase published, and "asleep: wake me".
+_ARRIVED = 64 // 8
+_SLEEPS = 128 // 8
+_FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
+_HEADER_BYTES = 32  # wire.HEADER_BYTES (a plan's frame starts with one)
+_NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
+
+
+class ForeignTraffic(Exception):
+    """A peer wrote a plan's frame into its byte ring to this rank while this
+    rank waits in the shm-native allreduce: it runs another collective.
+    ``raw`` is its header (the caller names both calls)."""
+
+    def __init__(self, peer: int, raw: bytes) -> None:
+        super().__init__(peer, raw)
+        self.peer = peer
+        self.raw = raw
+
+
+class SlotArea:
+    """This rank's slot area and its mappings of every peer's, for one group.
+
+    ``areas[q]`` is rank q's area (``areas[rank]`` this rank's own). Not
+    thread-safe: one collective runs at a time on a group (the engine's token).
+    """
+
+    def __init__(self, rank: int, areas: dict[int, memoryview], links: dict[int, ShmLink]) -> None:
+        from .shm import _Fence  # the rings' fence: one kind of barrier in the transport
+
+        self.rank = rank
+        self.world = len(areas)
+        self._areas = [areas[q] for q in range(self.world)]
+        self._ctl = [a[:_PAGE].cast("q") for a in self._areas]
+        self._own = self._ctl[rank]
+        self._peers = [q for q in range(self.world) if q != rank]
+        self._peer_ctl = [(q, self._ctl[q]) for q in self._peers]
+        self._socks = {q: links[q].sock for q in self._peers}
+        self._links = [links[q] for q in self._peers]
+        self._watched = list(self._peers)  # data sockets not known to have hung up
+        self._slots = [
+            [
+                a[_PAGE + p * _SLOT_STRIDE : _PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES]
+                for p in (0, 1)
+            ]
+            for a in self._areas
+        ]
+        own = self._areas[rank]
+        self._data = [
+            own[_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES : _PAGE + (p + 1) * _SLOT_STRIDE]
+            for p in (0, 1)
+        ]
+        self._fence = _Fence()
+        self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
+        self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
+
+    # ---------------------------------------------------------------- data
+
+    def views(self, dtype: torch.dtype, numel: int) -> list[list[torch.Tensor]]:
+        """``views[q][parity]``: the first ``numel`` ``dtype`` elements of rank
+        q's slot ``parity`` (cached: a training loop reuses a few shapes)."""
+        key = (dtype, numel)
+        got = self._views.get(key)
+        if got is None:
+            assert numel * dtype.itemsize <= SLOT_DATA_BYTES, "internal: more than a slot"
+            got = [
+                [
+                    torch.frombuffer(
+                        a,
+                        dtype=dtype,
+                        count=numel,
+                        offset=_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES,
+                    )
+                    if numel
+                    else torch.empty(0, dtype=dtype)
+                    for p in (0, 1)
+                ]
+                for a in self._areas
+            ]
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            self._views[key] = got
+        return got
+
+    def write_data(self, phase: int, data: memoryview) -> None:
+        """Copy ``data`` (bytes) into this rank's slot of ``phase`` (a plain
+        memcpy: cheaper than a tensor copy's dispatch for small messages)."""
+        n = len(data)
+        if n:
+            self._data[phase & 1][:n] = data
+
+    def write_header(self, phase: int, packed: bytes | bytearray) -> None:
+        self._slots[self.rank][phase & 1][: len(packed)] = packed
+
+    def header_of(self, peer: int, phase: int, nbytes: int) -> memoryview:
+        """Rank ``peer``'s header bytes of ``phase`` (read after ``wait``)."""
+        return self._slots[peer][phase & 1][:nbytes]
+
+    # ---------------------------------------------------------------- phases
+
+    def publish(self, phase: int) -> None:
+        """This rank's slot of ``phase`` is written: say so, waking sleeping peers."""
+        fence = self._fence
+        fence()  # the slot's bytes (even non-temporal ones) before the word
+        self._own[_ARRIVED] = phase
+        self.phase = phase
+        fence()  # Dekker: our word before their flags (see ``wait``)
+        for q, ctl in self._peer_ctl:
+            if ctl[_SLEEPS]:
+                try:
+                    self._socks[q].send(b"w")
+                except (BlockingIOError, InterruptedError):
+                    pass  # a socket full of wake-ups wakes it anyway
+                except OSError:
+                    pass  # gone: our own wait hears its hang-up
+
+    def ready(self, phase: int) -> bool:
+        """Every peer published ``phase`` (a look, no waiting)."""
+        for _, ctl in self._peer_ctl:
+            if ctl[_ARRIVED] < phase:
+                return False
+        return True
+
+    def check_peers(self, progress: Progress, what: str) -> None:
+        """Raise if a peer's group failed (``mark_failed``): it published its
+        part of this call and then failed, so the call did not complete on
+        every rank and must not complete here (TCP plans end with the same
+        check, ``Progress.run``). Memory reads only, when none failed."""
+        for q, ctl in self._peer_ctl:
+            if ctl[_FAILED]:
+                # Its ABORT frame went out before the word: read its record.
+                raise progress.causes.peer_closed(q, what)
+
+    def mark_failed(self) -> None:
+        """This rank's group is aborted: peers still in (or entering) a call raise."""
+        self._own[_FAILED] = 1
+
+    def missing(self, phase: int) -> list[int]:
+        """The peers that have not published ``phase`` yet."""
+        return [q for q, ctl in self._peer_ctl if ctl[_ARRIVED] < phase]
+
+    def wait(self, phase: int, progress: Progress, what: str) -> None:
+        """Return once every peer published ``phase`` (module docstring: how)."""
+        # A peer running on another core publishes within microseconds: look
+        # a few times before giving the core away (no syscall if it does).
+        for _ in range(_TIGHT_LOOKS):
+            if self.ready(phase):
+                return
+        spin_until = time.perf_counter() + progress.spin_s
+        while time.perf_counter() < spin_until:
+            os.sched_yield()
+            if not self.missing(phase):
+                return
+        self._sleep_until(phase, progress, what)
+
+    def _foreign_traffic(self, phase: int) -> None:
+        """Raise ``ForeignTraffic`` if a peer that has not published ``phase``
+        runs a plan instead (its header is in its ring to us). A peer that
+        is a call ahead writes there only after every rank published this
+        phase, so the words are looked at again after the ring (x86-64's
+        stores are seen in one order by all)."""
+        for link in self._links:
+            raw = link.peek(_HEADER_BYTES)
+            if raw is not None and self.missing(phase):
+                raise ForeignTraffic(link.peer, raw)
+
+    def _sleep_until(self, phase: int, progress: Progress, what: str) -> None:
+        own, fence = self._own, self._fence
+        timeout_s = progress.timeout_s
+        missing = self.missing(phase)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while missing:
+                self._foreign_traffic(phase)
+                own[_SLEEPS] = 1
+                fence()  # Dekker: our flag before their words (see ``publish``)
+                now_missing = self.missing(phase)
+                if now_missing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        own[_SLEEPS] = 0
+                        raise progress.causes.stalled(what, now_missing, [], timeout_s)
+                    closed = progress.sleep_on(
+                        now_missing, self._watched, what, min(left, _SLEEP_S)
+                    )
+                    own[_SLEEPS] = 0
+                    now_missing = self.missing(phase)
+                    for q in closed:
+                        if q in now_missing:  # gone before doing its part: name it now
+                            raise progress.causes.peer_closed(q, what)
+                        # It published and left (its last call): stop watching it.
+                        self._watched.remove(q)
+                        progress.forget(progress.sockets[q].fileno())
+                if len(now_missing) < len(missing):  # progress: the timeout starts again
+                    deadline = time.monotonic() + timeout_s
+                missing = now_missing
+        finally:
+            own[_SLEEPS] = 0
+            progress.done_sleeping()
+
+
+# The longest one sleep lasts before the words are looked at again (a lost
+# wake-up costs at most this; see ``shm._Fence``).
+_SLEEP_S = 0.05
+_MAX_CACHED_VIEWS = 64
+# Looks at the peers' words before the first sched_yield (~0.2 us each).
+_TIGHT_LOOKS = 50
+
+
+def new_area_nonce(view: memoryview, nonce: bytes) -> None:
+    """Write ``nonce`` at the start of a fresh area (its control page's first bytes)."""
+    view[_NONCE : _NONCE + len(nonce)] = nonce
