@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -202,3 +203,14 @@ def _one_thread() -> None:
 
 
 assert entrenar_pg.BACKEND_NAME == "entrenar"
+
+
+def netns_allowed() -> bool:
+    """Whether this process may make network namespaces (root, iproute2, a kernel allowing it)."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"enrprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok

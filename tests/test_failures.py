@@ -148,12 +148,13 @@ def test_rank_that_never_joins_is_blamed_not_the_root() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_abort_cause_and_culprit_reach_every_rank() -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_abort_cause_and_culprit_reach_every_rank(transport: str) -> None:
     """Rank 1 aborts with a cause naming a culprit; ranks 0 and 2, blocked in a
     collective with it, raise the same class with the same culprit."""
     from entrenar_pg.errors import CollectiveMismatchError
 
-    groups = make_groups(3, Options(algorithm="ring"), timeout_s=20.0)
+    groups = make_groups(3, Options(algorithm="ring", transport=transport), timeout_s=20.0)
 
     def abort_rank_1() -> None:
         time.sleep(0.3)

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import run_session
+from conftest import netns_allowed, run_session
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -174,20 +174,10 @@ def _free_port() -> int:
     return free_port()
 
 
-def _netns_allowed() -> bool:
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return False
-    name = f"enrprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_netns_cluster_two_hosts_over_veth(tmp_path):
-    if not _netns_allowed():
+    if not netns_allowed():
         pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
     prefix = f"enrt{os.getpid() % 100000}"
     out = tmp_path / "run"

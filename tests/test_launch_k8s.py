@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import run_session
-from test_launch import TINY, _netns_allowed, end_record
+from conftest import netns_allowed, run_session
+from test_launch import TINY, end_record
 
 yaml = pytest.importorskip("yaml")
 
@@ -219,7 +219,7 @@ def run_pods(pods: list[Pod], root: Path) -> dict[str, Path]:
 
 
 def needs_netns() -> None:
-    if not _netns_allowed():
+    if not netns_allowed():
         pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
 
 
