@@ -156,8 +156,8 @@ def test_group_with_a_ledger_writes_on_rank_0_only_with_the_checker_verdicts(tmp
     path = tmp_path / "run.jsonl"
 
     def train(rank: int, group) -> str:
-        torch.manual_seed(0)
-        w = torch.nn.Parameter(torch.randn(8, 3))
+        # Ranks are threads: a generator of their own (the global RNG is shared).
+        w = torch.nn.Parameter(torch.randn(8, 3, generator=torch.Generator().manual_seed(0)))
         opt = torch.optim.SGD([w], lr=0.1)
         group.checker.watch(opt)  # not the default group: each step by hand
         group.ledger.watch(opt)
