@@ -21,7 +21,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,20 +35,9 @@ from ..ledger_writer import RunLedger
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
 from ..runtime.dispatch import Runtime
-from ..wire import OpCode
 from . import requests as rq
 
 log = logging.getLogger(__name__)
-
-
-class _Blocking(NamedTuple):
-    """Call options of a job its caller waits for at once (torch's ``asyncOp=False``)."""
-
-    asyncOp: bool = False  # noqa: N815 (torch's name)
-    timeout: Any = None  # the group's
-
-
-_BLOCKING = _Blocking()
 
 
 class EntrenarProcessGroup(dist.ProcessGroup):
@@ -124,16 +113,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime.checker = checker
 
     def submit_check(self, run: Callable[[Any], None]) -> Any:
-        """The contract checker's entry point: ``run(call)`` as the group's next job.
-
-        The job (op CHECK, the next sequence number) runs in issue order with
-        the group's collectives, on every rank, so ``run`` may exchange data
-        through ``call`` (a ``collectives.Call``) and raise a verdict; an error
-        breaks the group like a failed collective. Returns the Work. A
-        blocking call (the checker waits at once): it runs in the caller's
-        thread when the group is idle, as a blocking collective does.
-        """
-        return self._runtime.submit(rq.custom(OpCode.CHECK, run), _BLOCKING)
+        """The contract checker's entry point: ``run(call)`` as the next job (a Work)."""
+        return self._runtime.submit_check(run)
 
     # ------------------------------------------------------------ torch integration
     #
@@ -321,11 +302,9 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime.close()
 
     def abort(self) -> None:
-        """Break the group at once: the running collective and pending p2p fail,
-        queued and later calls raise, peers see this rank's abort; returns within
-        a second whatever the peers and the store do. ``errored()`` then returns
-        the error: a ``PeerConnectionError`` saying the group was aborted (as NCCL's
-        abort fails pending work with the class of any communicator failure)."""
+        """Break the group at once (within a second, whatever peers and store do):
+        running, pending and later calls fail with a ``PeerConnectionError`` saying
+        the group was aborted (NCCL's class for it); ``errored()`` returns it."""
         self._runtime.abort(
             PeerConnectionError(
                 f"rank {self._rank}: the process group was aborted (abort())",

@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import profiler as _profiler
 
 from .. import flight_recorder
-from ..api.requests import Request
+from ..api.requests import Request, custom
 from ..api.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import Options
@@ -68,6 +69,16 @@ def profiled_call(seq: int, req: Request) -> Any:
     for tensors, _read, _write in req.io:
         args += tensors
     return _record_enter(f"entrenar:{op_name(req.op)}", *args, req.nbytes, seq)
+
+
+class _Blocking(NamedTuple):
+    """Call options of a job its caller waits for at once (torch's ``asyncOp=False``)."""
+
+    asyncOp: bool = False  # noqa: N815 (torch's name)
+    timeout: Any = None  # the group's
+
+
+_BLOCKING = _Blocking()
 
 
 class Runtime:
@@ -143,6 +154,16 @@ class Runtime:
             stream = new_comm_stream(index)
             self.cuda_streams[index] = stream
         return Staging(torch.device("cuda", index), self.pinned, stream)
+
+    def submit_check(self, run: Callable[[Any], None]) -> EntrenarWork:
+        """The contract checker's job ``run(call)`` (op CHECK, the next seq), blocking.
+
+        It runs in issue order with the group's collectives on every rank, so
+        ``run`` may exchange data through ``call`` and raise a verdict (which
+        breaks the group like a failed collective). Its caller waits at once,
+        so it runs in the caller's thread when the group is idle.
+        """
+        return self.submit(custom(OpCode.CHECK, run), _BLOCKING)
 
     def submit(self, req: Request, opts: Any = None) -> EntrenarWork:
         """Run ``req`` as the group's next job; return a Work completing with ``req.result``.
