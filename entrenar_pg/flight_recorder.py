@@ -74,6 +74,14 @@ PROFILING_NAMES = [""] * (max(OpCode) + 1)
 for _op, _name in _OP_NAMES.items():
     PROFILING_NAMES[_op] = f"{BACKEND}:{_name}"
 
+
+def p2p_name(is_recv: bool, rank: int, peer: int) -> str:
+    """A p2p op's profiling name, as NCCL's: ``entrenar:send 0->1``, ``entrenar:recv 1<-0``."""
+    if is_recv:
+        return f"{BACKEND}:recv {rank}<-{peer}"
+    return f"{BACKEND}:send {rank}->{peer}"
+
+
 _record_ids = itertools.count()  # process-wide, as torch's (the analyzer aligns ranks on it)
 _group_ids = itertools.count()
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
@@ -215,11 +223,8 @@ class FlightRecorder:
 
     def p2p(self, is_recv: bool, peer: int, tensor: torch.Tensor, timeout_s: float) -> Entry:
         """Record a send to / recv from ``peer`` (group ranks), posted and started now."""
-        if is_recv:
-            name = f"{BACKEND}:recv {self.rank}<-{peer}"
-        else:
-            name = f"{BACKEND}:send {self.rank}->{peer}"
         sizes = ((tensor.shape, tensor.dtype),)
+        name = p2p_name(is_recv, self.rank, peer)
         # frames: 0 _keep, 1 this method, 2 P2PChannel.send/recv, 3 the process group's method
         entry = self._keep(self.last_seq, next(self._p2p_seqs), name, sizes, sizes, timeout_s, True)
         entry.start()

@@ -30,8 +30,9 @@ from ..api.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import Options
 from ..errors import EntrenarError
-from ..flight_recorder import FlightRecorder
+from ..flight_recorder import PROFILING_NAMES, FlightRecorder
 from ..p2p import P2PChannel
+from ..profiling import event_until
 from ..transport import Mesh
 from ..wire import OpCode
 from .engine import Engine, Job
@@ -42,8 +43,6 @@ from .state import GroupState, Phase
 log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
-_record_enter = torch._C._autograd._record_function_with_args_enter
-_record_exit = torch._C._autograd._record_function_with_args_exit
 _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
 # How long abort() waits for the comm thread to end: a job blocked on the
@@ -56,19 +55,17 @@ ABORT_JOIN_S = 0.4
 SHUTDOWN_DRAIN_S = 10.0
 
 
-def profiled_call(seq: int, req: Request) -> Any:
-    """Open the profiler event of collective ``seq``: ``entrenar:<op>`` (``entrenar:allreduce``).
+def profile_call(future: torch.futures.Future, seq: int, req: Request) -> None:
+    """Collective ``seq``'s profiler event (``entrenar:all_reduce``) until ``future`` completes.
 
-    Its inputs are the call's tensors (the profiler shows their shapes and
-    dtypes with ``record_shapes=True``), then the payload's bytes and the seq
-    number (its "Concrete Inputs"). torch's public ``record_function`` takes
-    only a string, which its traces do not show; this is what it runs
-    underneath, with arguments.
+    Its inputs are the call's tensors (their shapes and dtypes under
+    ``record_shapes=True``), then the payload's bytes and the seq number (the
+    chrome trace's "Concrete Inputs"; the seq is the flight recorder's too).
     """
     args: list[Any] = []
     for tensors, _read, _write in req.io:
         args += tensors
-    return _record_enter(f"entrenar:{op_name(req.op)}", *args, req.nbytes, seq)
+    event_until(future, PROFILING_NAMES[req.op], *args, req.nbytes, seq)
 
 
 class _Blocking(NamedTuple):
@@ -207,6 +204,8 @@ class Runtime:
             )
             if self.recorder is not None:
                 job.record = self.recorder.collective(seq, req.op, req.io, timeout_s)
+            if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
+                profile_call(fut, seq, req)  # in the caller's thread, before the job can run
             inline = (
                 (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
@@ -237,37 +236,28 @@ class Runtime:
         staged: list[list[Staged]],
         timeout_s: float,
     ) -> Any:
-        """A job's work, in whichever thread holds the engine's token.
-
-        Under ``torch.profiler`` it is one ``entrenar:<op>`` event on this
-        thread (``profiled_call``); otherwise that costs one attribute test.
-        """
-        event = profiled_call(seq, req) if _profiler._is_profiler_enabled else None
-        try:
-            mesh = self.mesh
-            mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
-            mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
-            staging.load()
-            hosts = []
-            for items in staged:
-                group = []
-                for it in items:
-                    assert it.host is not None, "internal: staging.load() not run"
-                    group.append(it.host)
-                hosts.append(group)
-            checker = self.checker
-            if checker is None:
-                JOBS[type(req)](self, seq, req, hosts)
-            else:  # the contract checker measures the job's inputs and outputs around it
-                measuring = checker.before(self, seq, req, hosts)
-                JOBS[type(req)](self, seq, req, hosts)
-                if measuring is not None:
-                    checker.after(self, seq, req, hosts, measuring)
-            staging.store()
-            return req.result
-        finally:
-            if event is not None:
-                _record_exit(event)
+        """A job's work, in whichever thread holds the engine's token."""
+        mesh = self.mesh
+        mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
+        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
+        staging.load()
+        hosts = []
+        for items in staged:
+            group = []
+            for it in items:
+                assert it.host is not None, "internal: staging.load() not run"
+                group.append(it.host)
+            hosts.append(group)
+        checker = self.checker
+        if checker is None:
+            JOBS[type(req)](self, seq, req, hosts)
+        else:  # the contract checker measures the job's inputs and outputs around it
+            measuring = checker.before(self, seq, req, hosts)
+            JOBS[type(req)](self, seq, req, hosts)
+            if measuring is not None:
+                checker.after(self, seq, req, hosts, measuring)
+        staging.store()
+        return req.result
 
     def call(self, seq: int, op: OpCode, nbytes: int) -> Call:
         """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""
