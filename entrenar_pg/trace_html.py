@@ -217,7 +217,7 @@ def build_chart(rep: GroupReport, dumps: dict[int, dict[str, Any]]) -> Chart:
                 by_seq[e["collective_seq_id"]].p2p.append(e)
         dumped_at = dumps[r].get(BACKEND, {}).get("time_dumped_ns")
         lanes.append(Lane(r, True, culprit, note, detail, boxes, dumped_at))
-    times = [e["time_created_ns"] for mine in entries.values() for e in mine]
+    times = [e.get("time_created_ns") or 0 for mine in entries.values() for e in mine]
     return Chart(rep, seqs, before, after, col_ops, lanes, min(times, default=0))
 
 
@@ -289,11 +289,11 @@ def _box_title(box: Box, lane: Lane, t0: int) -> str:
         f"state: {c.state}",
         f"input sizes {c.input_sizes} {c.input_dtypes}",
         f"output sizes {c.output_sizes} {c.output_dtypes}",
-        f"issued {_ms(e['time_created_ns'], t0)}, started "
-        f"{_ms(e['time_discovered_started_ns'], t0)}, completed "
-        f"{_ms(e['time_discovered_completed_ns'], t0)}",
+        f"issued {_ms(e.get('time_created_ns'), t0)}, started "
+        f"{_ms(e.get('time_discovered_started_ns'), t0)}, completed "
+        f"{_ms(e.get('time_discovered_completed_ns'), t0)}",
     ]
-    since = e["time_discovered_started_ns"] or e["time_created_ns"]
+    since = e.get("time_discovered_started_ns") or e.get("time_created_ns")
     if c.state != COMPLETED and lane.time_dumped_ns is not None and since is not None:
         lines.append(f"{c.state} for {(lane.time_dumped_ns - since) / 1e9:.2f} s when dumped")
     if box.mismatch:
