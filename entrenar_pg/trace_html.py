@@ -42,8 +42,8 @@ from .trace import (
 
 # Collectives shown around the focus (the first mismatch or stuck one);
 # the rest are counted, not drawn.
-BEFORE = 8
-AFTER = 4
+BEFORE = 6
+AFTER = 3
 NO_DUMP = "no dump"
 
 # What each state means, for the legend and the tooltips.
@@ -64,7 +64,7 @@ BOX_W = 118
 BOX_H = 52
 GAP = 10
 LANE_H = 80
-HEADER_H = 48
+HEADER_H = 58
 P2P_H = 13
 
 STYLE = """
@@ -86,6 +86,7 @@ svg text { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, 
 .box text.seq { font-weight: 700; }
 .box text.why { font-weight: 700; }
 .box.mismatch rect.cell { stroke: #b71c1c; stroke-width: 4; }
+.box text.badge { font-size: 18px; font-weight: 700; fill: #fff; text-anchor: middle; }
 .box.mismatch text.size { fill: #b71c1c; font-weight: 700; }
 .lane rect.bg { fill: #fafafa; stroke: #e0e0e0; }
 .lane.culprit rect.bg { fill: #ffebee; stroke: #c62828; stroke-width: 2; }
@@ -334,8 +335,7 @@ def _draw_box(box: Box, lane: Lane, x: int, y: int, t0: int) -> list[str]:
         cx, cy = x + BOX_W - 14, y + 26
         out += [
             f'<circle cx="{cx}" cy="{cy}" r="11" fill="#b71c1c"/>',
-            f'<text x="{cx}" y="{cy + 6}" text-anchor="middle" fill="#fff" '
-            f'font-size="18" font-weight="700">≠</text>',
+            f'<text class="badge" x="{cx}" y="{cy + 6}">≠</text>',
         ]
     out.append("</g>")
     if box.p2p:
@@ -363,7 +363,7 @@ def _draw_chart(chart: Chart, index: int) -> str:
     rep = chart.report
     x0 = LABEL_W + (ELIDED_W if chart.left_out_before else 0)
     col_x = {s: x0 + j * (BOX_W + GAP) for j, s in enumerate(chart.seqs)}
-    width = x0 + len(chart.seqs) * (BOX_W + GAP) + (ELIDED_W if chart.left_out_after else 0) + 10
+    width = x0 + len(chart.seqs) * (BOX_W + GAP) + (ELIDED_W if chart.left_out_after else 0) + 30
     height = HEADER_H + len(chart.lanes) * LANE_H + 6
     mm = rep.first_mismatch["seq"] if rep.first_mismatch else None
     stuck = rep.first_incomplete["seq"] if rep.first_incomplete else None
@@ -388,12 +388,12 @@ def _draw_chart(chart: Chart, index: int) -> str:
                 f'height="{height - 4}" rx="6"/>'
             )
             for k, mark in enumerate(marks):
-                out.append(f'<text class="mark" x="{cx}" y="{14 + 13 * k}">{_esc(mark)}</text>')
+                out.append(f'<text class="mark" x="{cx}" y="{16 + 15 * k}">{_esc(mark)}</text>')
         out.append(f'<text x="{cx}" y="{HEADER_H - 8}">#{s} {_esc(chart.col_ops[s])}</text></g>')
     if chart.left_out_before:
         out.append(_elided(LABEL_W + ELIDED_W // 2, chart.left_out_before, "earlier"))
     if chart.left_out_after:
-        out.append(_elided(width - 10 - ELIDED_W // 2, chart.left_out_after, "later"))
+        out.append(_elided(width - 30 - ELIDED_W // 2, chart.left_out_after, "later"))
     for i, lane in enumerate(chart.lanes):  # then the boxes, over the bands
         y = HEADER_H + i * LANE_H
         if not lane.dumped:
