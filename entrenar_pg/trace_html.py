@@ -74,6 +74,7 @@ h1 { font-size: 20px; margin: 0 0 10px; }
 h2 { font-size: 16px; margin: 22px 0 6px; }
 .verdict { font-size: 17px; font-weight: 600; padding: 8px 12px; margin: 6px 0;
            border-left: 6px solid #2e7d32; background: #e8f5e9; }
+.verdict.unsure { border-left-color: #e65100; background: #fff3e0; }
 .verdict.blame { border-left-color: #c62828; background: #ffebee; color: #7f0000; }
 .legend { display: flex; flex-wrap: wrap; gap: 6px 18px; margin: 10px 0 4px; font-size: 13px; }
 .legend span.sw { display: inline-block; width: 22px; height: 14px; vertical-align: -2px;
@@ -175,51 +176,52 @@ class Chart:
 def build_chart(rep: GroupReport, dumps: dict[int, dict[str, Any]]) -> Chart:
     """Lay out ``rep``'s group from the dumps it was made from."""
     entries = {r: group_entries(dumps[r], rep.group) for r in rep.dumped}
-    calls: dict[int, dict[int, Call]] = {}
-    raw: dict[int, dict[int, dict[str, Any]]] = {}
-    for r, mine in entries.items():
-        collectives = [e for e in mine if not e["is_p2p"]]
-        raw[r] = {e["collective_seq_id"]: e for e in collectives}
-        calls[r] = {s: call_of(e) for s, e in raw[r].items()}
-    every_seq = sorted({s for mine in calls.values() for s in mine})
-    seqs, before, after = _window(every_seq, rep)
+    raw = {
+        r: {e["collective_seq_id"]: e for e in mine if not e["is_p2p"]}
+        for r, mine in entries.items()
+    }
+    calls = {r: {s: call_of(e) for s, e in mine.items()} for r, mine in raw.items()}
+    seqs, before, after = _window(sorted({s for mine in calls.values() for s in mine}), rep)
     col_ops = {
         s: Counter(c[s].op for c in calls.values() if s in c).most_common(1)[0][0] for s in seqs
     }
-    odd = _mismatched_ranks(rep)
-    mm_seq = rep.first_mismatch["seq"] if rep.first_mismatch else None
+    marked = _mismatched_boxes(rep)
     lanes = []
     for r in rep.ranks:
-        culprit = r in rep.waiting_on
         failure = rep.failures.get(r)
-        detail = "" if failure is None else f"{failure['error_class']}: {failure['message']}"
-        note = _lane_note(rep, r, r in calls)
-        if r not in calls:
-            lanes.append(Lane(r, False, culprit, note, detail, [], None))
-            continue
-        boxes = []
-        for s in seqs:
-            why = why_absent(calls[r], s)
-            call = calls[r].get(s)
-            boxes.append(
-                Box(
-                    r,
-                    s,
-                    call.state if call is not None else str(why),
-                    call.op if call is not None else col_ops[s],
-                    call,
-                    raw[r].get(s),
-                    mismatch=(s == mm_seq and r in odd),
-                )
-            )
-        by_seq = {b.seq: b for b in boxes}
-        for e in entries[r]:
-            if e["is_p2p"] and e["collective_seq_id"] in by_seq:
-                by_seq[e["collective_seq_id"]].p2p.append(e)
-        dumped_at = dumps[r].get(BACKEND, {}).get("time_dumped_ns")
-        lanes.append(Lane(r, True, culprit, note, detail, boxes, dumped_at))
+        lane = Lane(
+            r,
+            r in calls,
+            r in rep.waiting_on,
+            _lane_note(rep, r, r in calls),
+            "" if failure is None else f"{failure['error_class']}: {failure['message']}",
+            [],
+            None,
+        )
+        if r in calls:
+            lane.boxes = [_box(r, s, calls[r], raw[r], col_ops[s], marked) for s in seqs]
+            by_seq = {b.seq: b for b in lane.boxes}
+            for e in entries[r]:  # a p2p op carries the seq of the collective before it
+                if e["is_p2p"] and e["collective_seq_id"] in by_seq:
+                    by_seq[e["collective_seq_id"]].p2p.append(e)
+            lane.time_dumped_ns = dumps[r].get(BACKEND, {}).get("time_dumped_ns")
+        lanes.append(lane)
     times = [e.get("time_created_ns") or 0 for mine in entries.values() for e in mine]
     return Chart(rep, seqs, before, after, col_ops, lanes, min(times, default=0))
+
+
+def _box(
+    rank: int,
+    seq: int,
+    calls: dict[int, Call],
+    raw: dict[int, dict[str, Any]],
+    col_op: str,
+    marked: set[tuple[int, int]],
+) -> Box:
+    call = calls.get(seq)
+    if call is None:
+        return Box(rank, seq, str(why_absent(calls, seq)), col_op, None, None)
+    return Box(rank, seq, call.state, call.op, call, raw[seq], (rank, seq) in marked)
 
 
 def _lane_note(rep: GroupReport, rank: int, dumped: bool) -> list[str]:
@@ -245,15 +247,14 @@ def _window(every_seq: list[int], rep: GroupReport) -> tuple[list[int], int, int
     return every_seq[lo:hi], lo, len(every_seq) - hi
 
 
-def _mismatched_ranks(rep: GroupReport) -> set[int]:
-    """The boxes marked at the first mismatch: the odd ones out, or, with no
-    majority, every rank that has a call there."""
+def _mismatched_boxes(rep: GroupReport) -> set[tuple[int, int]]:
+    """The (rank, seq) boxes marked at the first mismatch: the odd ones out,
+    or, with no majority, every rank that has a call there."""
     mm = rep.first_mismatch
     if mm is None:
         return set()
-    if mm["odd_ranks"]:
-        return set(mm["odd_ranks"])
-    return {int(r) for r in mm["calls"]}
+    ranks = mm["odd_ranks"] or [int(r) for r in mm["calls"]]
+    return {(r, mm["seq"]) for r in ranks}
 
 
 # ---------------------------------------------------------------------- drawing
@@ -470,7 +471,8 @@ def render_html(
         f"<h1>{_esc(title)}</h1>",
     ]
     for rep in reports:
-        blame = " blame" if rep.waiting_on else ""
+        broken = rep.first_mismatch is not None or rep.first_incomplete is not None
+        blame = " blame" if rep.waiting_on else " unsure" if broken else ""
         parts.append(
             f'<p class="verdict{blame}" data-group="{_esc(rep.group)}" '
             f'data-waiting-on="{_esc(",".join(map(str, rep.waiting_on)))}">'

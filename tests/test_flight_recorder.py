@@ -454,6 +454,10 @@ def test_a_disagreement_without_majority_names_no_side() -> None:
     assert mm is not None and mm["seq"] == 5
     assert mm["odd_ranks"] == [] and mm["absent"] == [1]
     assert "no majority" in report_text([rep])
+    # the picture marks both sides, and rank 1 (still in #4) did not reach #5
+    pic = parse_picture(render_html([rep], dumps))
+    assert pic.mismatch_boxes == [(0, 5), (2, 5)] and pic.culprit_lanes == []
+    assert pic.boxes[(1, 5)] == "not reached" and pic.mismatch_columns == [5]
 
 
 def test_the_picture_of_a_long_ring_shows_the_calls_around_the_stuck_one() -> None:
