@@ -38,6 +38,10 @@ from typing import Any
 from .flight_recorder import BACKEND, COMPLETED
 
 _RANK_SUFFIX = re.compile(r"^(.*?)(\d+)$")
+# Why a rank has no record of a collective its peers recorded (``why_absent``)
+NEVER_ISSUED = "never issued"  # its last call had completed: it went on doing something else
+NOT_REACHED = "not reached"  # still in an earlier call when the group broke
+NOT_RECORDED = "not recorded"  # older than the oldest record its ring kept
 # Ops whose sizes legitimately differ between ranks (rooted or uneven):
 # which of (input sizes, output sizes) are compared across ranks.
 _COMPARED_SIZES = {
@@ -115,7 +119,7 @@ def load_dir(directory: str, prefix: str | None = None) -> dict[int, dict[str, A
 # ---------------------------------------------------------------------- analysis
 
 
-def _call(entry: dict[str, Any]) -> Call:
+def call_of(entry: dict[str, Any]) -> Call:
     op = entry["profiling_name"].split(":", 1)[-1]
     return Call(
         op,
@@ -142,21 +146,17 @@ def _diagnose_group(name: str, cfg: dict[str, Any], dumps: dict[int, Any]) -> Gr
     no_dump = [r for r in ranks if r not in dumped]
     rep = GroupReport(name, cfg.get("desc", ""), ranks, dumped, no_dump)
     calls: dict[int, dict[int, Call]] = {}
-    last_seq: dict[int, int] = {}
     for r in dumped:
         mine: dict[int, Call] = {}
-        for e in dumps[r]["entries"]:
-            if e["process_group"][0] != name:
-                continue
+        for e in group_entries(dumps[r], name):
             if e["is_p2p"]:
                 if e["state"] != COMPLETED:
                     rep.pending_p2p.setdefault(r, []).append(
                         f"{e['profiling_name']} p2p#{e['p2p_seq_id']} {e['state']}"
                     )
                 continue
-            mine[e["collective_seq_id"]] = _call(e)
+            mine[e["collective_seq_id"]] = call_of(e)
         calls[r] = mine
-        last_seq[r] = max(mine, default=0)
         failure = dumps[r].get(BACKEND, {}).get("failures", {}).get(name)
         if failure is not None:
             rep.failures[r] = failure
@@ -177,8 +177,8 @@ def _diagnose_group(name: str, cfg: dict[str, Any], dumps: dict[int, Any]) -> Gr
         # Never issued it: its last call before it had completed (it went on
         # doing something else). A rank whose last call had not completed
         # was interrupted there by the failure: it did not get as far.
-        never = [r for r in dumped if last_seq[r] < s and _finished(calls[r], last_seq[r])]
-        behind = [r for r in dumped if last_seq[r] < s and r not in never]
+        never = [r for r in dumped if why_absent(calls[r], s) == NEVER_ISSUED]
+        behind = [r for r in dumped if why_absent(calls[r], s) == NOT_REACHED]
         # Completed by any rank means every rank took part (no rank completes
         # before every peer's header arrived: the header rule). A rank that
         # did not complete it then was interrupted by a later failure.
@@ -197,8 +197,24 @@ def _diagnose_group(name: str, cfg: dict[str, Any], dumps: dict[int, Any]) -> Gr
     return rep
 
 
-def _finished(mine: dict[int, Call], last: int) -> bool:
-    return last not in mine or mine[last].state == COMPLETED
+def group_entries(dump: dict[str, Any], group: str) -> list[dict[str, Any]]:
+    """One rank's records (collectives and p2p) of ``group``, oldest first."""
+    return [e for e in dump["entries"] if e["process_group"][0] == group]
+
+
+def why_absent(mine: dict[int, Call], seq: int) -> str | None:
+    """Why a rank whose collectives by seq are ``mine`` has no record of ``seq``
+    (None: it has one). After its last call: if that call had completed it
+    went on doing something else and never issued ``seq``; if not, the
+    failure interrupted it there, before ``seq``."""
+    if seq in mine:
+        return None
+    if not mine or seq < min(mine):
+        return NOT_RECORDED if mine else NEVER_ISSUED
+    last = max(mine)
+    if seq < last:
+        return NOT_RECORDED
+    return NEVER_ISSUED if mine[last].state == COMPLETED else NOT_REACHED
 
 
 def _mismatch(seq: int, here: dict[int, Call]) -> dict[str, Any]:
@@ -316,6 +332,20 @@ def torch_analysis(dumps: dict[int, dict[str, Any]], group: str) -> list[dict[st
 # ---------------------------------------------------------------------- output
 
 
+def verdict(rep: GroupReport) -> str:
+    """The one-line answer for a group: whom everyone waited on, or why no rank is named."""
+    if rep.waiting_on:
+        return f"everyone was waiting on: rank(s) {rep.waiting_on} ({rep.waiting_on_source})"
+    if rep.first_mismatch is not None:
+        return (
+            f"the ranks disagree at collective #{rep.first_mismatch['seq']} with no majority:"
+            " cannot tell which side is wrong"
+        )
+    if rep.first_incomplete is not None:
+        return f"collective #{rep.first_incomplete['seq']} was not completed; no rank stands out"
+    return "every recorded collective completed on every rank"
+
+
 def report_text(reports: list[GroupReport]) -> str:
     lines = []
     for rep in reports:
@@ -351,9 +381,7 @@ def report_text(reports: list[GroupReport]) -> str:
         elif mm is None:
             lines.append("  every recorded collective completed on every rank")
         if rep.waiting_on:
-            lines.append(
-                f"  everyone was waiting on: rank(s) {rep.waiting_on} ({rep.waiting_on_source})"
-            )
+            lines.append(f"  {verdict(rep)}")
         for r, f in sorted(rep.failures.items()):
             lines.append(f"  rank {r} failed at {f['at']}: {f['error_class']}: {f['message']}")
         for r, ops in sorted(rep.pending_p2p.items()):
@@ -378,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace_dir", help="directory of <prefix><rank> dump files")
     parser.add_argument("-p", "--prefix", default=None, help="file name prefix (if several)")
     parser.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    parser.add_argument(
+        "--html",
+        metavar="OUT.html",
+        default=None,
+        help="also write a picture: one lane per rank, one box per collective (one HTML file)",
+    )
     args = parser.parse_args(argv)
     try:
         dumps = load_dir(args.trace_dir, args.prefix)
@@ -385,6 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"entrenar_pg.trace: {e}", file=sys.stderr)
         return 2
     reports = diagnose(dumps)
+    if args.html is not None:
+        from .trace_html import render_html  # the picture only when asked for
+
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(render_html(reports, dumps, source=args.trace_dir))
+        except OSError as e:
+            print(f"entrenar_pg.trace: --html: {e}", file=sys.stderr)
+            return 2
+        print(f"entrenar_pg.trace: wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1, default=str))
     else:

@@ -4,7 +4,9 @@
   dumping on the break: a desynchronised call (rank 2 allreduces 512 floats
   where the others allreduce 1024), a stalled rank (SIGSTOP; it wrote its
   dump on demand first) and a killed rank (SIGKILL; no dump from it).
-  ``python -m entrenar_pg.trace`` must name the collective, its seq, and rank 2.
+  ``python -m entrenar_pg.trace`` must name the collective, its seq, and rank 2,
+  and its ``--html`` picture must show each rank's records as the dumps
+  have them, with rank 2's lane and the mismatching box marked.
 - In one process: the dump has every field of torch 2.13's (taken from a
   real gloo dump), torch's loader reads it, the ring keeps only the last N,
   p2p ops are recorded, and nothing is recorded when off.
@@ -13,13 +15,16 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -27,8 +32,9 @@ import torch
 from conftest import free_port, make_groups, rank_env, run_ranks
 
 import entrenar_pg
-from entrenar_pg import Options, flight_recorder
+from entrenar_pg import Options, flight_recorder, trace
 from entrenar_pg.trace import diagnose, load_dir, report_text
+from entrenar_pg.trace_html import BEFORE, render_html
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = REPO / "tests" / "scripts" / "fr_scenario.py"
@@ -36,10 +42,104 @@ K = 3  # the step that goes wrong; its collective seq is K + 2 (barrier = 1)
 VICTIM = 2
 
 
-def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> tuple[dict[int, str], dict]:
-    """Run fr_scenario.py on 3 processes; returns each rank's RESULT and the
-    trace's report as JSON (from ``python -m entrenar_pg.trace --json`` with ``cli``)."""
+@dataclass
+class Picture:
+    """What a ``--html`` page shows, read back from its SVG's data attributes."""
+
+    lanes: list[int] = field(default_factory=list)  # ranks, top to bottom
+    culprit_lanes: list[int] = field(default_factory=list)
+    no_dump_lanes: list[int] = field(default_factory=list)
+    columns: list[int] = field(default_factory=list)  # collective seqs, left to right
+    boxes: dict[tuple[int, int], str] = field(default_factory=dict)  # (rank, seq) -> state
+    ops: dict[tuple[int, int], str] = field(default_factory=dict)
+    mismatch_boxes: list[tuple[int, int]] = field(default_factory=list)
+    mismatch_columns: list[int] = field(default_factory=list)
+    stuck_columns: list[int] = field(default_factory=list)
+    waiting_on: list[str] = field(default_factory=list)  # each verdict's data-waiting-on
+    text: list[str] = field(default_factory=list)
+    tags: set[str] = field(default_factory=set)
+
+
+class PictureReader(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pic = Picture()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        classes = a.get("class", "").split()
+        pic = self.pic
+        pic.tags.add(tag)
+        for attr in ("src", "href"):  # self-contained: nothing to fetch
+            assert attr not in a, (tag, a)
+        if tag == "g" and "lane" in classes:
+            rank = int(a["data-rank"])
+            pic.lanes.append(rank)
+            if "culprit" in classes:
+                pic.culprit_lanes.append(rank)
+            if "no-dump" in classes:
+                pic.no_dump_lanes.append(rank)
+        elif tag == "g" and "box" in classes:
+            key = (int(a["data-rank"]), int(a["data-seq"]))
+            assert key not in pic.boxes, f"two boxes for {key}"
+            pic.boxes[key] = a["data-state"]
+            pic.ops[key] = a["data-op"]
+            if "mismatch" in classes:
+                pic.mismatch_boxes.append(key)
+        elif tag == "g" and "col" in classes:
+            pic.columns.append(int(a["data-seq"]))
+            if "mismatch" in classes:
+                pic.mismatch_columns.append(int(a["data-seq"]))
+            if "stuck" in classes:
+                pic.stuck_columns.append(int(a["data-seq"]))
+        elif tag == "p" and "verdict" in classes:
+            pic.waiting_on.append(a["data-waiting-on"])
+
+    def handle_data(self, data: str) -> None:
+        self.pic.text.append(data)
+
+
+def read_picture(page: Path) -> Picture:
+    return parse_picture(page.read_text(encoding="utf-8"))
+
+
+def parse_picture(text: str) -> Picture:
+    reader = PictureReader()
+    reader.feed(text)
+    reader.close()
+    assert "script" not in reader.pic.tags
+    return reader.pic
+
+
+def unrecorded_boxes(pic: Picture, dumps: dict[int, dict]) -> dict[tuple[int, int], str]:
+    """Checks that every recorded collective of every dump has its box, in its
+    state and op, and that every dumped rank has one box per column; returns
+    the boxes of calls a rank has no record of, with the reason they show."""
+    recorded = {}
+    for rank, dump in dumps.items():
+        for e in dump["entries"]:
+            if not e["is_p2p"]:
+                key = (rank, e["collective_seq_id"])
+                recorded[key] = e["state"]
+                assert pic.boxes[key] == e["state"], key
+                assert pic.ops[key] == e["profiling_name"].split(":", 1)[1], key
+    assert set(pic.boxes) == {(r, s) for r in dumps for s in pic.columns}
+    return {k: state for k, state in pic.boxes.items() if k not in recorded}
+
+
+@dataclass
+class Scenario:
+    results: dict[int, str]  # each rank's RESULT
+    report: dict  # the trace's report, as JSON
+    picture: Picture  # its --html page, read back
+    dumps: dict[int, dict]
+
+
+def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
+    """Run fr_scenario.py on 3 processes, then ``entrenar_pg.trace DIR --json
+    --html OUT`` on the dumps (in a new process with ``cli``)."""
     dumps = tmp_path / "dumps"
+    page = tmp_path / "trace.html"
     port = free_port()
     extra = dict(
         TIMEOUT_S="2",
@@ -76,25 +176,30 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> tuple[dict[int
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
+    argv = [str(dumps), "--json", "--html", str(page)]
     if cli:
         run = subprocess.run(
-            [sys.executable, "-m", "entrenar_pg.trace", str(dumps), "--json"],
+            [sys.executable, "-m", "entrenar_pg.trace", *argv],
             capture_output=True,
             text=True,
             timeout=60,
             env=dict(os.environ, PYTHONPATH=extra["PYTHONPATH"]),
         )
         assert run.returncode == 0, run.stderr
-        reports = json.loads(run.stdout)
+        stdout = run.stdout
     else:  # the same, without starting torch once more
-        reports = json.loads(json.dumps([asdict(r) for r in diagnose(load_dir(str(dumps)))]))
+        with contextlib.redirect_stdout(io.StringIO()) as captured:
+            assert trace.main(argv) == 0
+        stdout = captured.getvalue()
+    reports = json.loads(stdout)
     assert len(reports) == 1, reports
-    return results, reports[0]
+    return Scenario(results, reports[0], read_picture(page), load_dir(str(dumps)))
 
 
 @pytest.mark.timeout(150)
 def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
-    results, rep = run_scenario("desync", tmp_path, cli=True)
+    sc = run_scenario("desync", tmp_path, cli=True)
+    results, rep = sc.results, sc.report
     assert results == dict.fromkeys(range(3), "CollectiveMismatchError")
     assert rep["no_dump"] == []
     mm = rep["first_mismatch"]
@@ -109,11 +214,21 @@ def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
     # torch's own analyzer, on the same records, finds the same collective
     assert rep["torch_analyzer"][0]["seq"] == K + 2
     assert "SIZE_OR_SYNTAX_MISMATCH" in rep["torch_analyzer"][0]["mismatches"][str(VICTIM)]
+    # the picture: rank 2's lane, and its box at #5, are the ones marked
+    pic = sc.picture
+    assert pic.lanes == [0, 1, 2] and pic.no_dump_lanes == []
+    assert pic.culprit_lanes == [VICTIM] and pic.waiting_on == [str(VICTIM)]
+    assert pic.columns == list(range(1, K + 3))
+    assert unrecorded_boxes(pic, sc.dumps) == {}
+    assert pic.mismatch_boxes == [(VICTIM, K + 2)]
+    assert pic.mismatch_columns == [K + 2] and pic.stuck_columns == [K + 2]
+    assert "everyone was waiting on: rank(s) [2] (called something else at #5)" in "".join(pic.text)
 
 
 @pytest.mark.timeout(150)
 def test_a_stalled_rank_is_diagnosed(tmp_path: Path) -> None:
-    results, rep = run_scenario("stall", tmp_path)
+    sc = run_scenario("stall", tmp_path)
+    results, rep = sc.results, sc.report
     assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}
     assert rep["no_dump"] == []  # the victim dumped on demand before it stopped
     assert rep["first_mismatch"] is None
@@ -123,11 +238,20 @@ def test_a_stalled_rank_is_diagnosed(tmp_path: Path) -> None:
     assert stuck["never_joined"] == [VICTIM]
     assert rep["waiting_on"] == [VICTIM]
     assert rep["culprits"] == {"0": VICTIM, "1": VICTIM}
+    # the picture: rank 2's lane stops before #5, where the others are stuck
+    pic = sc.picture
+    assert pic.lanes == [0, 1, 2] and pic.culprit_lanes == [VICTIM]
+    assert pic.columns == list(range(1, K + 3))
+    assert unrecorded_boxes(pic, sc.dumps) == {(VICTIM, K + 2): "never issued"}
+    assert pic.boxes[(0, K + 2)] == pic.boxes[(1, K + 2)] == "started"
+    assert pic.mismatch_boxes == [] and pic.mismatch_columns == []
+    assert pic.stuck_columns == [K + 2]
 
 
 @pytest.mark.timeout(150)
 def test_a_killed_rank_is_diagnosed(tmp_path: Path) -> None:
-    results, rep = run_scenario("kill", tmp_path)
+    sc = run_scenario("kill", tmp_path)
+    results, rep = sc.results, sc.report
     assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}
     assert rep["no_dump"] == [VICTIM]
     stuck = rep["first_incomplete"]
@@ -140,6 +264,12 @@ def test_a_killed_rank_is_diagnosed(tmp_path: Path) -> None:
     # the text report says it too
     text = flight_recorder_text(tmp_path / "dumps")
     assert f"all_reduce #{K + 2}" in text and f"waiting on: rank(s) [{VICTIM}]" in text
+    # the picture: rank 2's lane is marked, with no boxes (it left no dump)
+    pic = sc.picture
+    assert pic.lanes == [0, 1, 2] and pic.culprit_lanes == pic.no_dump_lanes == [VICTIM]
+    assert unrecorded_boxes(pic, sc.dumps) == {
+        key: "not reached" for key in pic.boxes if str(key[0]) in stuck["interrupted_before"]
+    }
 
 
 def flight_recorder_text(dumps: Path) -> str:
@@ -274,11 +404,22 @@ def _dump(rank: int, calls: list[tuple[int, list[int], str]], culprit: int | Non
             "output_sizes": [size],
             "output_dtypes": ["Float"],
             "state": state,
+            "time_created_ns": seq * 1000,
+            "time_discovered_started_ns": seq * 1000 + 10,
+            "time_discovered_completed_ns": seq * 1000 + 20 if state == "completed" else None,
             "is_p2p": False,
         }
         for seq, size, state in calls
     ]
-    failures = {} if culprit is None else {"0": {"culprit": culprit, "at": "x", "message": ""}}
+    failures = {}
+    if culprit is not None:
+        failure = {
+            "culprit": culprit,
+            "at": "x",
+            "message": "",
+            "error_class": "PeerConnectionError",
+        }
+        failures["0"] = failure
     return {
         "version": "2.10",
         "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1, 2]"}},
@@ -313,3 +454,41 @@ def test_a_disagreement_without_majority_names_no_side() -> None:
     assert mm is not None and mm["seq"] == 5
     assert mm["odd_ranks"] == [] and mm["absent"] == [1]
     assert "no majority" in report_text([rep])
+    # the picture marks both sides, and rank 1 (still in #4) did not reach #5
+    pic = parse_picture(render_html([rep], dumps))
+    assert pic.mismatch_boxes == [(0, 5), (2, 5)] and pic.culprit_lanes == []
+    assert pic.boxes[(1, 5)] == "not reached" and pic.mismatch_columns == [5]
+
+
+def test_the_picture_of_a_long_ring_shows_the_calls_around_the_stuck_one() -> None:
+    """21 collectives: rank 0 is in #21, rank 1 still in #20, rank 2 (the
+    culprit) completed #20 and never issued #21. The picture draws the last few
+    and says the earlier ones were left out; what it marks comes from the
+    analysis. The group's name is markup, drawn as text."""
+    done = [(s, [4], "completed") for s in range(1, 20)]
+    dumps = {
+        0: _dump(0, [*done, (20, [4], "completed"), (21, [4], "started")], culprit=2),
+        1: _dump(1, [*done, (20, [4], "started")], culprit=2),
+        2: _dump(2, [*done, (20, [4], "completed")], culprit=None),
+    }
+    for d in dumps.values():
+        d["pg_config"]["0"]["desc"] = "<img src=x>"
+    reports = diagnose(dumps)
+    page = render_html(reports, dumps, source="<dir>")
+    pic = parse_picture(page)
+    assert pic.lanes == [0, 1, 2] and pic.culprit_lanes == [2] and pic.waiting_on == ["2"]
+    assert pic.columns == list(range(21 - BEFORE, 22)) and pic.stuck_columns == [21]
+    assert unrecorded_boxes(pic, {r: trim(d, 21 - BEFORE) for r, d in dumps.items()}) == {
+        (1, 21): "not reached",
+        (2, 21): "never issued",
+    }
+    assert f"… {20 - BEFORE} earlier" in pic.text and pic.mismatch_boxes == []
+    assert "process group 0 (<img src=x>): everyone was waiting on: rank(s) [2]" in "".join(
+        pic.text
+    )
+
+
+def trim(dump: dict, first_seq: int) -> dict:
+    """``dump`` without the collectives before ``first_seq`` (the picture's window)."""
+    entries = [e for e in dump["entries"] if e["collective_seq_id"] >= first_seq]
+    return dict(dump, entries=entries)
