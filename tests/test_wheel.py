@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from entrenar_pg import _plugin
 
@@ -149,6 +150,43 @@ def test_the_entry_point_module_repeats_the_plugin_constants() -> None:
     assert entrenar_pg_autoload.DEVICES == _plugin.DEVICES
 
 
+def test_the_package_replaces_the_placeholder_once_it_imports() -> None:
+    """A package that failed to import while torch loaded it, then imports (sys.path
+    changed, say): the working backend takes the placeholder's place."""
+    import entrenar_pg_autoload
+
+    placeholder = entrenar_pg_autoload.UnavailableBackend(ImportError("gone"))
+    dist.Backend.register_backend(
+        _plugin.BACKEND_NAME, placeholder, extended_api=True, devices=_plugin.DEVICES
+    )
+    try:
+        with pytest.raises(entrenar_pg_autoload.BackendUnavailableError, match="gone"):
+            dist.Backend._plugins["ENTRENAR"].creator_fn(None, None)
+        _plugin.register()
+        assert dist.Backend._plugins["ENTRENAR"].creator_fn is _plugin.create_process_group
+    finally:
+        _plugin.register()
+
+
+def test_the_entry_point_warns_and_returns_when_nothing_can_be_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The package does not import and torch.distributed refuses the placeholder:
+    the entry point still returns (torch's import goes on) and says why, once."""
+    import entrenar_pg_autoload
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no custom backends here")
+
+    monkeypatch.setitem(sys.modules, "entrenar_pg", None)  # `import entrenar_pg` fails
+    monkeypatch.setattr(dist.Backend, "register_backend", refuse)
+    monkeypatch.setattr(entrenar_pg_autoload, "load_error", None)
+    with pytest.warns(RuntimeWarning, match="no custom backends here") as caught:
+        entrenar_pg_autoload.entry_point()
+    assert "pip install --force-reinstall --no-deps entrenar-pg" in str(caught[0].message)
+    assert isinstance(entrenar_pg_autoload.load_error, ImportError)
+
+
 JOB = """
 import json, sys
 from datetime import timedelta
@@ -175,6 +213,7 @@ for step in range(3):  # ENTRENAR_LEDGER: one ledger line per step
     opt.zero_grad()
 
 import entrenar_pg
+import entrenar_pg_autoload
 from entrenar_pg.ledger_writer import checkpoint_parameters
 
 if rank == 0:
@@ -187,6 +226,7 @@ print(json.dumps({
     "expected": world * (world + 1) / 2,
     "backend": type(backend).__module__,
     "package": entrenar_pg.__file__,
+    "load_error": repr(entrenar_pg_autoload.load_error),
 }))
 dist.destroy_process_group()
 """
@@ -201,7 +241,7 @@ def test_a_two_rank_job_and_the_tools_run_from_the_installed_wheel(venv: Venv) -
     stdout = checked(
         venv.run(
             [venv.bin("torchrun"), "--standalone", "--nproc_per_node=2", str(script), str(out)],
-            timeout=120,
+            timeout=180,
             ENTRENAR_LEDGER=str(ledger),
             TORCH_FR_BUFFER_SIZE="200",
             TORCH_FR_DUMP_TEMP_FILE=str(out / "fr" / "rank_"),
@@ -216,6 +256,7 @@ def test_a_two_rank_job_and_the_tools_run_from_the_installed_wheel(venv: Venv) -
     for r in reports:
         assert r["reduced"] == [r["expected"]] == [3.0], r
         assert r["backend"].startswith("entrenar_pg."), r
+        assert r["load_error"] == "None", r
         assert Path(r["package"]).is_relative_to(venv.site), r  # the wheel, not the checkout
 
     verified = checked(
