@@ -104,13 +104,12 @@ def check_shaping(shaping: netns.Shaping) -> None:
             raise BenchError(f"--rate {shaping.rate}: tc cannot add a tbf qdisc (tc: {why or '?'})")
 
 
-def run_job(cfg: ClusterConfig, work: Path) -> list[dict[str, Any]]:
-    """Build the hosts, run the job, tear down; every rank's record."""
+def run_job(cfg: ClusterConfig, work: Path, prefix: str) -> list[dict[str, Any]]:
+    """Build the hosts (namespaces ``<prefix>-*``), run the job, tear down; every rank's record."""
     cfg_path = work / "config.json"
     cfg_path.write_text(json.dumps(cfg.to_json()))
     ranks_dir = work / "ranks"
     ranks_dir.mkdir()
-    prefix = f"enrc{os.getpid() % 100000}"
     proc = netns.run_on_hosts(
         cfg.hosts,
         node_command(cfg_path, ranks_dir, cfg),
@@ -120,9 +119,6 @@ def run_job(cfg: ClusterConfig, work: Path) -> list[dict[str, Any]]:
         shaping=shaping_of(cfg),
         env=rank_environment(),
     )
-    left = netns.namespaces_left(prefix)
-    if left:
-        log.warning("namespaces left behind: %s", left)
     if proc.returncode != 0:
         logs = "".join(
             f"\n--- {p.name} ---\n{p.read_text()[-3000:]}"
@@ -197,8 +193,12 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
     started = time.time()
     check_shaping(shaping_of(cfg))
     load_start = list(os.getloadavg())
+    prefix = f"enrc{os.getpid() % 100000}"
     with tempfile.TemporaryDirectory(prefix="entrenar_cluster_") as tmp:
-        ranks = run_job(cfg, Path(tmp))
+        ranks = run_job(cfg, Path(tmp), prefix)
+    left = netns.namespaces_left(prefix)
+    if left:
+        log.warning("namespaces left behind: %s", left)
     part = combine(cfg, ranks)
     notes = list(ranks[0]["notes"])
     gloo = {r["bytes"]: r["median_s"] for r in part["rows"] if r["variant"] == GLOO}
@@ -219,6 +219,11 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
             "elapsed_s": time.time() - started,
             "fence_bytes_per_block": part["fence_bytes"],
+            # Every "variant|size" whose first call was checked on every rank.
+            "verified": sorted(set.intersection(*(set(r["verified"]) for r in ranks))),
+            "netns_prefix": prefix,
+            # Per rank: seconds from its start to the end of imports, init, groups, sweep.
+            "rank_phases_s": [r["phases"] for r in ranks],
             "time_vs_gloo": {
                 f"{r['variant']}|{r['bytes']}": r["median_s"] / gloo[r["bytes"]]
                 for r in part["rows"]

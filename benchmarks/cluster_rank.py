@@ -88,6 +88,8 @@ class RankRecord:
     variant_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     entrenar_pg_file: str = ""
+    # Wall-clock seconds since the process started at the end of each phase.
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _make_groups(
@@ -146,6 +148,13 @@ def _sweep(
         del t
 
 
+def _since_start() -> float:
+    """Seconds since this process started (its start time from /proc, in clock ticks)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run(cfg: ClusterConfig, out_dir: Path) -> None:
     """This rank's whole job; writes ``out_dir/rank<R>.json``."""
     import entrenar_pg
@@ -166,14 +175,18 @@ def run(cfg: ClusterConfig, out_dir: Path) -> None:
         cfg.variants, {f.name for f in dataclasses.fields(Options)}
     )
     rec.variant_options = {v.name: v.options for v in variants}
+    rec.phases["imports"] = _since_start()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.op_timeout_s))
     ctrl = dist.group.WORLD
     assert ctrl is not None
+    rec.phases["init"] = _since_start()
     fence = Fence(ctrl, leader=local_rank == 0)
     groups = _make_groups(variants, rank, world, ctrl, rec)
+    rec.phases["groups"] = _since_start()
     _calibrate(fence, cfg.calibration_blocks, rec)
     _sweep(cfg, rank, groups, fence, rec)
     _calibrate(fence, cfg.calibration_blocks, rec)
+    rec.phases["sweep"] = _since_start()
     path = out_dir / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(dataclasses.asdict(rec)))
