@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,21 @@ HEADER = [
     "xhost/bound",
     "sockets/rank",
 ]
+
+
+_TC_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
+
+
+def link_ceiling_GBps(meta: dict[str, Any]) -> float | None:
+    """The most busbw a link-bound allreduce can show: every host link moving the
+    bound 2(H-1)/H x S each way at the rate (tc's units: kbit = 1000 bits)."""
+    m = _TC_RATE.match((meta["rate"] or "").lower())
+    if m is None:
+        return None
+    scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}[m.group(2)]
+    bytes_per_s = float(m.group(1)) * scale / 8
+    hosts, world = meta["hosts"], meta["hosts"] * meta["local"]
+    return bytes_per_s * (2 * (world - 1) / world) / (2 * (hosts - 1) / hosts) / 1e9
 
 
 def _title(meta: dict[str, Any]) -> str:
@@ -69,6 +85,12 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
     ]
     lines += table(result, markdown)
     lines.append("")
+    ceiling = link_ceiling_GBps(meta)
+    if ceiling is not None:
+        lines.append(
+            f"link-bound ceiling: busbw {ceiling:.3f} GB/s (every host link carrying the "
+            f"bound each way at {meta['rate']})"
+        )
     lines += [f"note: {n}" for n in meta["notes"]]
     return lines
 
@@ -90,6 +112,7 @@ def write_plot(result: dict[str, Any], out: Path) -> Path:
             lambda r: r["xhost_bytes_per_host"] / r["bound_bytes_per_host"],
         ),
     )
+    ceiling = link_ceiling_GBps(result["meta"])
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.5))
     for ax, (label, value) in zip(axes, panels, strict=True):
         for name in dict.fromkeys(r["variant"] for r in rows):
@@ -99,6 +122,8 @@ def write_plot(result: dict[str, Any], out: Path) -> Path:
                 ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=name)
         if label.startswith("cross"):
             ax.axhline(1.0, color="black", ls="--", lw=0.8, label="bound 2(H-1)/H x S")
+        if label.startswith("busbw") and ceiling is not None:
+            ax.axhline(ceiling, color="black", ls="--", lw=0.8, label="link-bound ceiling")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")

@@ -21,6 +21,7 @@ from benchmarks.cluster_config import (
     ClusterConfig,
     resolve_variants,
 )
+from benchmarks.cluster_report import link_ceiling_GBps
 from benchmarks.config import GLOO
 from benchmarks.spawn import BenchError
 
@@ -40,9 +41,15 @@ ROW_KEYS = {
 }
 
 
-def test_bound_is_two_h_minus_one_over_h() -> None:
+def test_bound_and_link_ceiling() -> None:
     assert bound_bytes(2, 1000) == 1000
     assert bound_bytes(4, 1000) == 1500
+    # 1 Gbit/s = 125 MB/s each way; busbw = S/t x 2(n-1)/n, t >= bound / 125 MB/s
+    assert link_ceiling_GBps({"rate": "1gbit", "hosts": 2, "local": 2}) == 0.125 * 1.5
+    assert link_ceiling_GBps({"rate": "100mbit", "hosts": 4, "local": 2}) == pytest.approx(
+        0.0125 * 1.75 / 1.5
+    )
+    assert link_ceiling_GBps({"rate": None, "hosts": 2, "local": 2}) is None
 
 
 def test_flat_override_dropped_and_noted_where_options_lack_it() -> None:
