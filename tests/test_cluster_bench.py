@@ -142,6 +142,12 @@ def test_quick_run_two_hosts_of_two(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert r["xhost_bytes_per_host"] <= 6 * r["bound_bytes_per_host"], r
         assert r["sockets_per_rank"] > 0, r
     assert len(result["links"]) == 2 * len(rows)  # both hosts, every row
+    for r in rows:  # the law is on the mean over hosts: 2(H-1) x S must cross, in all
+        mine = [
+            x for x in result["links"] if (x["variant"], x["bytes"]) == (r["variant"], r["bytes"])
+        ]
+        for d in ("tx_per_call", "rx_per_call"):
+            assert sum(x[d] for x in mine) / len(mine) >= r["bound_bytes_per_host"], (d, mine)
     assert (out / "cluster.png").stat().st_size > 0
     assert "| 64 KiB | entrenar |" in (out / "results.md").read_text()
     assert "xhost/bound" in capsys.readouterr().out
