@@ -4,7 +4,8 @@
 #
 #   sudo launch/netns_cluster.sh                             # 2 hosts x 1 process
 #   sudo NODES=2 NPROC=2 launch/netns_cluster.sh --steps 50  # flags go to train.py
-#   sudo NETEM="delay 1ms rate 1gbit" launch/netns_cluster.sh   # shape every link
+#   sudo RATE=1gbit launch/netns_cluster.sh                  # every host link 1 Gbit/s each way
+#   sudo NETEM="delay 1ms" launch/netns_cluster.sh           # where the kernel has sch_netem
 #
 # Topology (everything lives in namespaces this script creates; the root
 # namespace's interfaces, routes and addresses are never touched):
@@ -27,7 +28,14 @@
 #   PORT (29500)          rendezvous port on 10.77.0.1
 #   NETNS_PREFIX (enr<pid>) namespace name prefix (unique per invocation)
 #   LOG_DIR (runs/netns)  per-node logs
-#   NETEM                 optional tc-netem spec applied to every eth0
+#   RATE                  optional rate (tc units: 1gbit, 100mbit) of every host
+#                         link, both ways: a tbf qdisc on the host's eth0 (what it
+#                         sends) and on its bridge port p<i> (what it receives), as
+#                         a full-duplex NIC of that speed would; TBF_BURST (128kb)
+#                         and TBF_LATENCY (20ms, the queue's bound) set the rest
+#   NETEM                 optional tc-netem spec applied to every eth0 (e.g.
+#                         "delay 1ms"; needs sch_netem, which not every kernel has);
+#                         with RATE the tbf sits under it
 #   TIMEOUT_S (0)         stop each node's torchrun after this many seconds (0: no limit)
 #   NODE_CMD              run this bash command in every namespace instead of the
 #                         torchrun above, with NODE (index), NODE_ADDR (its address)
@@ -48,6 +56,8 @@ prefix="${NETNS_PREFIX:-enr$$}"
 log_dir="${LOG_DIR:-runs/netns}"
 subnet="10.77.0"
 timeout_s="${TIMEOUT_S:-0}"
+tbf_burst="${TBF_BURST:-128kb}"
+tbf_latency="${TBF_LATENCY:-20ms}"
 
 if ! [[ "$nodes" =~ ^[0-9]+$ ]] || ((nodes < 1 || nodes > 250)); then
     echo "netns_cluster: NODES must be 1..250, got '$nodes'" >&2
@@ -103,7 +113,17 @@ for ((i = 0; i < nodes; i++)); do
     ip -n "$ns" link set eth0 up
     if [[ -n "${NETEM:-}" ]]; then
         # shellcheck disable=SC2086
-        ip netns exec "$ns" tc qdisc add dev eth0 root netem $NETEM
+        ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: netem $NETEM
+    fi
+    if [[ -n "${RATE:-}" ]]; then
+        # burst above a 64 KiB GSO packet: tbf passes those whole instead of segmenting.
+        tbf=(tbf rate "$RATE" burst "$tbf_burst" latency "$tbf_latency")
+        if [[ -n "${NETEM:-}" ]]; then
+            ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: "${tbf[@]}"
+        else
+            ip netns exec "$ns" tc qdisc add dev eth0 root "${tbf[@]}"
+        fi
+        ip netns exec "$sw" tc qdisc add dev "p$i" root "${tbf[@]}"
     fi
 done
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import entrenar_pg
+from benchmarks.netns import namespaces_allowed
 from entrenar_pg import EntrenarProcessGroup, Options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,12 +205,5 @@ def _one_thread() -> None:
 assert entrenar_pg.BACKEND_NAME == "entrenar"
 
 
-def netns_allowed() -> bool:
-    """Whether this process may make network namespaces (root, iproute2, a kernel allowing it)."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return False
-    name = f"enrprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
+# Whether this process may make network namespaces (root, iproute2, a kernel allowing it).
+netns_allowed = namespaces_allowed
