@@ -91,3 +91,13 @@ def test_collectives_inside_compiled_functions(records: list[dict[str, Any]]) ->
     _, per_rank = _scenario(records, "collectives_in_compiled_fn")
     for entry in per_rank:
         assert entry["calls"] == {"allreduce_calls": 6, "broadcast_calls": 2}, entry["calls"]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_group_method_in_compiled_code_is_refused_as_on_gloo(
+    records: list[dict[str, Any]],
+) -> None:
+    # a torch limit (docs/api.md): if a torch upgrade lifts it on gloo, this fails
+    _, per_rank = _scenario(records, "group_method_in_compiled_fn")
+    for entry in per_rank:
+        assert entry["facts"]["refused"] == "InternalTorchDynamoError", entry["facts"]

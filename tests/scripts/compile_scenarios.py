@@ -23,9 +23,12 @@ Scenarios (tests/test_compile.py asserts them):
   ``all_reduce`` inside a ``fullgraph=True`` compiled function;
 - ``python_reducer_aot_eager`` / ``python_reducer_inductor``: compiled
   autograd with DDP's Python reducer (``optimize_ddp="python_reducer"``), the
-  backward traced into the compiled step with its allreduces. These run last:
-  constructing such a DDP adds ``torch.nn.parallel.distributed`` to dynamo's
-  inline list for the rest of the process.
+  backward traced into the compiled step with its allreduces. These run
+  after the other DDP ones: constructing such a DDP adds
+  ``torch.nn.parallel.distributed`` to dynamo's inline list for the rest of
+  the process;
+- ``group_method_in_compiled_fn``: a group's method called in compiled code,
+  refused by dynamo on gloo and on entrenar alike (a torch limit).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -196,6 +200,23 @@ def collectives_in_compiled_fn(group: Any) -> Result:
     return out, {}
 
 
+def group_method_in_compiled_fn(group: Any) -> Result:
+    """A torch limit, pinned: dynamo cannot call a process group's method
+    (``group.allreduce([t])``) in compiled code, on any backend (a group is an
+    opaque script object to it). The fact recorded is the error's class."""
+
+    def direct(v: torch.Tensor) -> torch.Tensor:
+        w = v * 2
+        group.allreduce([w]).wait()
+        return w
+
+    try:
+        torch.compile(direct, backend="aot_eager")(_batch(dist.get_rank(), 0))
+    except Exception as e:
+        return [], {"refused": type(e).__name__}
+    return [], {"refused": ""}
+
+
 def _python_reducer(group: Any, backend: str) -> Result:
     from torch._dynamo.utils import counters
 
@@ -231,8 +252,9 @@ SCENARIOS: dict[str, Callable[[Any], Result]] = {
         ddp_batchnorm,
         fsdp2_per_block,
         collectives_in_compiled_fn,
-        python_reducer_aot_eager,  # last: see the module docstring
+        python_reducer_aot_eager,  # after the DDPOptimizer ones: see the module docstring
         python_reducer_inductor,
+        group_method_in_compiled_fn,
     )
 }
 
@@ -288,11 +310,13 @@ def main() -> None:
     rank = dist.get_rank()
     results: dict[str, dict[str, Any]] = {}
     for name in [n for n in args.only.split(",") if n] or list(SCENARIOS):
+        t0 = time.perf_counter()
         try:
             results[name] = _scenario(name, gloo)
         except Exception as e:  # recorded; the test names the scenario and shows it
             tb = traceback.format_exc()[-3000:]
             results[name] = {"error": f"{type(e).__name__}: {e}\n{tb}"}
+        results[name]["seconds"] = round(time.perf_counter() - t0, 1)  # both runs
         print(f"rank {rank}: {name}: {results[name]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
