@@ -9,7 +9,7 @@ scenario ran as named (graph split per DDP bucket or not, one graph per
 FSDP2 block, compiled autograd capturing the backward) with its collectives
 going through entrenar.
 
-Before ``api/dynamo_boundary.py`` the three compiled-DDP scenarios and the
+Before ``api/dynamo_boundary.py`` the four compiled-DDP scenarios and the
 collectives at a graph break failed on entrenar with dynamo's
 ``UnsafeScriptObjectError`` (dynamo tried to compile ``broadcast`` as user
 code); FSDP2 per block and the Python reducer already worked.
@@ -54,6 +54,7 @@ def _scenario(records: list[dict[str, Any]], name: str) -> tuple[int, list[dict[
 
 TRAINING = [
     "ddp_optimizer",
+    "ddp_optimizer_inductor",
     "ddp_no_optimization",
     "ddp_batchnorm",
     "fsdp2_per_block",

@@ -13,8 +13,10 @@ entrenar run issued by kind, and the error of a run that raised.
 
 Scenarios (tests/test_compile.py asserts them):
 - ``ddp_optimizer``: ``torch.compile(DDP(m))``, dynamo's default DDPOptimizer
-  (graph split per bucket, several buckets); the C++ reducer rebuilds its
+  (graph split per bucket, two buckets); the C++ reducer rebuilds its
   buckets at step 1 and broadcasts through the group inside the compiled call;
+  ``ddp_optimizer_inductor``: the same with the default backend, inductor
+  (the other DDP scenarios use aot_eager: no C++ compiler needed, faster);
 - ``ddp_no_optimization``: the same with ``optimize_ddp=False``;
 - ``ddp_batchnorm``: a BatchNorm model (DDP broadcasts its buffers every
   forward, from inside the compiled call, from step 0);
@@ -103,11 +105,11 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
 Result = tuple[list[torch.Tensor], dict[str, int]]  # tensors to compare, facts to check
 
 
-def _train_ddp(group: Any, *, batchnorm: bool = False) -> Result:
+def _train_ddp(group: Any, *, batchnorm: bool = False, backend: str = "aot_eager") -> Result:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = _net(batchnorm=batchnorm)
-    graphs = CompileCounterWithBackend("aot_eager")  # DDPOptimizer: one graph per bucket
+    graphs = CompileCounterWithBackend(backend)  # DDPOptimizer: one graph per bucket
     ddp = torch.compile(DDP(model, process_group=group, bucket_cap_mb=1), backend=graphs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -120,6 +122,11 @@ def _train_ddp(group: Any, *, batchnorm: bool = False) -> Result:
 def ddp_optimizer(group: Any) -> Result:
     with torch._dynamo.config.patch(optimize_ddp=True):
         return _train_ddp(group)
+
+
+def ddp_optimizer_inductor(group: Any) -> Result:
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        return _train_ddp(group, backend="inductor")
 
 
 def ddp_no_optimization(group: Any) -> Result:
@@ -248,6 +255,7 @@ SCENARIOS: dict[str, Callable[[Any], Result]] = {
     f.__name__: f
     for f in (
         ddp_optimizer,
+        ddp_optimizer_inductor,
         ddp_no_optimization,
         ddp_batchnorm,
         fsdp2_per_block,
