@@ -25,9 +25,10 @@ Why this and not the alternatives:
   on every eager collective, which this must not add.
 - A trace-rules skip of the package (``torch._dynamo.trace_rules.add``) is
   not recursive: dynamo would still compile the stdlib frames our code calls,
-  and it needs ``torch._dynamo`` imported (seconds) at ``import entrenar_pg``.
-- The mark is read only by dynamo's hook, which is installed only while
-  compiled code runs in that thread: the eager path never looks at it.
+  and it needs ``torch._dynamo`` imported (about 1 s) at ``import entrenar_pg``.
+- The mark is read only by dynamo's hook, and only for a frame started while
+  a compiled call runs in that thread (elsewhere the hook finds no callback
+  and runs the frame as CPython would): the eager path never looks at it.
 
 Marking once at import covers every group, Work and method torch may call
 (torch calls the methods found on the class, whose code objects these are).
