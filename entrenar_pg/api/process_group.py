@@ -36,6 +36,8 @@ from ..overloads import normalize
 from ..p2p import ANY_SOURCE, P2PWork
 from ..runtime.dispatch import Runtime
 from . import requests as rq
+from .dynamo_boundary import hide_from_dynamo
+from .work import EntrenarWork
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +342,11 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         except Exception:
             pass
 
+
+# Every method torch can call on a group or on the Work it returns runs outside
+# torch.compile's tracer, as gloo's C++ methods do (dynamo_boundary.py says why
+# this way: nothing is added to the eager path).
+hide_from_dynamo(EntrenarProcessGroup, EntrenarWork, P2PWork)
 
 _LIVE_GROUPS: weakref.WeakSet[EntrenarProcessGroup] = weakref.WeakSet()
 
