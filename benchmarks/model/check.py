@@ -1,0 +1,114 @@
+"""Predicted against measured: every row of a cluster run (``cluster.json``).
+
+A row's variant says what ran: ``gloo`` is gloo's ring; ``entrenar`` and
+``entrenar-flat`` are what today's policy picks for that size and world
+(``entrenar_pg.collectives.policy.choose``, asked directly so the model can
+never drift from it: direct / star / ring over TCP between hosts, the shm
+allreduce when every rank is on one host). The shm transport carries the
+bytes between ranks of one host unless the run's ``meta.transport`` is
+``tcp``. A row is flagged when the prediction is off by more than
+``TOLERANCE`` of the measured median.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.model import costs
+from benchmarks.model.links import LinkTable
+from benchmarks.sizes import format_bytes
+from entrenar_pg.collectives.policy import choose
+from entrenar_pg.config import Options
+from entrenar_pg.wire import Algo, OpCode
+
+TOLERANCE = 0.25
+
+_BY_ALGO: dict[Algo, costs.Algorithm] = {
+    Algo.RING: costs.ring,
+    Algo.TREE_RING: costs.ring,
+    Algo.STAR: costs.star,
+    Algo.DIRECT: costs.direct,
+    Algo.SHM: costs.shm,
+}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One row: what ran, measured and predicted seconds."""
+
+    variant: str
+    algorithm: str
+    hosts: int
+    local: int
+    nbytes: int
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def flagged(self) -> bool:
+        return abs(self.error) > TOLERANCE
+
+
+def _nothing(shape: costs.Shape, fabric: costs.Fabric) -> list[costs.Phase]:
+    """One rank: nothing moves."""
+    return []
+
+
+def entrenar_algorithm(shape: costs.Shape, transport: str) -> tuple[str, costs.Algorithm]:
+    """The name and formula of what the policy runs today for ``shape``."""
+    opts = Options(transport=transport)
+    local = shape.hosts == 1 and transport != "tcp"
+    algo = choose(OpCode.ALLREDUCE, shape.nbytes, shape.world, opts, local).algo
+    if algo is Algo.NONE:
+        return "none", _nothing
+    return algo.name.lower(), _BY_ALGO[algo]
+
+
+def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> Checked:
+    shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
+    variant = str(row["variant"])
+    algo: costs.Algorithm
+    if variant == "gloo":
+        name, algo, fabric = "gloo ring", costs.ring, costs.GLOO
+    elif variant in ("entrenar", "entrenar-flat"):
+        transport = str(meta.get("transport") or "auto")
+        name, algo = entrenar_algorithm(shape, transport)
+        fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
+    else:
+        raise ValueError(f"cluster row variant {variant!r}: no model for it")
+    predicted = costs.total_time(algo(shape, fabric), links)
+    return Checked(
+        variant, name, shape.hosts, shape.local, shape.nbytes, float(row["median_s"]), predicted
+    )
+
+
+def check(runs: Sequence[dict[str, Any]], links: LinkTable) -> list[Checked]:
+    """Every row of every run, predicted."""
+    return [predict_row(row, run.get("meta", {}), links) for run in runs for row in run["rows"]]
+
+
+def report(checked: Sequence[Checked]) -> str:
+    """A markdown table, flagged rows marked, and a summary line."""
+    lines = [
+        "| variant | algorithm | H x L | size | measured | predicted | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in checked:
+        mark = " **>25 %**" if c.flagged else ""
+        lines.append(
+            f"| {c.variant} | {c.algorithm} | {c.hosts} x {c.local} | {format_bytes(c.nbytes)} "
+            f"| {c.measured_s * 1e3:.3g} ms | {c.predicted_s * 1e3:.3g} ms | {c.error:+.0%}{mark} |"
+        )
+    bad = sum(c.flagged for c in checked)
+    lines.append("")
+    lines.append(
+        f"{len(checked) - bad} of {len(checked)} rows within {TOLERANCE:.0%}; {bad} flagged."
+    )
+    return "\n".join(lines)
