@@ -160,7 +160,17 @@ def run(sweep: Sweep, hosts: int, local: int, rate: str | None) -> list[dict[str
 
 
 def reduce_sweep(sizes: Sequence[int], repeats: int = 7) -> list[dict[str, Any]]:
-    """In process: seconds of one float32 ``a += b`` per size (the ``reduce`` kind)."""
+    """In process: seconds of one float32 ``a += b`` per size (the ``reduce`` kind),
+    on one intra-op thread as in every rank (``rank.py``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reduce_rows(sizes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reduce_rows(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
     rows = []
     for nbytes in sizes:
         a = torch.ones(nbytes // 4)

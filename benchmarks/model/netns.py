@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 SUBNET = "10.78.0"
-# Bucket and queue of tbf: a burst above the veth's largest GSO packet
-# (64 KiB) so no packet is dropped for its size, and a queue deep enough that
-# the L ranks' flows of one host are delayed, not dropped, at 1 Gbit/s.
-TBF = ("burst", "256kb", "limit", "8mb")
+# Bucket and queue of tbf, as launch/netns_cluster.sh (the cluster harness)
+# sets them: a burst above the veth's largest GSO packet (64 KiB), so tbf
+# passes those whole, and 20 ms of queue at the rate.
+TBF = ("burst", "128kb", "latency", "20ms")
 
 
 @dataclass(frozen=True)

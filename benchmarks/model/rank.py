@@ -74,6 +74,9 @@ def sweep(spec: dict[str, Any], rank: int, world: int) -> dict[str, list[float]]
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # One intra-op thread, as torchrun gives each of several ranks: the ranks
+    # share the cores, and torch's parallel sums would wait on each other.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         result = sweep(spec, rank, world)
