@@ -27,6 +27,7 @@ from benchmarks.results import busbw_factor
 from benchmarks.sizes import parse_sizes
 
 FITTED = Path(__file__).with_name("fitted_links.json")
+TODAY = ("direct", "star", "ring")  # the flat algorithms the policy picks from today
 DEFAULT_PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "cost_model.png"
 
 
@@ -99,6 +100,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(plan.table(links, ours))
     print("\nCrossovers (entrenar's algorithms):\n")
     print("\n".join(plan.crossover_lines(links, ours)))
+    print("\nCrossovers among today's algorithms (what the policy's thresholds should be):\n")
+    print("\n".join(plan.crossover_lines(links, list(TODAY))))
     for h, local in ((4, 2), (64, 8), (1024, 8)):
         print(f"\nEvery algorithm, {h} x {local}:\n")
         print(plan.full_table(links, list(costs.ALGORITHMS), h, local))
