@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +42,8 @@ def test_every_algorithm_is_monotone_in_size(name: str) -> None:
 @pytest.mark.parametrize(("h", "local"), [(2, 1), (2, 8), (4, 2), (64, 8), (1024, 8)])
 def test_host_link_bytes(h: int, local: int) -> None:
     """Bytes per host link per direction: hierarchical large 2(H-1)/H x S whatever L is;
-    the flat ring the same (one ring edge per host); direct (H-1) x L^2 x S."""
+    the flat ring 2(N-1)/N x S (one ring edge per host); direct (H-1) x L^2 x S;
+    star (H-1) x L x S; hierarchical small ceil(log2 H) x S."""
     s = 64 << 20
     shape = costs.Shape(h, local, s)
     n = h * local
@@ -51,6 +53,8 @@ def test_host_link_bytes(h: int, local: int) -> None:
     assert ring == pytest.approx(2 * (n - 1) / n * s)
     direct = costs.host_link_bytes(costs.direct(shape, costs.ENTRENAR), NET)
     assert direct == pytest.approx((h - 1) * local**2 * s)
+    star = costs.host_link_bytes(costs.star(shape, costs.ENTRENAR), NET)
+    assert star == pytest.approx((h - 1) * local * s)  # rank 0's host link; the fill moves nothing
     small = costs.host_link_bytes(costs.hier_small(shape, costs.ENTRENAR), NET)
     assert small == pytest.approx(math.ceil(math.log2(h)) * s)
 
@@ -137,21 +141,23 @@ def test_check_predicts_todays_policy_and_flags_rows_off_by_more_than_25_percent
         ("entrenar", 4, 2, large, 1.40),  # predicted 29 % below: flagged
         ("gloo", 2, 2, small, 0.82),  # predicted 22 % above: fine
     ]
-    run = {
-        "meta": {"rate": "1gbit"},
-        "rows": [
-            {
-                "variant": v,
-                "hosts": h,
-                "local": local,
-                "bytes": s,
-                "median_s": f * predicted(v, h, local, s),
-            }
-            for v, h, local, s, f in rows
-        ],
-    }
+    measured_rows: list[dict[str, Any]] = [
+        {
+            "variant": v,
+            "hosts": h,
+            "local": local,
+            "bytes": s,
+            "median_s": f * predicted(v, h, local, s),
+        }
+        for v, h, local, s, f in rows
+    ]
+    measured_rows[0]["xhost_bytes_per_host"] = 2 * small  # what a 2 x 2 star moves through host 0
+    run = {"meta": {"rate": "1gbit"}, "rows": measured_rows}
     checked = check.check([run], LINKS)
     assert [c.flagged for c in checked] == [False, True, True, False]
+    assert checked[0].link_bytes == checked[0].measured_link_bytes == 2 * small
+    assert checked[1].measured_link_bytes is None
+    assert checked[1].link_bytes == pytest.approx(2 * 7 / 8 * large)  # gloo's ring, N = 8
     assert checked[1].error == pytest.approx(1 / 0.7 - 1)
     assert "2 flagged" in check.report(checked)
     with pytest.raises(ValueError, match="no model"):

@@ -47,6 +47,8 @@ class Checked:
     measured_s: float
     predicted_s: float
     fastest_s: float  # the run's fastest sample: the closest to an idle machine
+    link_bytes: float  # predicted bytes per host link per direction
+    measured_link_bytes: float | None  # the run's busiest host link (frames), if counted
 
     @property
     def error(self) -> float:
@@ -85,10 +87,22 @@ def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> 
         fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
     else:
         raise ValueError(f"cluster row variant {variant!r}: no model for it")
-    predicted = costs.total_time(algo(shape, fabric), links)
+    phases = algo(shape, fabric)
+    predicted = costs.total_time(phases, links)
+    link_bytes = costs.host_link_bytes(phases, fabric.inter)
+    counted = row.get("xhost_bytes_per_host")
     measured, fastest = float(row["median_s"]), float(row.get("min_s", row["median_s"]))
     return Checked(
-        variant, name, shape.hosts, shape.local, shape.nbytes, measured, predicted, fastest
+        variant,
+        name,
+        shape.hosts,
+        shape.local,
+        shape.nbytes,
+        measured,
+        predicted,
+        fastest,
+        link_bytes,
+        None if counted is None else float(counted),
     )
 
 
@@ -97,19 +111,32 @@ def check(runs: Sequence[dict[str, Any]], links: LinkTable) -> list[Checked]:
     return [predict_row(row, run.get("meta", {}), links) for run in runs for row in run["rows"]]
 
 
+def _counted(c: Checked) -> str:
+    """The counted bytes and their ratio to the prediction (frames: headers and ACKs too)."""
+    if c.measured_link_bytes is None:
+        return "-"
+    ratio = f" ({c.measured_link_bytes / c.link_bytes:.2f}x)" if c.link_bytes else ""
+    return _mib(c.measured_link_bytes) + ratio
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.3g} MiB"
+
+
 def report(checked: Sequence[Checked]) -> str:
     """A markdown table, flagged rows marked, and a summary line."""
     lines = [
         "| variant | algorithm | H x L | size | measured (median) | predicted | error "
-        "| min | error vs min |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| min | error vs min | host link bytes: predicted | counted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in checked:
         mark = " **>25 %**" if c.flagged else ""
         lines.append(
             f"| {c.variant} | {c.algorithm} | {c.hosts} x {c.local} | {format_bytes(c.nbytes)} "
             f"| {c.measured_s * 1e3:.3g} ms | {c.predicted_s * 1e3:.3g} ms | {c.error:+.0%}{mark} "
-            f"| {c.fastest_s * 1e3:.3g} ms | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} |"
+            f"| {c.fastest_s * 1e3:.3g} ms | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} "
+            f"| {_mib(c.link_bytes)} | {_counted(c)} |"
         )
     bad = sum(c.flagged for c in checked)
     lines.append("")

@@ -78,11 +78,12 @@ class Phase:
     name: str
     messages: Mapping[str, float] = field(default_factory=dict)
     nbytes: Mapping[str, float] = field(default_factory=dict)
+    fill: float = 0.0  # the bandwidth term's part spent filling a pipeline (moves no bytes)
 
     def time(self, links: LinkTable) -> float:
         lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
         bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
-        return lat + bw
+        return lat + bw * (1 + self.fill)
 
     def kinds(self) -> set[str]:
         return set(self.messages) | set(self.nbytes)
@@ -150,14 +151,15 @@ def star(shape: Shape, fabric: Fabric) -> list[Phase]:
     n, s = shape.world, shape.nbytes
     if n == 1:
         return []
-    fill = 1 + 1 / max(1, math.ceil(s / SEGMENT_BYTES))
+    fill = 1 / max(1, math.ceil(s / SEGMENT_BYTES))
     nbytes: dict[str, float] = {}
     if shape.local > 1:
-        nbytes[fabric.intra] = (shape.local - 1) * s * fill
+        nbytes[fabric.intra] = (shape.local - 1) * s
     if shape.hosts > 1:
-        nbytes[fabric.inter] = (shape.hosts - 1) * shape.local * s * fill
+        nbytes[fabric.inter] = (shape.hosts - 1) * shape.local * s
     used = _kinds_used(shape, fabric)
-    return [Phase("star", {k: 2 for k in used}, _with_reduce(fabric, nbytes, (n - 1) * s))]
+    nbytes = _with_reduce(fabric, nbytes, (n - 1) * s)
+    return [Phase("star", {k: 2 for k in used}, nbytes, fill)]
 
 
 def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
