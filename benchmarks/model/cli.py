@@ -1,11 +1,10 @@
-"""``python -m benchmarks.model {measure,fit,cluster,check,plan}``: the cost model's commands.
+"""``python -m benchmarks.model {measure,fit,check,plan}``: the cost model's commands.
 
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
 - ``fit MEASUREMENTS.json``: the link table from measurements.
-- ``cluster --hosts H --local L``: a minimal shaped-cluster run (gloo and
-  entrenar) in the cluster harness's ``cluster.json`` schema.
-- ``check CLUSTER.json ...``: predicted against measured, rows off by > 25 % flagged.
+- ``check CLUSTER.json ...``: predicted against measured (``python -m
+  benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plot.
 
 Without ``--links`` the parameters committed beside this file
@@ -17,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 from benchmarks.model import check, costs, fit, measure, plan
 from benchmarks.model.links import LinkTable
-from benchmarks.results import busbw_factor
 from benchmarks.sizes import parse_sizes
 
 FITTED = Path(__file__).with_name("fitted_links.json")
@@ -67,25 +63,6 @@ def _print_links(table: LinkTable) -> None:
         print(f"| {kind} | {p.alpha * 1e6:.3g} us | {p.beta * 1e9:.3g} ns/B | {rate} | {res_s} |")
 
 
-def cmd_cluster(args: argparse.Namespace) -> None:
-    sizes = list(parse_sizes(args.sizes))
-    sweep = measure.Sweep(measure.CLUSTER_VARIANTS, sizes, rounds=args.rounds, budget=64 << 20)
-    rows = measure.run(sweep, args.hosts, args.local, args.rate)
-    world = args.hosts * args.local
-    for row in rows:
-        row["busbw_GBps"] = row["bytes"] * busbw_factor(world) / row["median_s"] / 1e9
-    meta: dict[str, Any] = {
-        "hosts": args.hosts,
-        "local": args.local,
-        "rate": args.rate,
-        "transport": "auto",
-        "runner": "benchmarks.model cluster (minimal: no byte counters)",
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}: {len(rows)} rows")
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.cluster]
     checked = check.check(runs, _links(args.links))
@@ -124,13 +101,6 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit the link table from measurements.json")
     f.add_argument("measurements")
     f.add_argument("--out", default="links.json")
-    c = sub.add_parser("cluster", help="minimal shaped H x L run, cluster.json schema")
-    c.add_argument("--hosts", type=int, required=True)
-    c.add_argument("--local", type=int, required=True)
-    c.add_argument("--rate", default="1gbit")
-    c.add_argument("--sizes", default="4K:16M:x4")
-    c.add_argument("--rounds", type=int, default=3)
-    c.add_argument("--out", default="cluster.json")
     k = sub.add_parser("check", help="predicted against measured cluster rows")
     k.add_argument("cluster", nargs="+")
     k.add_argument("--links")
@@ -146,7 +116,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "check":
         return cmd_check(args)
-    {"measure": cmd_measure, "fit": cmd_fit, "cluster": cmd_cluster, "plan": cmd_plan}[args.cmd](
-        args
-    )
+    {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan}[args.cmd](args)
     return 0

@@ -4,9 +4,6 @@
 each: shared memory and loopback on this host, then one rank on each of two
 emulated hosts joined by shaped links (``netns.py``), gloo beside entrenar
 every time; and the in-process cost of a combine (``reduce_sweep``).
-``cluster_run`` measures H hosts x L ranks with the schema of the cluster
-harness (``cluster.json``), for ``check.py`` when that harness's output is
-not at hand.
 """
 
 from __future__ import annotations
@@ -207,7 +204,6 @@ NET_VARIANTS = [
     Variant("entrenar-net-direct", "entrenar", "tcp", "direct"),
     Variant("gloo", "gloo"),
 ]
-CLUSTER_VARIANTS = [Variant("entrenar", "entrenar"), Variant("gloo", "gloo")]
 
 
 def links_run(

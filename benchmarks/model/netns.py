@@ -1,7 +1,9 @@
 """Emulated hosts: network namespaces on one bridge, each host's link shaped by tc tbf.
 
-The minimal set-up the measurements need (the cluster harness of issue 26
-has its own): host i is namespace ``<prefix>-h<i>`` with ``eth0`` at
+The minimal set-up the 2-rank measurements need, written while the cluster
+harness of issue 26 (``benchmarks/netns.py`` over launch/netns_cluster.sh,
+branch h-cluster) was not merged; once it is, this module should give way
+to it (same topology and tbf). Host i is namespace ``<prefix>-h<i>`` with ``eth0`` at
 ``10.78.0.<i+1>``, a veth whose other end is port ``p<i>`` of bridge ``br0`` in
 namespace ``<prefix>-sw``. With a rate, a token bucket (``tbf``) shapes both
 directions of each host's link: ``eth0``'s egress is what the host sends,
