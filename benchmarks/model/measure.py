@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.model import netns
+from benchmarks.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,6 @@ class Sweep:
     min_repeats: int = 3
     max_repeats: int = 20
     timeout_s: float = 600.0
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -62,12 +61,6 @@ class Sweep:
         }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(
     sweep: Sweep, hosts: netns.Hosts | None, local: int, tmp: Path
 ) -> list[dict[str, list[float]]]:
@@ -77,13 +70,13 @@ def _launch(
     spec = tmp / "spec.json"
     spec.write_text(json.dumps(sweep.spec()))
     master = hosts.addr(0) if hosts else "127.0.0.1"
-    port = 29517 if hosts else _free_port()  # a namespace's ports are all free
+    port = 29517 if hosts else free_port()  # a namespace's ports are all free
     procs: list[subprocess.Popen[bytes]] = []
     outs = [tmp / f"rank{r}.json" for r in range(world)]
     try:
         for r in range(world):
             h, lr = divmod(r, local)
-            env = dict(os.environ, PYTHONPATH=str(REPO), **sweep.extra_env)
+            env = dict(os.environ, PYTHONPATH=str(REPO))
             env.update(
                 RANK=str(r),
                 WORLD_SIZE=str(world),
