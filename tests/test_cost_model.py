@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, costs, fit
+from benchmarks.model import check, costs, fit, plan
 from benchmarks.model.links import GLOO_NET, KINDS, NET, LinkParams, LinkTable
 
 # Made-up but plausible parameters: every kind distinct, so a formula that
@@ -164,3 +164,15 @@ def test_check_predicts_todays_policy_and_flags_rows_off_by_more_than_25_percent
         check.predict_row(
             {"variant": "mpi", "hosts": 2, "local": 1, "bytes": 4, "median_s": 1}, {}, LINKS
         )
+
+
+def test_plan_crossovers_are_where_the_fastest_changes() -> None:
+    """Each crossover found by bisection separates two sizes 1 % apart whose fastest differ."""
+    names = ["direct", "star", "ring", "hier large", "hier small"]
+    found = 0
+    for h, local in [(2, 2), (4, 8), (64, 1), (1024, 8)]:
+        for c in plan.crossovers(h, local, LINKS, names):
+            found += 1
+            assert plan.best(h, local, int(c.nbytes * 0.99), LINKS, names) == c.before
+            assert plan.best(h, local, int(c.nbytes * 1.01), LINKS, names) == c.after != c.before
+    assert found >= 4
