@@ -7,9 +7,9 @@ never drift from it: direct / star / ring over TCP between hosts, the shm
 allreduce when every rank is on one host). The harness's ``entrenar-flat``
 is entrenar with host awareness off; until the host-aware algorithms exist
 both run the flat policy, and once they do, ``entrenar``'s rows should map
-to ``costs.hier_large`` / ``costs.hier_small`` by the new policy's choice. The shm transport carries the
-bytes between ranks of one host unless the run's ``meta.transport`` is
-``tcp``. A row is flagged when the prediction is off by more than
+to ``costs.hier_large`` / ``costs.hier_small`` by the new policy's choice.
+The shm transport carries the bytes between ranks of one host unless the
+run's ``meta.transport`` is ``tcp``. A row is flagged when the prediction is off by more than
 ``TOLERANCE`` of the measured median; the error against the fastest
 sample is shown beside it (a loaded machine inflates the median).
 """
