@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--rate", default="1gbit", help="tc rate of the shaped link")
     m.add_argument("--local-sizes", default="4K:64M:x4")
     m.add_argument("--net-sizes", default="4K:16M:x4")
-    m.add_argument("--rounds", type=int, default=3)
+    m.add_argument("--rounds", type=int, default=4)
     f = sub.add_parser("fit", help="fit the link table from measurements.json")
     f.add_argument("measurements")
     f.add_argument("--out", default="links.json")
