@@ -36,7 +36,7 @@ from benchmarks.config import (
     Variant,
     with_transports,
 )
-from benchmarks.model import make_model
+from benchmarks.ddp_model import make_model
 from benchmarks.sizes import plan_for, rotated
 
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"  # issue 17's transport switch (tcp | shm | auto)

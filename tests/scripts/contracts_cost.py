@@ -14,7 +14,7 @@ ratios to the first variant.
 on two entrenar groups, checks off and on, alternating step by step; same
 model, same data. Prints step medians, their ratio, and the checker's own
 counters (wall and CPU seconds per step). ``gpt``: the same with the
-benchmark's DDP model and batch (``benchmarks.model.make_model``: the
+benchmark's DDP model and batch (``benchmarks.ddp_model.make_model``: the
 trainer's GPT); run it from the repository root.
 
 Ranks are processes (mp.spawn) over loopback, one torch thread each; a gloo
@@ -108,7 +108,7 @@ def gpt_worker(rank: int, world: int, port: int, steps: int) -> None:
     """The benchmark's DDP model (the trainer's GPT) and batch, as ``benchmarks.bench`` runs it."""
     _setup(rank, world, port)
     sys.path.insert(0, os.getcwd())
-    from benchmarks.model import make_model
+    from benchmarks.ddp_model import make_model
 
     torch.manual_seed(0)
     spec = make_model()

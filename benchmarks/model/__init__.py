@@ -1,0 +1,12 @@
+"""The cost model of issue 26: alpha-beta per link kind, fitted, checked, and used to plan.
+
+``python -m benchmarks.model measure|fit|check|plan`` (``cli.py``). The modules:
+
+- ``links.py``: the link kinds and their fitted (alpha, beta), saved as JSON.
+- ``costs.py``: each algorithm's time for (hosts H, local ranks L, bytes S).
+- ``fit.py``: least squares of alpha and beta from 2-rank measurements.
+- ``netns.py``, ``rank.py``, ``measure.py``: the measurements (shared memory,
+  loopback TCP, a tc-shaped link between network namespaces).
+- ``check.py``: predicted against measured cluster rows (``cluster.json``).
+- ``plan.py``: the table, crossovers and plot up to 1,024 hosts x 8.
+"""

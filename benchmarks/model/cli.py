@@ -1,0 +1,120 @@
+"""``python -m benchmarks.model {measure,fit,check,plan}``: the cost model's commands.
+
+- ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
+  ``measurements.json`` and ``links.json`` in ``--out``.
+- ``fit MEASUREMENTS.json``: the link table from measurements.
+- ``check CLUSTER.json ...``: predicted against measured (``python -m
+  benchmarks.cluster``'s output), rows off by > 25 % flagged.
+- ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plot.
+
+Without ``--links`` the parameters committed beside this file
+(``fitted_links.json``) are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from benchmarks.model import check, costs, fit, measure, plan
+from benchmarks.model.links import LinkTable
+from benchmarks.sizes import parse_sizes
+
+FITTED = Path(__file__).with_name("fitted_links.json")
+TODAY = ("direct", "star", "ring")  # the flat algorithms the policy picks from today
+DEFAULT_PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "cost_model.png"
+
+
+def _links(path: str | None) -> LinkTable:
+    return LinkTable.load(Path(path) if path else FITTED)
+
+
+def cmd_measure(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = measure.links_run(
+        list(parse_sizes(args.local_sizes)),
+        list(parse_sizes(args.net_sizes)),
+        args.rate,
+        args.rounds,
+    )
+    (out / "measurements.json").write_text(json.dumps(data, indent=1) + "\n")
+    table = fit.fit(data["rows"], data["meta"])
+    table.save(out / "links.json")
+    _print_links(table)
+
+
+def cmd_fit(args: argparse.Namespace) -> None:
+    data = json.loads(Path(args.measurements).read_text())
+    table = fit.fit(data["rows"], data.get("meta"))
+    table.save(Path(args.out))
+    _print_links(table)
+
+
+def _print_links(table: LinkTable) -> None:
+    worst = table.meta.get("worst_relative_residual", {})
+    print("| kind | alpha | beta | 1/beta | worst residual |\n|---|---|---|---|---|")
+    for kind, p in table.params.items():
+        rate = f"{1 / p.beta / 1e9:.3g} GB/s" if p.beta > 0 else "-"
+        res = worst.get(kind)
+        res_s = f"{res:.0%}" if res is not None else "-"
+        print(f"| {kind} | {p.alpha * 1e6:.3g} us | {p.beta * 1e9:.3g} ns/B | {rate} | {res_s} |")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    runs = [json.loads(Path(p).read_text()) for p in args.cluster]
+    checked = check.check(runs, _links(args.links))
+    print(check.report(checked))
+    return 1 if args.strict and any(c.flagged for c in checked) else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    links = _links(args.links)
+    ours = [n for n in costs.ALGORITHMS if n != "gloo ring"]
+    print("Fastest of entrenar's algorithms and its predicted time:\n")
+    print(plan.table(links, ours))
+    print("\nCrossovers (entrenar's algorithms):\n")
+    print("\n".join(plan.crossover_lines(links, ours)))
+    print("\nCrossovers among today's algorithms (what the policy's thresholds should be):\n")
+    print("\n".join(plan.crossover_lines(links, list(TODAY))))
+    for h, local in ((4, 2), (64, 8), (1024, 8)):
+        print(f"\nEvery algorithm, {h} x {local}:\n")
+        print(plan.full_table(links, list(costs.ALGORITHMS), h, local))
+    if args.plot:
+        plan.plot(links, list(costs.ALGORITHMS), Path(args.plot))
+        print(f"\nplot: {args.plot}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.model", description=__doc__.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="2-rank sweeps per link kind, then fit")
+    m.add_argument("--out", default="bench_out/model")
+    m.add_argument("--rate", default="1gbit", help="tc rate of the shaped link")
+    m.add_argument("--local-sizes", default="4K:64M:x4")
+    m.add_argument("--net-sizes", default="4K:16M:x4")
+    m.add_argument("--rounds", type=int, default=4)
+    f = sub.add_parser("fit", help="fit the link table from measurements.json")
+    f.add_argument("measurements")
+    f.add_argument("--out", default="links.json")
+    k = sub.add_parser("check", help="predicted against measured cluster rows")
+    k.add_argument("cluster", nargs="+")
+    k.add_argument("--links")
+    k.add_argument("--strict", action="store_true", help="exit 1 if a row is flagged")
+    pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
+    pl.add_argument("--links")
+    pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = parser().parse_args(argv)
+    if args.cmd == "check":
+        return cmd_check(args)
+    {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan}[args.cmd](args)
+    return 0

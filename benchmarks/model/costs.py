@@ -1,0 +1,288 @@
+"""Each algorithm's time for H hosts x L ranks per host and S bytes, in the alpha-beta model.
+
+Ranks are placed as torchrun places them: rank = host * L + local rank, so
+a ring visits the L ranks of a host in a row and crosses each host's link
+once per direction. An algorithm is a list of ``Phase``s run one after the
+other; within a phase every link and CPU works at once, so a phase lasts
+
+    max over kinds (messages in sequence x alpha) + max over kinds (bytes x beta)
+
+where a kind's bytes are those through its busiest resource: for ``net``,
+the busiest *host link* per direction (shared by the host's L ranks: the
+contention of issue 26), for a local kind the busiest rank, for ``reduce``
+the bytes combined by the busiest rank. A ``Fabric`` names the kinds one
+implementation uses inside a host and between hosts (``links.py``).
+
+The formulas follow the code (entrenar_pg/collectives/*.py): the ring's N
+chunks and 2(N-1) steps, pipelined in segments so its links stream; the
+star through rank 0; the direct exchange; the shm-native allreduce's one
+phase (<= 1 MiB) or chunks of a slot. The hierarchical pair is the plan of
+issue 26, not yet code. gloo's allreduce is its ring (gloo/allreduce.cc:
+reduce-scatter then all-gather over the ranks in order, TCP between every
+pair, same host or not).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from benchmarks.model.links import (
+    GLOO_LOOPBACK,
+    GLOO_NET,
+    LOOPBACK,
+    NET,
+    REDUCE,
+    SHM,
+    SLOTS,
+    LinkTable,
+)
+
+SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
+SHM_SMALL_MAX_BYTES = 1 << 20  # shm_allreduce.SMALL_MAX_BYTES: one phase up to here
+SLOT_DATA_BYTES = 4 << 20  # transport/slots.SLOT_DATA_BYTES: the chunk of the large path
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Where one allreduce runs: ``hosts`` x ``local`` ranks, ``nbytes`` per rank."""
+
+    hosts: int
+    local: int
+    nbytes: int
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.local
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The kinds one implementation's bytes use: inside a host, between hosts, to combine."""
+
+    intra: str
+    inter: str
+    reduce: str | None  # None: the implementation's betas include its sums (gloo)
+
+
+ENTRENAR = Fabric(intra=SHM, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=auto
+ENTRENAR_TCP = Fabric(intra=LOOPBACK, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=tcp
+GLOO = Fabric(intra=GLOO_LOOPBACK, inter=GLOO_NET, reduce=None)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Work done at once: messages in sequence and bytes on the busiest resource, per kind."""
+
+    name: str
+    messages: Mapping[str, float] = field(default_factory=dict)
+    nbytes: Mapping[str, float] = field(default_factory=dict)
+    fill: float = 0.0  # the bandwidth term's part spent filling a pipeline (moves no bytes)
+
+    def time(self, links: LinkTable) -> float:
+        lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
+        bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
+        return lat + bw * (1 + self.fill)
+
+    def kinds(self) -> set[str]:
+        return set(self.messages) | set(self.nbytes)
+
+
+Algorithm = Callable[[Shape, Fabric], list[Phase]]
+
+
+def total_time(phases: list[Phase], links: LinkTable) -> float:
+    return sum(p.time(links) for p in phases)
+
+
+def _reduce_phase(name: str, fabric: Fabric, nbytes: float) -> list[Phase]:
+    """A combine of ``nbytes`` done after the data arrived (nothing if gloo or none)."""
+    if fabric.reduce is None or nbytes <= 0:
+        return []
+    return [Phase(name, {}, {fabric.reduce: nbytes})]
+
+
+def _with_reduce(fabric: Fabric, nbytes: dict[str, float], combined: float) -> dict[str, float]:
+    """``nbytes`` plus a combine overlapped with the transfers (segment by segment)."""
+    if fabric.reduce is not None and combined > 0:
+        nbytes = {**nbytes, fabric.reduce: combined}
+    return nbytes
+
+
+def _kinds_used(shape: Shape, fabric: Fabric) -> list[str]:
+    """The link kinds a flat algorithm's messages cross: inside hosts if L > 1, between if H > 1."""
+    used = []
+    if shape.local > 1:
+        used.append(fabric.intra)
+    if shape.hosts > 1:
+        used.append(fabric.inter)
+    return used
+
+
+def ring(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """The flat ring (collectives/ring.py; gloo's ring alike), N = H x L ranks.
+
+    Steps: N-1 reduce-scatter then N-1 all-gather steps in sequence, each
+    rank sending one chunk of S/N to its right neighbour per step; segments
+    pipeline the steps, so every link streams. Bytes per link (and per host
+    link per direction, which carries one ring edge): 2(N-1)/N x S.
+    Messages in sequence: 2(N-1), each paying the slowest kind's alpha.
+    Combined per rank: (N-1)/N x S, overlapped with the transfers.
+    """
+    n, s = shape.world, shape.nbytes
+    if n == 1:
+        return []
+    per_link = 2 * (n - 1) / n * s
+    used = _kinds_used(shape, fabric)
+    nbytes = _with_reduce(fabric, {k: per_link for k in used}, (n - 1) / n * s)
+    return [Phase("ring", {k: 2 * (n - 1) for k in used}, nbytes)]
+
+
+def star(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Star through rank 0 (collectives/star.py).
+
+    Steps: every rank sends S to rank 0, which combines segment k once all
+    have it and sends it straight back: 2 messages in sequence. Rank 0's
+    host link carries (H-1) x L x S in and as much out (full duplex, at once
+    but for the last segment: x (1 + 1/segments)); rank 0 itself moves
+    (L-1) x S over its local links and combines (N-1) x S.
+    """
+    n, s = shape.world, shape.nbytes
+    if n == 1:
+        return []
+    fill = 1 / max(1, math.ceil(s / SEGMENT_BYTES))
+    nbytes: dict[str, float] = {}
+    if shape.local > 1:
+        nbytes[fabric.intra] = (shape.local - 1) * s
+    if shape.hosts > 1:
+        nbytes[fabric.inter] = (shape.hosts - 1) * shape.local * s
+    used = _kinds_used(shape, fabric)
+    nbytes = _with_reduce(fabric, nbytes, (n - 1) * s)
+    return [Phase("star", {k: 2 for k in used}, nbytes, fill)]
+
+
+def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Direct exchange (collectives/direct.py): everyone sends S to everyone.
+
+    Steps: 1 message in sequence, then each rank combines the N inputs.
+    Bytes: each host link carries L x (H-1) x L x S per direction (its L
+    ranks to every rank elsewhere); each rank moves (L-1) x S over its
+    local links; each rank combines (N-1) x S after all arrived.
+    """
+    n, s = shape.world, shape.nbytes
+    if n == 1:
+        return []
+    nbytes: dict[str, float] = {}
+    if shape.local > 1:
+        nbytes[fabric.intra] = (shape.local - 1) * s
+    if shape.hosts > 1:
+        nbytes[fabric.inter] = (shape.hosts - 1) * shape.local**2 * s
+    used = _kinds_used(shape, fabric)
+    exchange = Phase("direct", {k: 1 for k in used}, nbytes)
+    return [exchange, *_reduce_phase("direct-combine", fabric, (n - 1) * s)]
+
+
+def _shm_small(local: int, s: int, fabric: Fabric) -> list[Phase]:
+    """The shm allreduce's one phase: copy S into the own slot, publish, combine all L slots."""
+    return [
+        Phase("slots-in", {SLOTS: 1}, {SLOTS: s}),
+        *_reduce_phase("slots-sum", fabric, (local - 1) * s),
+    ]
+
+
+def _shm_reduce_scatter(local: int, s: int, fabric: Fabric) -> list[Phase]:
+    """The large path's first half, chunk by chunk: copy (L-1)/L x S in, sum the own 1/L slice."""
+    chunks = max(1, math.ceil(s / SLOT_DATA_BYTES))
+    copy_in = Phase("slots-in", {SLOTS: chunks}, {SLOTS: (local - 1) / local * s})
+    return [copy_in, *_reduce_phase("slots-sum", fabric, (local - 1) / local * s)]
+
+
+def _shm_all_gather(s: int) -> list[Phase]:
+    """The large path's second half: every rank copies the L reduced slices out (S)."""
+    chunks = max(1, math.ceil(s / SLOT_DATA_BYTES))
+    return [Phase("slots-out", {SLOTS: chunks}, {SLOTS: s})]
+
+
+def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """The shm-native allreduce (collectives/shm_allreduce.py), one host (H must be 1).
+
+    Up to 1 MiB, one phase: 1 publish, S copied in per rank, (L-1) x S
+    combined per rank. Above, per slot-sized chunk: copy in, each rank sums
+    its 1/L slice across the L slots, copy out: 2 publishes per chunk,
+    (2L-1)/L x S copied and (L-1)/L x S combined per rank. Assumes a core
+    and its share of memory bandwidth per rank.
+    """
+    if shape.hosts != 1:
+        raise ValueError(f"shm allreduce needs every rank on one host, got {shape.hosts} hosts")
+    if shape.local == 1:
+        return []
+    if shape.nbytes <= SHM_SMALL_MAX_BYTES:
+        return _shm_small(shape.local, shape.nbytes, fabric)
+    return _shm_reduce_scatter(shape.local, shape.nbytes, fabric) + _shm_all_gather(shape.nbytes)
+
+
+def hier_large(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Hierarchical, large messages (issue 26's plan).
+
+    Steps: reduce-scatter inside each host over the slots (local rank i
+    ends with slice i of the host's sum); L rings across hosts at once, ring
+    i among the local ranks i, each over its S/L slice; all-gather inside
+    the host. Bytes per host link per direction: L rings x 2(H-1)/H x S/L
+    = 2(H-1)/H x S (the flat ring's bound at L = 1); messages in sequence
+    across hosts: 2(H-1). At H = 1 it is the shm allreduce's large path.
+    """
+    h, local, s = shape.hosts, shape.local, shape.nbytes
+    phases = _shm_reduce_scatter(local, s, fabric) if local > 1 else []
+    if h > 1:
+        slice_bytes = s / local
+        host_link = local * 2 * (h - 1) / h * slice_bytes
+        combined = (h - 1) / h * slice_bytes
+        nbytes = _with_reduce(fabric, {fabric.inter: host_link}, combined)
+        phases.append(Phase("cross-host rings", {fabric.inter: 2 * (h - 1)}, nbytes))
+    if local > 1:
+        phases += _shm_all_gather(s)
+    return phases
+
+
+def hier_small(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Hierarchical, small messages (issue 26's plan).
+
+    Steps: the shm one-phase allreduce inside each host (every local rank
+    holds the host's sum); recursive doubling among one rank per host:
+    ceil(log2 H) exchanges of S (H = 2: the direct exchange), each followed
+    by a combine of S; a broadcast inside the host (the leader copies S in,
+    the others S out). Bytes per host link per direction: ceil(log2 H) x S.
+    At H = 1 it is the shm allreduce's one phase.
+    """
+    h, local, s = shape.hosts, shape.local, shape.nbytes
+    phases = _shm_small(local, s, fabric) if local > 1 else []
+    if h > 1:
+        rounds = math.ceil(math.log2(h))
+        phases.append(Phase("doubling", {fabric.inter: rounds}, {fabric.inter: rounds * s}))
+        phases += _reduce_phase("doubling-sum", fabric, rounds * s)
+        if local > 1:
+            phases.append(Phase("host-broadcast", {SLOTS: 1}, {SLOTS: 2 * s}))
+    return phases
+
+
+# What ``plan`` compares, with the fabric each runs on.
+ALGORITHMS: dict[str, tuple[Algorithm, Fabric]] = {
+    "ring": (ring, ENTRENAR),
+    "star": (star, ENTRENAR),
+    "direct": (direct, ENTRENAR),
+    "gloo ring": (ring, GLOO),
+    "hier large": (hier_large, ENTRENAR),
+    "hier small": (hier_small, ENTRENAR),
+}
+
+
+def predict(name: str, shape: Shape, links: LinkTable) -> float:
+    """Seconds of algorithm ``name`` (a key of ``ALGORITHMS``) for ``shape``."""
+    algo, fabric = ALGORITHMS[name]
+    return total_time(algo(shape, fabric), links)
+
+
+def host_link_bytes(phases: list[Phase], inter: str) -> float:
+    """Bytes per host link per direction over all phases (the ``net`` kind's bytes)."""
+    return sum(p.nbytes.get(inter, 0.0) for p in phases)

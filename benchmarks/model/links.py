@@ -1,0 +1,74 @@
+"""The link kinds of the cost model and their fitted parameters.
+
+A *kind* is one way bytes move between two ranks (or, for ``reduce``, through
+one rank's CPU); its parameters are the alpha-beta pair of the model,
+``time = alpha + beta * bytes`` for one message. Alpha is everything paid
+once per message in sequence (software and wire latency), beta everything
+paid per byte on the busiest resource (copies, the wire's rate, and for
+entrenar's kinds the receiver's bookkeeping; the sums themselves are the
+separate ``reduce`` kind, measured in process).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# entrenar's kinds
+SHM = "shm"  # shared-memory byte rings between two ranks of one host (transport/shm.py)
+SLOTS = "slots"  # the shm-native allreduce's slot copies (collectives/shm_allreduce.py)
+LOOPBACK = "loopback"  # TCP over the loopback interface
+NET = "net"  # TCP through a host's link (the shaped veth); bytes counted per host link
+REDUCE = "reduce"  # one combine (a += b) on one rank's CPU: beta per byte of the result
+# gloo's kinds (its own software costs over the same wires; its sums are in its betas)
+GLOO_LOOPBACK = "gloo-loopback"
+GLOO_NET = "gloo-net"
+
+KINDS = (SHM, SLOTS, LOOPBACK, NET, REDUCE, GLOO_LOOPBACK, GLOO_NET)
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """One kind's alpha (seconds per message) and beta (seconds per byte)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, messages: float, nbytes: float) -> float:
+        """Seconds for ``messages`` in sequence carrying ``nbytes`` in all."""
+        return messages * self.alpha + nbytes * self.beta
+
+
+@dataclass
+class LinkTable:
+    """The parameters of every kind, and how they were obtained."""
+
+    params: dict[str, LinkParams]
+    meta: dict[str, Any]
+
+    def __getitem__(self, kind: str) -> LinkParams:
+        try:
+            return self.params[kind]
+        except KeyError:
+            raise KeyError(
+                f"link kind {kind!r} has no parameters (have: {sorted(self.params)})"
+            ) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "params": {k: asdict(p) for k, p in self.params.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LinkTable:
+        params = {
+            k: LinkParams(float(v["alpha"]), float(v["beta"])) for k, v in data["params"].items()
+        }
+        return cls(params, dict(data.get("meta", {})))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> LinkTable:
+        return cls.from_json(json.loads(path.read_text()))
