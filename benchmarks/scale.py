@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "entrenar-scale/1"
+# A job's processes get this long beyond the groups' own timeout, so a rank
+# that times out reports why before the launcher kills it.
+JOB_GRACE_S = 60.0
+# A process is given at most this share of the descriptor limit (the rest:
+# the interpreter, torch, and the estimate's error).
+FD_SHARE = 0.8
 
 
 class ScaleError(RuntimeError):
@@ -58,7 +64,7 @@ class ScaleConfig:
     procs: int
     backends: tuple[str, ...]
     repeats: int
-    timeout_s: float  # each job's whole run; also every group's timeout
+    timeout_s: float  # every group's timeout (set-up, collectives); a job gets JOB_GRACE_S more
     transport: str
     out: Path
 
@@ -69,8 +75,23 @@ def split(world: int, procs: int) -> list[tuple[int, ...]]:
     return [tuple(range(p * world // n, (p + 1) * world // n)) for p in range(n)]
 
 
-def run_job(backend: str, world: int, cfg: ScaleConfig) -> list[dict[str, Any]]:
-    """Run one job (``world`` ranks over the configured processes); each process's result."""
+def procs_for(world: int, cfg: ScaleConfig, fds_per_rank: float | None, limit: int) -> int:
+    """How many processes carry ``world`` ranks: ``cfg.procs``, or more when that many
+    ranks per process would hold more descriptors than ``FD_SHARE`` of ``limit``.
+
+    ``fds_per_rank``: measured at this backend's previous N, scaled here as
+    if it grew like N (None: no measure yet; ``cfg.procs``). Ranks are
+    threads, so one process holds the descriptors of all of its ranks: a
+    full mesh at N = 256 is ~1,300 per rank, 41,000 for 32 ranks.
+    """
+    if fds_per_rank is None:
+        return min(cfg.procs, world)
+    per_proc = max(int(FD_SHARE * limit // max(fds_per_rank, 1.0)), 1)
+    return min(max(cfg.procs, -(-world // per_proc)), world)
+
+
+def run_job(backend: str, world: int, procs: int, cfg: ScaleConfig) -> list[dict[str, Any]]:
+    """Run one job (``world`` ranks over ``procs`` processes); each process's result."""
     store = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -79,9 +100,9 @@ def run_job(backend: str, world: int, cfg: ScaleConfig) -> list[dict[str, Any]]:
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    procs: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
+    running: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
     try:
-        for ranks in split(world, cfg.procs):
+        for ranks in split(world, procs):
             spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport)
             stdout = tempfile.TemporaryFile()
             stderr = tempfile.TemporaryFile()
@@ -89,18 +110,18 @@ def run_job(backend: str, world: int, cfg: ScaleConfig) -> list[dict[str, Any]]:
             p = subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, start_new_session=True
             )
-            procs.append((p, stdout, stderr))
-        deadline = time.monotonic() + cfg.timeout_s
-        for p, _, _ in procs:
+            running.append((p, stdout, stderr))
+        deadline = time.monotonic() + cfg.timeout_s + JOB_GRACE_S
+        for p, _, _ in running:
             p.wait(max(deadline - time.monotonic(), 0.1))
-        return [_collect(backend, world, p, out, err) for p, out, err in procs]
+        return [_collect(backend, world, p, out, err) for p, out, err in running]
     except subprocess.TimeoutExpired:
-        tails = "".join(_tail(err) for _, _, err in procs)
+        tails = "".join(_tail(err) for _, _, err in running)
         raise ScaleError(
-            f"{backend} N={world}: not done within {cfg.timeout_s:.0f}s\n{tails}"
+            f"{backend} N={world}: not done within {cfg.timeout_s + JOB_GRACE_S:.0f}s\n{tails}"
         ) from None
     finally:
-        for p, out, err in procs:
+        for p, out, err in running:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
@@ -140,16 +161,50 @@ def run(cfg: ScaleConfig) -> dict[str, Any]:
     soft_before, soft = raise_fd_limit()
     _, hard = fd_soft_limit()
     jobs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    fds_seen: dict[str, tuple[int, float]] = {}  # backend -> (N, descriptors per rank)
     for world in cfg.ranks:
+        procs = procs_for(world, cfg, _estimate(fds_seen, world), soft)  # one for every job of N
         for rep in range(cfg.repeats):
             order = cfg.backends if rep % 2 == 0 else cfg.backends[::-1]
             for backend in order:
                 t0 = time.monotonic()
-                processes = run_job(backend, world, cfg)
-                log.info("%s N=%d repeat %d: %.1f s", backend, world, rep, time.monotonic() - t0)
+                try:
+                    processes = run_job(backend, world, procs, cfg)
+                except ScaleError as e:  # recorded; the other jobs still run
+                    log.error("%s", e)
+                    failures.append(
+                        {"backend": backend, "world": world, "repeat": rep, "error": str(e)}
+                    )
+                    continue
+                took = time.monotonic() - t0
+                log.info("%s N=%d over %d processes: %.1f s", backend, world, procs, took)
                 jobs.append(
                     {"backend": backend, "world": world, "repeat": rep, "processes": processes}
                 )
+                fds_seen[backend] = (world, max(p["new_fds"] / len(p["ranks"]) for p in processes))
+    return _result(cfg, jobs, failures, soft_before, soft, hard)
+
+
+def _estimate(fds_seen: dict[str, tuple[int, float]], world: int) -> float | None:
+    """Descriptors per rank at ``world``: the most any backend held at its last N, grown like N.
+
+    The most of any backend, so that every backend of one N runs over the
+    same processes (ranks per process change the threads' contention).
+    """
+    if not fds_seen:
+        return None
+    return max(fds * world / n for n, fds in fds_seen.values())
+
+
+def _result(
+    cfg: ScaleConfig,
+    jobs: list[dict[str, Any]],
+    failures: list[dict[str, Any]],
+    soft_before: int,
+    soft: int,
+    hard: int,
+) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "config": {
@@ -167,6 +222,7 @@ def run(cfg: ScaleConfig) -> dict[str, Any]:
         "loadavg": list(os.getloadavg()),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "summary": summarize(jobs),
+        "failures": failures,
         "jobs": jobs,
     }
 
@@ -180,10 +236,15 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
         prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--ranks", type=_int_list, default=(8, 16, 32, 64, 128, 256))
-    ap.add_argument("--procs", type=int, default=8, help="processes the ranks are spread over")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=8,
+        help="processes the ranks are spread over (at least; more where descriptors need it)",
+    )
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--repeats", type=int, default=1, help="jobs per backend and N")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    ap.add_argument("--timeout", type=float, default=300.0, help="every group's timeout (s)")
     ap.add_argument(
         "--transport", default="", help="entrenar's ENTRENAR_TRANSPORT (default: its own, auto)"
     )
@@ -204,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg)
     for line in write_outputs(result, cfg.out):
         print(line)
-    return 0
+    return 1 if result["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import resource
 import sys
 import threading
 import time
@@ -93,6 +94,11 @@ class ProcessResult:
     fds_before: int = 0  # every descriptor, the ranks' store clients connected
     fds_after_setup: int = 0
     new_fds: int = 0  # descriptors beyond those before set-up (sockets, memfd mappings, ...)
+    # CPU seconds (user + system, every thread) the process spent from before
+    # its ranks started to every one of them holding its first result: the
+    # set-up's work, which wall times on a machine with fewer cores than
+    # ranks do not show (there they measure the whole job's work / 2 cores).
+    setup_cpu_s: float = 0.0
     sockets_after_setup: int = 0  # sockets beyond those before set-up
     sockets_shared: int = 0  # sockets held by more than one rank's group (must be 0)
     sockets_unheld: int = 0  # new sockets no group holds (entrenar: a leak)
@@ -177,10 +183,12 @@ def run(spec: Spec) -> ProcessResult:
     before = {fd for fd, what in fds_before.items() if what.startswith("socket:")}
     out.fds_before = len(fds_before)
     threads = [threading.Thread(target=x.run, name=f"rank{x.result.rank}") for x in ranks]
+    cpu0 = _cpu_s()
     for t in threads:
         t.start()
     try:
         counted.wait()
+        out.setup_cpu_s = _cpu_s() - cpu0
         _count_after_setup(spec, ranks, before, out)
         counted.wait()
     except threading.BrokenBarrierError:
@@ -194,6 +202,11 @@ def run(spec: Spec) -> ProcessResult:
     out.fds_after_destroy = len(set(open_fds()) - set(fds_before))
     out.ranks = [x.result for x in ranks]
     return out
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _count_after_setup(

@@ -60,6 +60,7 @@ def _row(backend: str, world: int, jobs: list[dict[str, Any]]) -> dict[str, Any]
         "create_s": _spread([r["create_s"] for r in ranks]),
         "first_allreduce_s": _spread([r["first_allreduce_s"] for r in ranks]),
         "setup_s": _spread([r["setup_s"] for r in ranks]),
+        "setup_cpu_s_per_rank": _spread([p["setup_cpu_s"] / len(p["ranks"]) for p in procs]),
         "destroy_s": _spread([r["destroy_s"] for r in ranks]),
         "job_setup_wall_s": statistics.median(walls),
     }
@@ -67,6 +68,8 @@ def _row(backend: str, world: int, jobs: list[dict[str, Any]]) -> dict[str, Any]
 
 def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """Rows per (backend, N), each N's growth against the smallest N, and the 1,024 limit."""
+    if not jobs:
+        return {"rows": [], "limit_1024": {}}
     keys = sorted({(j["backend"], j["world"]) for j in jobs})
     rows = [_row(b, n, [j for j in jobs if (j["backend"], j["world"]) == (b, n)]) for b, n in keys]
     limits: dict[str, Any] = {}
@@ -80,6 +83,9 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             )
             r["wall_vs_linear"] = (r["job_setup_wall_s"] / r["world"]) / (
                 first["job_setup_wall_s"] / first["world"]
+            )
+            r["cpu_vs_linear"] = (r["setup_cpu_s_per_rank"]["median"] / r["world"]) / (
+                first["setup_cpu_s_per_rank"]["median"] / first["world"]
             )
         limits[backend] = fd_limit_projection(mine)
     return {"rows": rows, "limit_1024": limits}
@@ -117,8 +123,8 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     """The summary as a markdown table, and the 1,024-descriptor line per backend."""
     head = (
         "| backend | N | procs | sockets/rank min/med/max | per peer | fds/rank "
-        "| set-up/rank med (max) | vs N | job set-up wall | vs N | fds/process med (max) "
-        "| verified |"
+        "| set-up/rank med (max) | vs N | job set-up wall | vs N | set-up CPU/rank | vs N "
+        "| fds/process med (max) | verified |"
     )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in result["summary"]["rows"]:
@@ -129,9 +135,13 @@ def table_lines(result: dict[str, Any]) -> list[str]:
             f"| {_f(r['fds_per_rank']['median'])} "
             f"| {_f(t['median'], 's')} ({_f(t['max'], 's')}) | {r['setup_vs_linear']:.2f} "
             f"| {_f(r['job_setup_wall_s'], 's')} | {r['wall_vs_linear']:.2f} "
+            f"| {_f(r['setup_cpu_s_per_rank']['median'], 's')} | {r['cpu_vs_linear']:.2f} "
             f"| {_f(f['median'])} ({_f(f['max'])}) "
             f"| {r['allreduce_verified']}/{r['rank_results']} |"
         )
+    for f in result.get("failures", []):
+        first = f["error"].splitlines()[0]
+        lines.append(f"| {f['backend']} | {f['world']} | failed: {first} |" + " |" * 11)
     lines.append("")
     for backend, p in result["summary"]["limit_1024"].items():
         if p is None:
@@ -162,7 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(notes + table_lines(result)) + "\n"
 
 
-def write_plot(result: dict[str, Any], out: Path) -> Path:
+def write_plot(result: dict[str, Any], out: Path) -> Path | None:
+    if not result["summary"]["rows"]:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,6 +189,8 @@ def write_plot(result: dict[str, Any], out: Path) -> Path:
         setup = [r["setup_s"]["median"] for r in mine]
         ax2.plot(n, setup, "o-", label=f"{backend} per rank (median)")
         ax2.plot(n, [r["job_setup_wall_s"] for r in mine], "s--", label=f"{backend} job wall")
+        cpu = [r["setup_cpu_s_per_rank"]["median"] for r in mine]
+        ax2.plot(n, cpu, "^:", label=f"{backend} CPU per rank")
     n_all = sorted({r["world"] for r in rows})
     first = rows[0]
     ax1.plot(n_all, [first["sockets_per_rank"]["median"] * x / n_all[0] for x in n_all], ":",

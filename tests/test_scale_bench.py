@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.scale import SCHEMA, split
-from benchmarks.scale_report import fd_limit_projection
 from conftest import run_session
+
+from benchmarks.scale import SCHEMA, ScaleConfig, procs_for, split
+from benchmarks.scale_report import fd_limit_projection
 
 WORLD, PROCS = 8, 2
 
@@ -42,6 +42,12 @@ def test_split_and_limit_projection() -> None:
     assert split(8, 2) == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert split(10, 4) == [(0, 1), (2, 3, 4), (5, 6), (7, 8, 9)]
     assert split(3, 8) == [(0,), (1,), (2,)]  # never an empty process
+    cfg = ScaleConfig((8, 256), 8, ("entrenar",), 1, 60.0, "", Path("unused"))
+    assert procs_for(8, cfg, None, 1024) == 8
+    assert procs_for(256, cfg, None, 1024) == 8  # nothing measured yet: as asked
+    assert procs_for(4, cfg, 10.0, 1024) == 4  # never more processes than ranks
+    # 1,300 descriptors per rank under 0.8 * 20,000: 12 ranks per process, 22 processes.
+    assert procs_for(256, cfg, 1300.0, 20000) == 22
     rows = [
         {"world": n, "fds_per_rank": {"median": 5.0 * (n - 1) + 3}, "fds_one_rank_before_setup": 4}
         for n in (128, 256)
@@ -60,6 +66,7 @@ def test_small_job_matches_the_connection_design(tmp_path: Path) -> None:
     result = json.loads((out / "scale.json").read_text())
     assert {"schema", "config", "fd_limit", "machine", "summary", "jobs"} <= set(result)
     assert result["schema"] == SCHEMA
+    assert result["failures"] == []
     assert result["fd_limit"]["soft_used"] == result["fd_limit"]["hard"]
     assert (out / "results.md").read_text().count("| entrenar | 8 |") == 1
     assert (out / "scale.png").stat().st_size > 0
