@@ -181,26 +181,33 @@ def write_plot(result: dict[str, Any], out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     rows = result["summary"]["rows"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for backend in sorted({r["backend"] for r in rows}):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for i, backend in enumerate(sorted({r["backend"] for r in rows})):
         mine = [r for r in rows if r["backend"] == backend]
         n = [r["world"] for r in mine]
-        ax1.plot(n, [r["sockets_per_rank"]["median"] for r in mine], "o-", label=backend)
-        setup = [r["setup_s"]["median"] for r in mine]
-        ax2.plot(n, setup, "o-", label=f"{backend} per rank (median)")
-        ax2.plot(n, [r["job_setup_wall_s"] for r in mine], "s--", label=f"{backend} job wall")
-        cpu = [r["setup_cpu_s_per_rank"]["median"] for r in mine]
-        ax2.plot(n, cpu, "^:", label=f"{backend} CPU per rank")
+        c = f"C{i}"
+        ax1.plot(n, [r["sockets_per_rank"]["median"] for r in mine], "o-", c=c,
+                 label=f"{backend} sockets")  # fmt: skip
+        ax1.plot(n, [r["fds_per_rank"]["median"] for r in mine], "s--", c=c,
+                 label=f"{backend} all descriptors")  # fmt: skip
+        ax2.plot(n, [r["setup_s"]["median"] for r in mine], "o-", c=c,
+                 label=f"{backend} wall per rank (median)")  # fmt: skip
+        ax2.plot(n, [r["setup_cpu_s_per_rank"]["median"] for r in mine], "^:", c=c,
+                 label=f"{backend} CPU per rank")  # fmt: skip
     n_all = sorted({r["world"] for r in rows})
     first = rows[0]
-    ax1.plot(n_all, [first["sockets_per_rank"]["median"] * x / n_all[0] for x in n_all], ":",
-             color="grey", label="∝ N")  # fmt: skip
-    ax2.plot(n_all, [first["setup_s"]["median"] * x / n_all[0] for x in n_all], ":",
-             color="grey", label="∝ N")  # fmt: skip
-    ax1.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="sockets per rank",
-            title="sockets per rank after set-up")  # fmt: skip
+
+    def guide(ax: Any, y0: float, power: int, label: str) -> None:
+        ax.plot(n_all, [y0 * (x / n_all[0]) ** power for x in n_all], c="grey", lw=0.8,
+                ls=(0, (1, 3)) if power == 1 else (0, (5, 3)), label=label)  # fmt: skip
+
+    guide(ax1, first["sockets_per_rank"]["median"], 1, "∝ N")
+    guide(ax2, first["setup_cpu_s_per_rank"]["median"], 1, "∝ N")
+    guide(ax2, first["setup_s"]["median"], 2, "∝ N²")
+    ax1.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="per rank",
+            title="sockets and descriptors per rank after set-up")  # fmt: skip
     ax2.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="seconds",
-            title="set-up: create + first 4 KiB allreduce")  # fmt: skip
+            title="set-up (create + first 4 KiB allreduce)")  # fmt: skip
     for ax in (ax1, ax2):
         ax.set_xticks(n_all, [str(x) for x in n_all])
         ax.grid(True, which="both", alpha=0.3)
