@@ -16,6 +16,7 @@ does (a leak), or when destroying leaves anything open.
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -34,7 +35,10 @@ def design_sockets(world: int) -> int:
 
 
 def design_memfds(world: int) -> int:
-    """memfd descriptors one rank holds when all ``world`` ranks share memory."""
+    """memfd descriptors one rank holds when all ``world`` ranks share memory (``auto``
+    offers shared memory on x86-64 only: ``transport/shm.py``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return 0
     return 2 * (world - 1) + 1
 
 
