@@ -1,0 +1,99 @@
+"""``benchmarks/scale.py``: a real small job (8 ranks over 2 processes), checked against the design.
+
+The connection design today (``transport/rendezvous.py``, ``transport/tcp.py``,
+``transport/loop.py``): every pair of ranks gets three TCP sockets at set-up
+(data, control, p2p), and the p2p thread's loop holds one socketpair to be
+woken. So a rank's group holds 3(N-1) + 2 sockets, whatever the transport
+(shared memory keeps the pair's data socket for wake-ups and hang-ups).
+With every rank on one host and shared memory on, each rank also holds
+2(N-1) + 1 memfd descriptors: CPython's ``mmap`` keeps a duplicate of the
+descriptor it maps, once for its own segment and twice per peer (the ring
+block it reads, the peer's slot area). These tests fail when a rank holds
+a socket more or less than that, or when the process holds one no group
+does (a leak), or when destroying leaves anything open.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_session
+
+from benchmarks.scale import SCHEMA, ScaleConfig, procs_for, split
+from benchmarks.scale_report import fd_limit_projection
+
+WORLD, PROCS = 8, 2
+
+
+def design_sockets(world: int) -> int:
+    """Sockets one rank's group holds after set-up, by the current design (module docstring)."""
+    return 3 * (world - 1) + 2
+
+
+def design_memfds(world: int) -> int:
+    """memfd descriptors one rank holds when all ``world`` ranks share memory (``auto``
+    offers shared memory on x86-64 only: ``transport/shm.py``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return 0
+    return 2 * (world - 1) + 1
+
+
+def test_split_and_limit_projection() -> None:
+    assert split(8, 2) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert split(10, 4) == [(0, 1), (2, 3, 4), (5, 6), (7, 8, 9)]
+    assert split(3, 8) == [(0,), (1,), (2,)]  # never an empty process
+    cfg = ScaleConfig((8, 256), 8, ("entrenar",), 1, 60.0, "", Path("unused"))
+    assert procs_for(8, cfg, None, 1024) == 8
+    assert procs_for(256, cfg, None, 1024) == 8  # nothing measured yet: as asked
+    assert procs_for(4, cfg, 10.0, 1024) == 4  # never more processes than ranks
+    # 1,300 descriptors per rank under 0.8 * 20,000: 12 ranks per process, 22 processes.
+    assert procs_for(256, cfg, 1300.0, 20000) == 22
+    rows = [
+        {"world": n, "fds_per_rank": {"median": 5.0 * (n - 1) + 3}, "fds_one_rank_before_setup": 4}
+        for n in (128, 256)
+    ]
+    p = fd_limit_projection(rows)
+    # 4 + 5N - 2 <= 1024  <=>  N <= 204.4
+    assert (p["per_rank_slope"], p["per_rank_intercept"], p["n_max"]) == (5.0, -2.0, 204)
+
+
+@pytest.mark.timeout(90)
+def test_small_job_matches_the_connection_design(tmp_path: Path) -> None:
+    out = tmp_path / "scale"
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--ranks", str(WORLD), "--procs", str(PROCS)]
+    cmd += ["--backends", "entrenar", "--transport", "auto", "--timeout", "60", "--out", str(out)]
+    run_session(cmd, timeout=80)
+    result = json.loads((out / "scale.json").read_text())
+    assert {"schema", "config", "fd_limit", "machine", "summary", "jobs"} <= set(result)
+    assert result["schema"] == SCHEMA
+    assert result["failures"] == []
+    assert result["fd_limit"]["soft_used"] == result["fd_limit"]["hard"]
+    assert (out / "results.md").read_text().count("| entrenar | 8 |") == 1
+    assert (out / "scale.png").stat().st_size > 0
+
+    (job,) = result["jobs"]
+    assert [len(p["ranks"]) for p in job["processes"]] == [WORLD // PROCS] * PROCS
+    ranks = sorted(r["rank"] for p in job["processes"] for r in p["ranks"])
+    assert ranks == list(range(WORLD))
+    want = design_sockets(WORLD)
+    for p in job["processes"]:
+        k = len(p["ranks"])
+        for r in p["ranks"]:
+            assert r["allreduce_ok"] and not r["error"], r
+            assert r["held_sockets"] == want, (r["rank"], r["held_sockets"], want)
+            assert 0 < r["create_s"] and 0 < r["first_allreduce_s"] < r["setup_s"]
+        # The kernel's count: every new socket is some group's, none is two ranks'.
+        assert p["sockets_after_setup"] == k * want
+        assert p["sockets_unheld"] == 0 and p["sockets_shared"] == 0
+        assert p["new_fds"] == k * (want + design_memfds(WORLD))
+        assert p["sockets_after_destroy"] == 0 and p["fds_after_destroy"] == 0
+
+    (row,) = result["summary"]["rows"]
+    assert row["allreduce_verified"] == row["rank_results"] == WORLD
+    assert row["sockets_per_rank"] == {"min": want, "median": want, "max": want}
+    assert row["sockets_per_peer"] == pytest.approx(want / (WORLD - 1))
+    assert row["setup_vs_linear"] == 1.0  # the smallest N is its own reference
