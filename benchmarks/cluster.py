@@ -5,7 +5,8 @@ for the flags). launch/netns_cluster.sh builds the hosts: one namespace per
 host, its ``eth0`` on a veth link to a bridge in a namespace of its own,
 addresses 10.77.0.<i+1>, nothing outside those namespaces touched; with
 ``--rate`` every host link is tbf-shaped both ways. One torchrun per host
-starts L ranks there (``benchmarks/cluster_rank.py``); all H x L ranks are one
+starts L ranks there (``benchmarks/cluster_rank.py``, through
+``benchmarks/netns_job.py`` as the cost model's measurements are); all H x L ranks are one
 job, which creates a group per variant (gloo, entrenar, entrenar-flat:
 ``benchmarks/cluster_config.py``) and runs them interleaved, the order
 rotated each round.
@@ -29,7 +30,6 @@ Outputs (``--out``, default ``runs/cluster-<H>x<L>[-<rate>]``): ``cluster.json``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import netns
+from benchmarks import netns, netns_job
 from benchmarks.cluster_config import CLUSTER_VARIANTS, DEFAULT_SIZES, ClusterConfig
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
@@ -55,31 +55,6 @@ log = logging.getLogger("benchmarks.cluster")
 def bound_bytes(hosts: int, size: int) -> float:
     """The least an allreduce of ``size`` bytes moves through a host's link, each way."""
     return 2.0 * (hosts - 1) / hosts * size
-
-
-def node_command(cfg_path: Path, out_dir: Path, cfg: ClusterConfig) -> str:
-    """The bash command netns_cluster.sh runs in every host: one torchrun of L ranks."""
-    return (
-        f"exec {sys.executable} -m torch.distributed.run --nnodes={cfg.hosts} "
-        f"--nproc_per_node={cfg.local} --node_rank=$NODE --master_addr=$HEAD_ADDR "
-        f"--master_port={netns.HEAD_PORT} -m benchmarks.cluster_rank "
-        f"--config {cfg_path} --out {out_dir}"
-    )
-
-
-def rank_environment() -> dict[str, str]:
-    """The driver's environment plus what every rank needs: this tree first on the
-    path, both backends on the host's link, one intra-op thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(netns.REPO), env.get("PYTHONPATH", "")) if x
-    )
-    env.update(
-        ENTRENAR_IFNAME=netns.HOST_IFNAME,
-        GLOO_SOCKET_IFNAME=netns.HOST_IFNAME,
-        OMP_NUM_THREADS="1",
-    )
-    return env
 
 
 def shaping_of(cfg: ClusterConfig) -> netns.Shaping:
@@ -102,31 +77,6 @@ def check_shaping(shaping: netns.Shaping) -> None:
         ok, why = netns.qdisc_available(*shaping.tbf())
         if not ok:
             raise BenchError(f"--rate {shaping.rate}: tc cannot add a tbf qdisc (tc: {why or '?'})")
-
-
-def run_job(cfg: ClusterConfig, work: Path, prefix: str) -> list[dict[str, Any]]:
-    """Build the hosts (namespaces ``<prefix>-*``), run the job, tear down; every rank's record."""
-    cfg_path = work / "config.json"
-    cfg_path.write_text(json.dumps(cfg.to_json()))
-    ranks_dir = work / "ranks"
-    ranks_dir.mkdir()
-    proc = netns.run_on_hosts(
-        cfg.hosts,
-        node_command(cfg_path, ranks_dir, cfg),
-        prefix=prefix,
-        log_dir=work / "logs",
-        timeout_s=cfg.timeout_s,
-        shaping=shaping_of(cfg),
-        env=rank_environment(),
-    )
-    if proc.returncode != 0:
-        logs = "".join(
-            f"\n--- {p.name} ---\n{p.read_text()[-3000:]}"
-            for p in sorted((work / "logs").glob("node*.log"))
-        )
-        raise BenchError(f"the job exited {proc.returncode}: {proc.stderr[-3000:]}{logs}")
-    ranks = [json.loads((ranks_dir / f"rank{r}.json").read_text()) for r in range(cfg.world)]
-    return ranks
 
 
 def _link_per_call(
@@ -195,10 +145,16 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
     load_start = list(os.getloadavg())
     prefix = f"enrc{os.getpid() % 100000}"
     with tempfile.TemporaryDirectory(prefix="entrenar_cluster_") as tmp:
-        ranks = run_job(cfg, Path(tmp), prefix)
-    left = netns.namespaces_left(prefix)
-    if left:
-        log.warning("namespaces left behind: %s", left)
+        ranks = netns_job.run_ranks(
+            cfg.hosts,
+            cfg.local,
+            "benchmarks.cluster_rank",
+            cfg.to_json(),
+            Path(tmp),
+            prefix=prefix,
+            timeout_s=cfg.timeout_s,
+            shaping=shaping_of(cfg),
+        )
     part = combine(cfg, ranks)
     notes = list(ranks[0]["notes"])
     gloo = {r["bytes"]: r["median_s"] for r in part["rows"] if r["variant"] == GLOO}

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import netns
+from benchmarks import netns, netns_job
 from benchmarks.cluster_config import ClusterConfig, resolve_variants
 from benchmarks.config import FLOAT32_BYTES, Variant
 from benchmarks.sizes import plan_for, rotated
@@ -187,10 +187,7 @@ def run(cfg: ClusterConfig, out_dir: Path) -> None:
     _sweep(cfg, rank, groups, fence, rec)
     _calibrate(fence, cfg.calibration_blocks, rec)
     rec.phases["sweep"] = _since_start()
-    path = out_dir / f"rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(rec)))
-    os.replace(tmp, path)
+    netns_job.write_record(out_dir, rank, dataclasses.asdict(rec))
     dist.barrier(group=ctrl)
     dist.destroy_process_group()
 

@@ -1,19 +1,20 @@
-"""One rank of a measurement: ``python -m benchmarks.model.rank SPEC.json OUT.json``.
+"""One rank of a measurement: ``python -m benchmarks.model.rank --config SPEC.json --out DIR``.
 
-Started by ``measure.py`` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) set. The default group is gloo's and only
-synchronises; each variant of the spec is a group of its own (gloo, or
-entrenar with the variant's transport and algorithm), timed in interleaved
-rounds per size so the machine's load falls on every variant alike. Writes
+Started by ``measure.py`` under torchrun in an emulated host's namespace
+(``benchmarks/netns_job.py``). The default group is gloo's and only
+synchronises; each variant of the spec is a group of its own, made, checked
+and timed by ``benchmarks/workers.py``'s pieces, as the cluster's ranks do:
+interleaved rounds per size, the order rotated each round, so the machine's
+load falls on every variant alike. Writes ``DIR/rank<R>.json``:
 ``{"variant|bytes": [seconds per call, ...]}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,27 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-FLOAT32 = 4
-
-
-def _group(variant: dict[str, Any], world: int) -> dist.ProcessGroup:
-    ranks = list(range(world))
-    if variant["backend"] == "gloo":
-        return dist.new_group(ranks, backend="gloo")
-    from entrenar_pg import Options
-
-    env = dict(os.environ, ENTRENAR_TRANSPORT=variant["transport"])
-    opts = Options.from_env(env, algorithm=variant["algorithm"])
-    return dist.new_group(ranks, backend="entrenar", pg_options=opts)
-
-
-def _check(t: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int, name: str) -> None:
-    """One verified call (also the first warm-up): every element is 1 + ... + world."""
-    t.fill_(rank + 1)
-    dist.all_reduce(t, group=group)
-    want = world * (world + 1) / 2
-    if not bool(torch.all(t == want)):
-        raise AssertionError(f"rank {rank}: {name}: allreduce of {t.numel()} floats is wrong")
+from benchmarks import netns_job
+from benchmarks.config import FLOAT32_BYTES, Variant
+from benchmarks.sizes import rotated
+from benchmarks.workers import Contestant, _GroupAllreduce, _new_group, _time_allreduce, _verify
 
 
 def repeats(nbytes: int, spec: dict[str, Any]) -> int:
@@ -50,37 +34,38 @@ def repeats(nbytes: int, spec: dict[str, Any]) -> int:
 
 
 def sweep(spec: dict[str, Any], rank: int, world: int) -> dict[str, list[float]]:
-    groups = {v["name"]: _group(v, world) for v in spec["variants"]}
+    variants = [Variant(**v) for v in spec["variants"]]
+    groups: dict[str, Contestant] = {
+        v.name: _GroupAllreduce(_new_group(v, world)) for v in variants
+    }
     out: dict[str, list[float]] = {}
     for nbytes in spec["sizes"]:
-        t = torch.zeros(nbytes // FLOAT32, dtype=torch.float32)
+        t = torch.zeros(nbytes // FLOAT32_BYTES, dtype=torch.float32)
         n = repeats(nbytes, spec)
-        names = list(groups)
         for r in range(spec["rounds"]):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                group = groups[name]
+            for name in rotated(list(groups), r):
                 if r == 0:
-                    _check(t, group, rank, world, name)
+                    _verify(t, groups[name], rank, world, name)
                 dist.barrier()
-                dist.all_reduce(t, group=group)  # warm-up after the barrier
-                samples = out.setdefault(f"{name}|{nbytes}", [])
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    dist.all_reduce(t, group=group)
-                    samples.append(time.perf_counter() - t0)
+                # one warm-up after the barrier, then the timed calls
+                samples = _time_allreduce(t, groups[name], 1, n)
+                out.setdefault(f"{name}|{nbytes}", []).extend(samples)
     return out
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
+    p = argparse.ArgumentParser(prog="python -m benchmarks.model.rank")
+    p.add_argument("--config", required=True, help="the sweep's spec (measure.Sweep.spec())")
+    p.add_argument("--out", required=True, help="directory for rank<R>.json")
+    a = p.parse_args(argv)
+    spec = json.loads(Path(a.config).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # One intra-op thread, as torchrun gives each of several ranks: the ranks
     # share the cores, and torch's parallel sums would wait on each other.
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        result = sweep(spec, rank, world)
-        Path(argv[1]).write_text(json.dumps(result))
+        netns_job.write_record(Path(a.out), rank, sweep(spec, rank, world))
     finally:
         dist.destroy_process_group()
     return 0
