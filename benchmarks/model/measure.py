@@ -23,31 +23,56 @@ from typing import Any
 import torch
 
 from benchmarks import netns, netns_job
-from benchmarks.config import Variant
+from benchmarks.cluster_config import ClusterConfig
+from benchmarks.config import MiB, Variant
 from benchmarks.results import combine_ranks, summarize
 
+# Samples per variant, size and round: budget / size within [MIN, MAX] (as the
+# committed fit took them); the cluster's plan (sizes.plan_for) counts them over
+# all rounds.
+ROUND_BUDGET = 256 * MiB
+NET_ROUND_BUDGET = 64 * MiB  # the shaped link: 64 MiB is half a second at 1 Gbit/s
+MIN_PER_ROUND, MAX_PER_ROUND = 3, 20
 
-@dataclass
+
+@dataclass(frozen=True)
 class Sweep:
-    """What each rank times: the variants, the sizes, and how many samples."""
+    """What every rank runs: the variants, on the cluster's knobs (shape, sizes,
+    link rate, sampling, time-outs)."""
 
-    variants: list[Variant]
-    sizes: list[int]
-    rounds: int = 3
-    budget: int = 256 << 20  # bytes per variant, size and round
-    min_repeats: int = 3
-    max_repeats: int = 20
-    timeout_s: float = 600.0
+    variants: tuple[Variant, ...]
+    cluster: ClusterConfig
+
+    @classmethod
+    def of(
+        cls,
+        variants: Sequence[Variant],
+        shape: tuple[int, int],
+        sizes: Sequence[int],
+        rate: str | None,
+        rounds: int,
+        round_budget: int = ROUND_BUDGET,
+    ) -> Sweep:
+        """``variants`` on ``shape`` (hosts, local) ranks, each host's link at ``rate``."""
+        cfg = ClusterConfig(
+            hosts=shape[0],
+            local=shape[1],
+            sizes=tuple(sizes),
+            rate=rate,
+            variants=tuple(v.name for v in variants),
+            repeats=MAX_PER_ROUND * rounds,
+            min_repeats=MIN_PER_ROUND * rounds,
+            rounds=rounds,
+            budget_bytes=round_budget * rounds,
+            timeout_s=600.0,
+        )
+        return cls(tuple(variants), cfg)
 
     def spec(self) -> dict[str, Any]:
         """What every rank reads (``rank.py``)."""
         return {
+            "cluster": self.cluster.to_json(),
             "variants": [dataclasses.asdict(v) for v in self.variants],
-            "sizes": self.sizes,
-            "rounds": self.rounds,
-            "budget": self.budget,
-            "min_repeats": self.min_repeats,
-            "max_repeats": self.max_repeats,
         }
 
 
@@ -68,34 +93,38 @@ def row(
     }
 
 
-def rows_of(
-    sweep: Sweep, per_rank: Sequence[dict[str, list[float]]], hosts: int, local: int
-) -> list[dict[str, Any]]:
-    """Every variant and size; per call, the slowest rank's time (the collective is done
-    when every rank is)."""
+def rows_of(sweep: Sweep, per_rank: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every variant and size from the ranks' records; per call, the slowest rank's
+    time (the collective is done when every rank is)."""
+    cfg = sweep.cluster
     return [
         row(
-            v.name, hosts, local, nbytes, combine_ranks([r[f"{v.name}|{nbytes}"] for r in per_rank])
+            v.name,
+            cfg.hosts,
+            cfg.local,
+            nbytes,
+            combine_ranks([r["times"][f"{v.name}|{nbytes}"] for r in per_rank]),
         )
         for v in sweep.variants
-        for nbytes in sweep.sizes
+        for nbytes in cfg.sizes
     ]
 
 
-def run(sweep: Sweep, hosts: int, local: int, rate: str | None) -> list[dict[str, Any]]:
-    """Measure ``sweep`` on ``hosts`` x ``local`` ranks, each host's link shaped to ``rate``."""
+def run(sweep: Sweep) -> list[dict[str, Any]]:
+    """Measure ``sweep`` on its emulated hosts (the cluster harness's)."""
+    cfg = sweep.cluster
     with tempfile.TemporaryDirectory(prefix="entrenar_model_") as d:
         per_rank = netns_job.run_ranks(
-            hosts,
-            local,
+            cfg.hosts,
+            cfg.local,
             "benchmarks.model.rank",
             sweep.spec(),
             Path(d),
             prefix=f"enrm{os.getpid() % 100000}",
-            timeout_s=sweep.timeout_s,
-            shaping=netns.Shaping(rate=rate or ""),
+            timeout_s=cfg.timeout_s,
+            shaping=netns.Shaping(rate=cfg.rate or ""),
         )
-    return rows_of(sweep, per_rank, hosts, local)
+    return rows_of(sweep, per_rank)
 
 
 def reduce_sweep(sizes: Sequence[int], repeats: int = 7) -> list[dict[str, Any]]:
@@ -143,8 +172,8 @@ def links_run(
     """Every measurement the fit reads: {"meta": ..., "rows": [...]}; local runs are 1 x 2,
     shaped ones 2 x 1 (gloo's rows there are renamed ``gloo-net``)."""
     rows = reduce_sweep(local_sizes)
-    rows += run(Sweep(LOCAL_VARIANTS, local_sizes, rounds=rounds), 1, 2, None)
-    net = run(Sweep(NET_VARIANTS, net_sizes, rounds=rounds, budget=64 << 20), 2, 1, rate)
+    rows += run(Sweep.of(LOCAL_VARIANTS, (1, 2), local_sizes, None, rounds))
+    net = run(Sweep.of(NET_VARIANTS, (2, 1), net_sizes, rate, rounds, NET_ROUND_BUDGET))
     for r in net:
         if r["variant"] == "gloo":
             r["variant"] = "gloo-net"
