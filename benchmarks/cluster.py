@@ -34,7 +34,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ from benchmarks.cluster_config import CLUSTER_VARIANTS, DEFAULT_SIZES, ClusterCo
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
+from benchmarks.netns_job import shaping_of
 from benchmarks.results import busbw_factor, combine_ranks, summarize
 from benchmarks.sizes import parse_bytes, parse_sizes
 from benchmarks.spawn import BenchError
@@ -55,11 +55,6 @@ log = logging.getLogger("benchmarks.cluster")
 def bound_bytes(hosts: int, size: int) -> float:
     """The least an allreduce of ``size`` bytes moves through a host's link, each way."""
     return 2.0 * (hosts - 1) / hosts * size
-
-
-def shaping_of(cfg: ClusterConfig) -> netns.Shaping:
-    """The links' shaping for ``cfg``."""
-    return netns.Shaping(rate=cfg.rate or "", netem=f"delay {cfg.delay}" if cfg.delay else "")
 
 
 def check_shaping(shaping: netns.Shaping) -> None:
@@ -144,17 +139,7 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
     check_shaping(shaping_of(cfg))
     load_start = list(os.getloadavg())
     prefix = f"enrc{os.getpid() % 100000}"
-    with tempfile.TemporaryDirectory(prefix="entrenar_cluster_") as tmp:
-        ranks = netns_job.run_ranks(
-            cfg.hosts,
-            cfg.local,
-            "benchmarks.cluster_rank",
-            cfg.to_json(),
-            Path(tmp),
-            prefix=prefix,
-            timeout_s=cfg.timeout_s,
-            shaping=shaping_of(cfg),
-        )
+    ranks = netns_job.run_ranks(cfg, "benchmarks.cluster_rank", cfg.to_json(), prefix)
     part = combine(cfg, ranks)
     notes = list(ranks[0]["notes"])
     gloo = {r["bytes"]: r["median_s"] for r in part["rows"] if r["variant"] == GLOO}

@@ -15,10 +15,12 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks import netns
+from benchmarks.cluster_config import ClusterConfig
 from benchmarks.spawn import BenchError
 
 log = logging.getLogger("benchmarks.netns_job")
@@ -48,42 +50,42 @@ def rank_environment() -> dict[str, str]:
     return env
 
 
+def shaping_of(cfg: ClusterConfig) -> netns.Shaping:
+    """The links' shaping for ``cfg``."""
+    return netns.Shaping(rate=cfg.rate or "", netem=f"delay {cfg.delay}" if cfg.delay else "")
+
+
 def run_ranks(
-    hosts: int,
-    local: int,
-    module: str,
-    config: dict[str, Any],
-    work: Path,
-    *,
-    prefix: str,
-    timeout_s: float,
-    shaping: netns.Shaping,
+    cfg: ClusterConfig, module: str, config: dict[str, Any], prefix: str
 ) -> list[dict[str, Any]]:
-    """Build the hosts (namespaces ``<prefix>-*``), run ``python -m module`` as ``local``
-    ranks on each, tear down; every rank's record, by rank. Files go under ``work``."""
-    cfg_path = work / "config.json"
-    cfg_path.write_text(json.dumps(config))
-    ranks_dir = work / "ranks"
-    ranks_dir.mkdir()
-    proc = netns.run_on_hosts(
-        hosts,
-        node_command(hosts, local, module, cfg_path, ranks_dir),
-        prefix=prefix,
-        log_dir=work / "logs",
-        timeout_s=timeout_s,
-        shaping=shaping,
-        env=rank_environment(),
-    )
-    left = netns.namespaces_left(prefix)
-    if left:
-        log.warning("namespaces left behind: %s", left)
-    if proc.returncode != 0:
-        logs = "".join(
-            f"\n--- {p.name} ---\n{p.read_text()[-3000:]}"
-            for p in sorted((work / "logs").glob("node*.log"))
+    """Build ``cfg``'s hosts (namespaces ``<prefix>-*``, links shaped as it says), run
+    ``python -m module --config <config as JSON>`` as ``cfg.local`` ranks on each
+    (all within ``cfg.timeout_s``), tear down; every rank's record, by rank."""
+    with tempfile.TemporaryDirectory(prefix=f"entrenar_{prefix}_") as tmp:
+        work = Path(tmp)
+        cfg_path = work / "config.json"
+        cfg_path.write_text(json.dumps(config))
+        ranks_dir = work / "ranks"
+        ranks_dir.mkdir()
+        proc = netns.run_on_hosts(
+            cfg.hosts,
+            node_command(cfg.hosts, cfg.local, module, cfg_path, ranks_dir),
+            prefix=prefix,
+            log_dir=work / "logs",
+            timeout_s=cfg.timeout_s,
+            shaping=shaping_of(cfg),
+            env=rank_environment(),
         )
-        raise BenchError(f"the job exited {proc.returncode}: {proc.stderr[-3000:]}{logs}")
-    return [json.loads((ranks_dir / f"rank{r}.json").read_text()) for r in range(hosts * local)]
+        left = netns.namespaces_left(prefix)
+        if left:
+            log.warning("namespaces left behind: %s", left)
+        if proc.returncode != 0:
+            logs = "".join(
+                f"\n--- {p.name} ---\n{p.read_text()[-3000:]}"
+                for p in sorted((work / "logs").glob("node*.log"))
+            )
+            raise BenchError(f"the job exited {proc.returncode}: {proc.stderr[-3000:]}{logs}")
+        return [json.loads((ranks_dir / f"rank{r}.json").read_text()) for r in range(cfg.world)]
 
 
 def write_record(out_dir: Path, rank: int, record: dict[str, Any]) -> None:

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import netns, netns_job
+from benchmarks import netns_job
 from benchmarks.cluster_config import ClusterConfig
 from benchmarks.config import MiB, Variant
 from benchmarks.results import combine_ranks, summarize
@@ -112,18 +110,8 @@ def rows_of(sweep: Sweep, per_rank: Sequence[dict[str, Any]]) -> list[dict[str, 
 
 def run(sweep: Sweep) -> list[dict[str, Any]]:
     """Measure ``sweep`` on its emulated hosts (the cluster harness's)."""
-    cfg = sweep.cluster
-    with tempfile.TemporaryDirectory(prefix="entrenar_model_") as d:
-        per_rank = netns_job.run_ranks(
-            cfg.hosts,
-            cfg.local,
-            "benchmarks.model.rank",
-            sweep.spec(),
-            Path(d),
-            prefix=f"enrm{os.getpid() % 100000}",
-            timeout_s=cfg.timeout_s,
-            shaping=netns.Shaping(rate=cfg.rate or ""),
-        )
+    prefix = f"enrm{os.getpid() % 100000}"
+    per_rank = netns_job.run_ranks(sweep.cluster, "benchmarks.model.rank", sweep.spec(), prefix)
     return rows_of(sweep, per_rank)
 
 
