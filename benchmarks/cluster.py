@@ -45,7 +45,7 @@ from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
 from benchmarks.netns_job import shaping_of
-from benchmarks.results import busbw_factor, combine_ranks, summarize
+from benchmarks.results import busbw_factor, combine_ranks, shape_row
 from benchmarks.sizes import parse_bytes, parse_sizes
 from benchmarks.spawn import BenchError
 
@@ -101,7 +101,8 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
     links: list[dict[str, Any]] = []
     for size in cfg.sizes:
         for name in names:
-            stats = summarize(combine_ranks([r["times"][f"{name}|{size}"] for r in ranks]))
+            samples = combine_ranks([r["times"][f"{name}|{size}"] for r in ranks])
+            row = shape_row(name, cfg.hosts, cfg.local, size, samples)
             per_host = [
                 _link_per_call(r, name, size, f) for r, f in zip(leaders, fences, strict=True)
             ]
@@ -115,21 +116,13 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
                         "rx_per_call": h["rx"],
                     }
                 )
-            rows.append(
-                {
-                    "variant": name,
-                    "hosts": cfg.hosts,
-                    "local": cfg.local,
-                    "bytes": size,
-                    "median_s": stats["median_s"],
-                    "min_s": stats["min_s"],
-                    "max_s": stats["max_s"],
-                    "busbw_GBps": size / stats["median_s"] / 1e9 * busbw_factor(cfg.world),
-                    "xhost_bytes_per_host": max(max(h["tx"], h["rx"]) for h in per_host),
-                    "bound_bytes_per_host": bound_bytes(cfg.hosts, size),
-                    "sockets_per_rank": statistics.fmean(r["sockets"][name] for r in ranks),
-                }
+            row.update(
+                busbw_GBps=size / row["median_s"] / 1e9 * busbw_factor(cfg.world),
+                xhost_bytes_per_host=max(max(h["tx"], h["rx"]) for h in per_host),
+                bound_bytes_per_host=bound_bytes(cfg.hosts, size),
+                sockets_per_rank=statistics.fmean(r["sockets"][name] for r in ranks),
             )
+            rows.append(row)
     return {"rows": rows, "links": links, "fence_bytes": fences}
 
 

@@ -23,7 +23,7 @@ import torch
 from benchmarks import netns_job
 from benchmarks.cluster_config import ClusterConfig
 from benchmarks.config import MiB, Variant
-from benchmarks.results import combine_ranks, summarize
+from benchmarks.results import combine_ranks, shape_row
 
 # Samples per variant, size and round: budget / size within [MIN, MAX] (as the
 # committed fit took them); the cluster's plan (sizes.plan_for) counts them over
@@ -78,17 +78,7 @@ def row(
     variant: str, hosts: int, local: int, nbytes: int, times: Sequence[float]
 ) -> dict[str, Any]:
     """One measurement row: a variant's per-call seconds at one shape and size, summarised."""
-    stats = summarize(times)
-    return {
-        "variant": variant,
-        "hosts": hosts,
-        "local": local,
-        "bytes": nbytes,
-        "median_s": stats["median_s"],
-        "min_s": stats["min_s"],
-        "max_s": stats["max_s"],
-        "samples": stats["n"],
-    }
+    return {**shape_row(variant, hosts, local, nbytes, times), "samples": len(times)}
 
 
 def rows_of(sweep: Sweep, per_rank: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
