@@ -5,11 +5,11 @@ for the flags). launch/netns_cluster.sh builds the hosts: one namespace per
 host, its ``eth0`` on a veth link to a bridge in a namespace of its own,
 addresses 10.77.0.<i+1>, nothing outside those namespaces touched; with
 ``--rate`` every host link is tbf-shaped both ways. One torchrun per host
-starts L ranks there (``benchmarks/cluster_rank.py``, through
-``benchmarks/netns_job.py`` as the cost model's measurements are); all H x L ranks are one
-job, which creates a group per variant (gloo, entrenar, entrenar-flat:
-``benchmarks/cluster_config.py``) and runs them interleaved, the order
-rotated each round.
+starts L ranks there (``benchmarks/cluster_rank.py``; the job runs through
+``benchmarks/netns_job.py``, as the cost model's measurements do); all
+H x L ranks are one job, which creates a group per variant (gloo, entrenar,
+entrenar-flat: ``benchmarks/cluster_config.py``) and runs them interleaved,
+the order rotated each round.
 
 Reported per variant and size (definitions as ``benchmarks.bench``): a
 sample is one blocking ``all_reduce`` timed on every rank, the maximum over
