@@ -5,10 +5,11 @@ for the flags). launch/netns_cluster.sh builds the hosts: one namespace per
 host, its ``eth0`` on a veth link to a bridge in a namespace of its own,
 addresses 10.77.0.<i+1>, nothing outside those namespaces touched; with
 ``--rate`` every host link is tbf-shaped both ways. One torchrun per host
-starts L ranks there (``benchmarks/cluster_rank.py``); all H x L ranks are one
-job, which creates a group per variant (gloo, entrenar, entrenar-flat:
-``benchmarks/cluster_config.py``) and runs them interleaved, the order
-rotated each round.
+starts L ranks there (``benchmarks/cluster_rank.py``; the job runs through
+``benchmarks/netns_job.py``, as the cost model's measurements do); all
+H x L ranks are one job, which creates a group per variant (gloo, entrenar,
+entrenar-flat: ``benchmarks/cluster_config.py``) and runs them interleaved,
+the order rotated each round.
 
 Reported per variant and size (definitions as ``benchmarks.bench``): a
 sample is one blocking ``all_reduce`` timed on every rank, the maximum over
@@ -29,23 +30,22 @@ Outputs (``--out``, default ``runs/cluster-<H>x<L>[-<rate>]``): ``cluster.json``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import netns
+from benchmarks import netns, netns_job
 from benchmarks.cluster_config import CLUSTER_VARIANTS, DEFAULT_SIZES, ClusterConfig
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
-from benchmarks.results import busbw_factor, combine_ranks, summarize
+from benchmarks.netns_job import shaping_of
+from benchmarks.results import busbw_factor, combine_ranks, shape_row
 from benchmarks.sizes import parse_bytes, parse_sizes
 from benchmarks.spawn import BenchError
 
@@ -55,36 +55,6 @@ log = logging.getLogger("benchmarks.cluster")
 def bound_bytes(hosts: int, size: int) -> float:
     """The least an allreduce of ``size`` bytes moves through a host's link, each way."""
     return 2.0 * (hosts - 1) / hosts * size
-
-
-def node_command(cfg_path: Path, out_dir: Path, cfg: ClusterConfig) -> str:
-    """The bash command netns_cluster.sh runs in every host: one torchrun of L ranks."""
-    return (
-        f"exec {sys.executable} -m torch.distributed.run --nnodes={cfg.hosts} "
-        f"--nproc_per_node={cfg.local} --node_rank=$NODE --master_addr=$HEAD_ADDR "
-        f"--master_port={netns.HEAD_PORT} -m benchmarks.cluster_rank "
-        f"--config {cfg_path} --out {out_dir}"
-    )
-
-
-def rank_environment() -> dict[str, str]:
-    """The driver's environment plus what every rank needs: this tree first on the
-    path, both backends on the host's link, one intra-op thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(netns.REPO), env.get("PYTHONPATH", "")) if x
-    )
-    env.update(
-        ENTRENAR_IFNAME=netns.HOST_IFNAME,
-        GLOO_SOCKET_IFNAME=netns.HOST_IFNAME,
-        OMP_NUM_THREADS="1",
-    )
-    return env
-
-
-def shaping_of(cfg: ClusterConfig) -> netns.Shaping:
-    """The links' shaping for ``cfg``."""
-    return netns.Shaping(rate=cfg.rate or "", netem=f"delay {cfg.delay}" if cfg.delay else "")
 
 
 def check_shaping(shaping: netns.Shaping) -> None:
@@ -102,31 +72,6 @@ def check_shaping(shaping: netns.Shaping) -> None:
         ok, why = netns.qdisc_available(*shaping.tbf())
         if not ok:
             raise BenchError(f"--rate {shaping.rate}: tc cannot add a tbf qdisc (tc: {why or '?'})")
-
-
-def run_job(cfg: ClusterConfig, work: Path, prefix: str) -> list[dict[str, Any]]:
-    """Build the hosts (namespaces ``<prefix>-*``), run the job, tear down; every rank's record."""
-    cfg_path = work / "config.json"
-    cfg_path.write_text(json.dumps(cfg.to_json()))
-    ranks_dir = work / "ranks"
-    ranks_dir.mkdir()
-    proc = netns.run_on_hosts(
-        cfg.hosts,
-        node_command(cfg_path, ranks_dir, cfg),
-        prefix=prefix,
-        log_dir=work / "logs",
-        timeout_s=cfg.timeout_s,
-        shaping=shaping_of(cfg),
-        env=rank_environment(),
-    )
-    if proc.returncode != 0:
-        logs = "".join(
-            f"\n--- {p.name} ---\n{p.read_text()[-3000:]}"
-            for p in sorted((work / "logs").glob("node*.log"))
-        )
-        raise BenchError(f"the job exited {proc.returncode}: {proc.stderr[-3000:]}{logs}")
-    ranks = [json.loads((ranks_dir / f"rank{r}.json").read_text()) for r in range(cfg.world)]
-    return ranks
 
 
 def _link_per_call(
@@ -156,7 +101,8 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
     links: list[dict[str, Any]] = []
     for size in cfg.sizes:
         for name in names:
-            stats = summarize(combine_ranks([r["times"][f"{name}|{size}"] for r in ranks]))
+            samples = combine_ranks([r["times"][f"{name}|{size}"] for r in ranks])
+            row = shape_row(name, cfg.hosts, cfg.local, size, samples)
             per_host = [
                 _link_per_call(r, name, size, f) for r, f in zip(leaders, fences, strict=True)
             ]
@@ -170,21 +116,13 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
                         "rx_per_call": h["rx"],
                     }
                 )
-            rows.append(
-                {
-                    "variant": name,
-                    "hosts": cfg.hosts,
-                    "local": cfg.local,
-                    "bytes": size,
-                    "median_s": stats["median_s"],
-                    "min_s": stats["min_s"],
-                    "max_s": stats["max_s"],
-                    "busbw_GBps": size / stats["median_s"] / 1e9 * busbw_factor(cfg.world),
-                    "xhost_bytes_per_host": max(max(h["tx"], h["rx"]) for h in per_host),
-                    "bound_bytes_per_host": bound_bytes(cfg.hosts, size),
-                    "sockets_per_rank": statistics.fmean(r["sockets"][name] for r in ranks),
-                }
+            row.update(
+                busbw_GBps=size / row["median_s"] / 1e9 * busbw_factor(cfg.world),
+                xhost_bytes_per_host=max(max(h["tx"], h["rx"]) for h in per_host),
+                bound_bytes_per_host=bound_bytes(cfg.hosts, size),
+                sockets_per_rank=statistics.fmean(r["sockets"][name] for r in ranks),
             )
+            rows.append(row)
     return {"rows": rows, "links": links, "fence_bytes": fences}
 
 
@@ -194,11 +132,7 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
     check_shaping(shaping_of(cfg))
     load_start = list(os.getloadavg())
     prefix = f"enrc{os.getpid() % 100000}"
-    with tempfile.TemporaryDirectory(prefix="entrenar_cluster_") as tmp:
-        ranks = run_job(cfg, Path(tmp), prefix)
-    left = netns.namespaces_left(prefix)
-    if left:
-        log.warning("namespaces left behind: %s", left)
+    ranks = netns_job.run_ranks(cfg, "benchmarks.cluster_rank", cfg.to_json(), prefix)
     part = combine(cfg, ranks)
     notes = list(ranks[0]["notes"])
     gloo = {r["bytes"]: r["median_s"] for r in part["rows"] if r["variant"] == GLOO}

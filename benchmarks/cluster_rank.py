@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import netns
+from benchmarks import netns, netns_job
 from benchmarks.cluster_config import ClusterConfig, resolve_variants
 from benchmarks.config import FLOAT32_BYTES, Variant
 from benchmarks.sizes import plan_for, rotated
@@ -155,8 +155,11 @@ def _since_start() -> float:
     return uptime - ticks / os.sysconf("SC_CLK_TCK")
 
 
-def run(cfg: ClusterConfig, out_dir: Path) -> None:
-    """This rank's whole job; writes ``out_dir/rank<R>.json``."""
+def run(cfg: ClusterConfig, out_dir: Path, variants: Sequence[Variant] | None = None) -> None:
+    """This rank's whole job; writes ``out_dir/rank<R>.json``.
+
+    ``variants``: these groups instead of ``cfg.variants``' names (the cost
+    model's link measurements, ``benchmarks/model/rank.py``)."""
     import entrenar_pg
     from entrenar_pg import Options
 
@@ -171,9 +174,10 @@ def run(cfg: ClusterConfig, out_dir: Path) -> None:
     torch.set_num_threads(1)
     rec = RankRecord(rank=rank, host=int(env["GROUP_RANK"]), local_rank=local_rank)
     rec.entrenar_pg_file = str(entrenar_pg.__file__)
-    variants, rec.notes = resolve_variants(
-        cfg.variants, {f.name for f in dataclasses.fields(Options)}
-    )
+    if variants is None:
+        variants, rec.notes = resolve_variants(
+            cfg.variants, {f.name for f in dataclasses.fields(Options)}
+        )
     rec.variant_options = {v.name: v.options for v in variants}
     rec.phases["imports"] = _since_start()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.op_timeout_s))
@@ -187,27 +191,30 @@ def run(cfg: ClusterConfig, out_dir: Path) -> None:
     _sweep(cfg, rank, groups, fence, rec)
     _calibrate(fence, cfg.calibration_blocks, rec)
     rec.phases["sweep"] = _since_start()
-    path = out_dir / f"rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(rec)))
-    os.replace(tmp, path)
+    netns_job.write_record(out_dir, rank, dataclasses.asdict(rec))
     dist.barrier(group=ctrl)
     dist.destroy_process_group()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point under torchrun; a failure exits 1 at once (torchrun stops the others)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster_rank")
-    p.add_argument("--config", required=True, help="ClusterConfig JSON file")
-    p.add_argument("--out", required=True, help="directory for rank<R>.json")
-    a = p.parse_args(argv)
-    cfg = ClusterConfig.from_json(json.loads(Path(a.config).read_text()))
+def run_or_exit(
+    cfg: ClusterConfig, out_dir: Path, variants: Sequence[Variant] | None = None
+) -> None:
+    """:func:`run`; a failure exits 1 at once (torchrun stops the others)."""
     try:
-        run(cfg, Path(a.out))
+        run(cfg, out_dir, variants)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # a cleanup that waits on dead peers would only delay the driver
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point under torchrun."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster_rank")
+    p.add_argument("--config", required=True, help="ClusterConfig JSON file")
+    p.add_argument("--out", required=True, help="directory for rank<R>.json")
+    a = p.parse_args(argv)
+    run_or_exit(ClusterConfig.from_json(json.loads(Path(a.config).read_text())), Path(a.out))
     return 0
 
 

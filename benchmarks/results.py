@@ -33,6 +33,23 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [max(col) for col in zip(*per_rank, strict=True)]
 
 
+def shape_row(
+    variant: str, hosts: int, local: int, size: int, samples: Sequence[float]
+) -> dict[str, Any]:
+    """The head of a row of an H x L run, as cluster.json and the cost model's
+    measurements.json both hold it (``benchmarks.model`` reads either)."""
+    stats = summarize(samples)
+    return {
+        "variant": variant,
+        "hosts": hosts,
+        "local": local,
+        "bytes": size,
+        "median_s": stats["median_s"],
+        "min_s": stats["min_s"],
+        "max_s": stats["max_s"],
+    }
+
+
 def allreduce_row(world: int, variant: str, size: int, samples: Sequence[float]) -> dict[str, Any]:
     """One allreduce result row with nccl-tests bandwidths."""
     row: dict[str, Any] = {"world_size": world, "variant": variant, "size_bytes": size}

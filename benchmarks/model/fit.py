@@ -9,9 +9,9 @@ least squares (``numpy.linalg.lstsq``) weighs every row by 1 / its time, so
 what is minimised is the *relative* error, as the check judges it; a
 parameter fitted below zero is set to zero and the other refitted.
 
-The shaped link is a token bucket (tc tbf, ``netns.py``): a burst of bytes
-passes at the veth's speed before the rate binds, so a loop of small calls
-is not charged for its bytes at all, which a real link always charges.
+The shaped link is a token bucket (tc tbf, ``benchmarks/netns.py``): a burst
+of bytes passes at the veth's speed before the rate binds, so a loop of small
+calls is not charged for its bytes at all, which a real link always charges.
 For the ``net`` kinds the two regimes are fitted apart: alpha from the
 sizes below ``Measure.bucket_bytes`` (where a call costs its alpha only),
 beta from the sizes above with that alpha fixed (where the rate binds):
