@@ -43,6 +43,14 @@ TORCH_PIN = f"torch=={torch.__version__.split('+')[0]}"  # the torch these tests
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+def isolated_env(**extra: str) -> dict[str, str]:
+    """This environment without anything that could import the checkout (a
+    PYTHONPATH naming it would also make pip see its egg-info as installed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
 @dataclass(frozen=True)
 class Venv:
     root: Path
@@ -53,10 +61,7 @@ class Venv:
         return str(self.root / "bin" / name)
 
     def env(self, **extra: str) -> dict[str, str]:
-        """This environment without anything that could import the checkout."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        env.update(PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", **extra)
-        return env
+        return isolated_env(**extra)
 
     def run(self, args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -113,6 +118,7 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
         subprocess.run(
             pip + [TORCH_PIN, str(wheel)],
             cwd=work,
+            env=isolated_env(),
             capture_output=True,
             text=True,
             timeout=180,
