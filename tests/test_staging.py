@@ -226,11 +226,40 @@ def stream_staging(ops: FakeOps, pool: PinnedPool) -> Staging:
 
 
 @pytest.mark.timeout(30)
-def test_stream_path_needs_pool_and_stream() -> None:
-    with pytest.raises(ValueError, match="pool"):
-        Staging(CPU, None, "S", FakeOps())
-    with pytest.raises(ValueError, match="stream"):
+def test_stream_path_needs_a_stream() -> None:
+    with pytest.raises(ValueError, match="needs a comm stream"):
         Staging(CPU, PinnedPool(pin=False), None, FakeOps())
+    with pytest.raises(ValueError, match="needs a comm stream"):
+        Staging(CPU, None, None, FakeOps())
+
+
+@pytest.mark.timeout(30)
+def test_stream_path_with_buffers_of_its_own() -> None:
+    """pool=None (p2p): a fresh buffer per item; a read synchronizes, a write-only load does not."""
+    ops = FakeOps()
+    src = torch.arange(6, dtype=torch.float32)
+    s = Staging(CPU, None, "P", ops)
+    (read,) = s.add([src], read=True, write=False)
+    s.load()
+    assert read.host is not None and read.host.data_ptr() != src.data_ptr()
+    assert torch.equal(read.host, src)
+    assert ops.kinds()[-2:] == ["synchronize", "exit"], "a read must be on the host before use"
+    ops.log.clear()
+    dst = non_contiguous(3)
+    s = Staging(CPU, None, "P", ops)
+    (written,) = s.add([dst], read=False, write=True)
+    s.load()
+    assert ops.kinds() == ["record_event", "enter", "wait_event", "exit"], ops.log
+    assert written.host is not None and written.host.data_ptr() != dst.data_ptr()
+    other = Staging(CPU, None, "P", ops)
+    (again,) = other.add([torch.zeros(6)], read=False, write=True)
+    other.load()
+    assert again.host is not None and again.host.data_ptr() != written.host.data_ptr()
+    written.host.copy_(torch.arange(6, dtype=torch.float32))
+    ops.log.clear()
+    s.store()
+    assert ops.kinds() == ["enter", "record_stream", "exit"]
+    assert torch.equal(dst, torch.arange(6, dtype=torch.float32).view(2, 3))
 
 
 @pytest.mark.timeout(30)

@@ -102,12 +102,13 @@ class Runtime:
         self.scratch = ScratchPool()
         self._choices: dict[tuple[OpCode, int], Choice] = {}  # policy answers (see call)
         self.pinned: PinnedPool | None = None
-        self.cuda_streams: dict[int, Any] = {}
+        self.cuda_streams: dict[int, Any] = {}  # the comm thread's, by device index
+        self.p2p_streams: dict[int, Any] = {}  # the p2p channel's, likewise
         self._comm_spin_s = options.spin_us / 1e6
         self._caller_spin_s = options.caller_spin_us / 1e6
         self.mesh = Mesh(store, rank, size, options, timeout, name=name)
         # p2p has its own channel and thread: a recv must never block the collectives.
-        self.p2p = P2PChannel(self.mesh, self.timeout_s, name=name)
+        self.p2p = P2PChannel(self.mesh, self.timeout_s, self.p2p_staging, name=name)
         self.p2p.on_failure = self._p2p_failed  # a p2p link failure breaks the group too
         # The break hooks, in order: pending p2p fails with the group's error
         # (before its sockets go), then the peers learn of the failure and a
@@ -144,13 +145,15 @@ class Runtime:
             return Staging(device, None, None)
         if self.pinned is None:
             self.pinned = PinnedPool()
-        # A CUDA tensor's device always has an index (never current_device()).
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self.cuda_streams.get(index)
-        if stream is None:
-            stream = new_comm_stream(index)
-            self.cuda_streams[index] = stream
+        index, stream = _stream_of(self.cuda_streams, device)
         return Staging(torch.device("cuda", index), self.pinned, stream)
+
+    def p2p_staging(self, device: torch.device) -> Staging:
+        """The staging of one p2p op's tensor (CUDA: buffers of its own, the p2p stream)."""
+        if device == _CPU or device.type != "cuda":
+            return Staging(device, None, None)
+        index, stream = _stream_of(self.p2p_streams, device)
+        return Staging(torch.device("cuda", index), None, stream)
 
     def submit_check(self, run: Callable[[Any], None]) -> EntrenarWork:
         """The contract checker's job ``run(call)`` (op CHECK, the next seq), blocking.
@@ -326,3 +329,14 @@ class Runtime:
         """The no-progress timeout of later collectives and p2p calls."""
         self.timeout_s = seconds
         self.p2p.timeout_s = seconds
+
+
+def _stream_of(streams: dict[int, Any], device: torch.device) -> tuple[int, Any]:
+    """``device``'s index and its stream in ``streams``, made on first use."""
+    # A CUDA tensor's device always has an index (never current_device()).
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = new_comm_stream(index)
+        streams[index] = stream
+    return index, stream

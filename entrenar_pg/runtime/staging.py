@@ -181,10 +181,13 @@ def new_comm_stream(device_index: int) -> Any:
 class Staging:
     """The staging of one collective's tensors (created in the caller's thread).
 
-    ``device``: the tensors' common device. For CUDA, ``pool`` and ``stream``
-    (the group's comm stream for that device) are required; ``ops`` defaults to
+    ``device``: the tensors' common device. For CUDA, ``stream`` (the group's
+    comm or p2p stream for that device) is required; ``ops`` defaults to
     torch.cuda. Passing ``ops`` with a CPU device runs the stream path with
-    those ops (tests).
+    those ops (tests). ``pool``: the pinned buffers reused across calls (the
+    comm thread's collectives); None: buffers of this staging's own (p2p,
+    whose many ops in flight each hold theirs until their bytes have moved;
+    torch's caching host allocator recycles them).
     """
 
     def __init__(
@@ -207,8 +210,8 @@ class Staging:
         self._items: list[Staged] = []
         self._ready: Any | None = None
         if ops is not None:
-            if pool is None or stream is None:
-                raise ValueError(f"staging on {device} needs a buffer pool and a comm stream")
+            if stream is None:
+                raise ValueError(f"staging on {device} needs a comm stream")
             # Everything the caller's stream queued so far comes before our copies.
             self._ready = ops.caller_event(device)
 
@@ -252,19 +255,27 @@ class Staging:
                         it.host.copy_(user.reshape(-1))
             return
         ops, pool, stream = self._ops, self._pool, self._stream
-        assert pool is not None
         index = self.device.index if self.device.index is not None else 0
+        copied = False
         with ops.use(stream):
             ops.wait_event(stream, self._ready)
             for slot, it in enumerate(self._items):
-                host = pool.get(index, slot, it.user.numel(), it.user.dtype)
+                numel, dtype = it.user.numel(), it.user.dtype
+                if pool is None:
+                    host = torch.empty(numel, dtype=dtype, pin_memory=self._cuda)
+                else:
+                    host = pool.get(index, slot, numel, dtype)
                 if it.read and host.numel():
                     # reshape packs a non-contiguous tensor on the comm stream.
                     host.copy_(it.user.detach().reshape(-1), non_blocking=True)
+                    copied = True
                 it.host = host
             # The host may touch the buffers only once (a) these copies and (b)
             # any earlier job's host -> device copies out of them are done.
-            ops.synchronize(stream)
+            # Buffers of our own have no earlier job: with nothing read
+            # (a recv), the caller's thread does not wait for its stream.
+            if copied or pool is not None:
+                ops.synchronize(stream)
 
     def store(self) -> None:
         """Comm thread: copy written host tensors back into the user's tensors."""

@@ -1,0 +1,10 @@
+"""Point-to-point messages: send / recv / recv_anysource, matched by peer and tag.
+
+``matching``: which recv a message is for (sans-IO, tested on its own);
+``channel``: the thread that moves the messages over the mesh's p2p sockets.
+"""
+
+from .channel import ABORT_JOIN_S, P2PChannel, P2PWork
+from .matching import ANY_SOURCE, Matching
+
+__all__ = ["ABORT_JOIN_S", "ANY_SOURCE", "Matching", "P2PChannel", "P2PWork"]
