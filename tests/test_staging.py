@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -447,6 +448,78 @@ def test_group_future_completed_inside_stream_context() -> None:
         stream, thread = seen[0]
         assert thread.startswith("entrenar-"), thread
         assert stream == "S", "set_result must run with the comm stream current"
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+# -------------------------------------------------- p2p through the stream path
+
+
+class ThreadOps(FakeOps):
+    """FakeOps that also logs which thread each record_stream ran in."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        assert self.current() == stream, "record_stream outside the stream context"
+        self._add("record_stream", tensor.data_ptr(), stream, threading.current_thread().name)
+
+
+def p2p_stream_staging(ops: FakeOps, device: torch.device) -> Staging:
+    return Staging(device, None, "P", ops)
+
+
+@pytest.mark.timeout(60)
+def test_p2p_stages_through_the_stream_path() -> None:
+    """A send's host copy waits on the caller's event and is synchronized
+    before its bytes are queued; a recv's copy back runs in the p2p thread on
+    the p2p stream, and its future completes with that stream current."""
+    groups = make_groups(2)
+    try:
+        fakes = [ThreadOps() for _ in groups]
+        for g, ops in zip(groups, fakes, strict=True):
+            g._runtime.p2p.staging = partial(p2p_stream_staging, ops)
+        sent = non_contiguous(6)  # strided on both sides: packed, then unpacked
+        got = torch.zeros(2, 12)[:, ::2]  # (2, 6), strided
+        assert not got.is_contiguous() and got.shape == sent.shape
+
+        def fn(rank: int, g: EntrenarProcessGroup) -> Any:
+            ops = fakes[rank]
+            me = threading.get_ident()
+            if rank == 1:
+                work = g.recv([got], 0, 5)
+                (fut,) = ops.futures
+                seen: list[Any] = []
+                fut.add_done_callback(
+                    lambda _f: seen.append((ops.current(), threading.current_thread().name))
+                )
+                posted = list(ops.log)
+                g.allreduce([torch.ones(1)]).wait()  # now rank 0 sends
+                work.wait()
+                return posted, seen
+            g.allreduce([torch.ones(1)]).wait()
+            copies: list[tuple[Any, ...]] = []
+            with CopyLog(copies):
+                work = g.send([sent], 1, 5)
+            assert ops.log[0] == ("record_event", CPU, me)
+            work.wait()
+            return copies, list(ops.log)
+
+        (copies, send_log), (posted, seen) = run_ranks(2, fn, groups=groups)
+        kinds = [e[0] for e in send_log]
+        assert kinds[:3] == ["record_event", "enter", "wait_event"], send_log
+        assert kinds.index("synchronize") < kinds.index("exit"), "host copy done before queueing"
+        assert ("copy", True) in copies, "device -> host copy is asynchronous on the stream"
+        assert "record_stream" not in kinds
+        assert len(fakes[0].futures) == 1, "the send's future comes from the staging"
+
+        # Posting the recv: the stream waits on the caller's event, nobody blocks.
+        assert [e[0] for e in posted] == ["record_event", "enter", "wait_event", "exit"], posted
+        log1 = fakes[1].log[len(posted) :]
+        (rs,) = [e for e in log1 if e[0] == "record_stream"]
+        assert rs[1] == got.data_ptr() and rs[2] == "P"
+        assert rs[3].startswith("entrenar-p2p-r1"), "the copy back runs in the p2p thread"
+        assert seen == [("P", rs[3])], "set_result must run with the p2p stream current"
+        assert torch.equal(got, sent)
     finally:
         for g in groups:
             g.shutdown()
