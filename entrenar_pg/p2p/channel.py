@@ -253,10 +253,9 @@ class P2PChannel:
                 op.what,
             )
             self._next_recv += 1
-            why = self._cannot_arrive(src)
-            if why is not None and not self._matching.has_message_for(recv):
-                cause = self._links[src].dead if why == "" else None  # "": src's link is down
-                self._done.append((op, op_error(self.rank, op.what, cause, why)))
+            gone = self._cannot_arrive(src)
+            if gone is not None and not self._matching.has_message_for(recv):
+                self._done.append((op, op_error(self.rank, op.what, *gone)))
             else:
                 self._recvs[recv.id] = op
                 self._matching.post(recv)
@@ -295,15 +294,16 @@ class P2PChannel:
             event_until(fut, name, tensor, op.nbytes, tag)
         return op
 
-    def _cannot_arrive(self, src: int) -> str | None:
-        """Why no message from ``src`` can arrive any more (None: one can)."""
+    def _cannot_arrive(self, src: int) -> tuple[EntrenarError | None, str] | None:
+        """Why no message from ``src`` can arrive any more, as ``op_error``'s
+        (cause, why); None: one can."""
         if self._closing:
-            return "the group was destroyed"
+            return None, "the group was destroyed"
         if src == ANY_SOURCE:
             if self._links and all(ln.dead is not None for ln in self._links.values()):
-                return "every peer's connection is closed"
+                return None, "every peer's connection is closed"
         elif src != self.rank and self._links[src].dead is not None:
-            return ""
+            return self._links[src].dead, ""
         return None
 
     def _queue(self, link: _Link, op: _Op) -> None:
