@@ -489,12 +489,18 @@ def test_p2p_stages_through_the_stream_path() -> None:
                 work = g.recv([got], 0, 5)
                 (fut,) = ops.futures
                 seen: list[Any] = []
-                fut.add_done_callback(
-                    lambda _f: seen.append((ops.current(), threading.current_thread().name))
-                )
+                called = threading.Event()
+
+                def record(_f: Any) -> None:
+                    seen.append((ops.current(), threading.current_thread().name))
+                    called.set()
+
+                fut.add_done_callback(record)
                 posted = list(ops.log)
                 g.allreduce([torch.ones(1)]).wait()  # now rank 0 sends
                 work.wait()
+                # A future wakes its waiters before it runs its callbacks.
+                assert called.wait(30), "the recv future's callback never ran"
                 return posted, seen
             g.allreduce([torch.ones(1)]).wait()
             copies: list[tuple[Any, ...]] = []
