@@ -108,6 +108,7 @@ from trainer.model import GPT
 from trainer.optim import build_optimizer
 from trainer.step import (
     GlobalBatch,
+    MicroBatch,
     accumulated_gradients,
     deterministic_gradients,
     load_micro_batches,
@@ -255,6 +256,62 @@ def evaluate(model: GPT, data: Data, proc: Process) -> float:
     return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
 
 
+def compute_gradients(
+    cfg: TrainConfig,
+    ddp: DDP,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    micro_batches: list[MicroBatch],
+    step: int,
+    total_micro_batches: int,
+) -> tuple[float, float | None]:
+    """The step's mean gradient into ``p.grad``; its loss, and the allreduce's wall time
+    when the trainer issues that allreduce itself (deterministic mode)."""
+    if cfg.deterministic:
+        return deterministic_gradients(
+            ddp,
+            optimizer,
+            params,
+            micro_batches,
+            seed=cfg.seed,
+            step=step,
+            total_micro_batches=total_micro_batches,
+        )
+    loss = accumulated_gradients(
+        ddp, micro_batches, seed=cfg.seed, step=step, total_micro_batches=total_micro_batches
+    )
+    return loss, None
+
+
+def save_checkpoint(
+    cfg: TrainConfig,
+    proc: Process,
+    batch: GlobalBatch,
+    data: Data,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+    samples_consumed: int,
+) -> None:
+    """Write ``<checkpoint_dir>/latest.pt`` atomically (rank 0 is the only writer)."""
+    assert cfg.ckpt_dir is not None
+    state = ckpt.training_state(
+        step=step,
+        samples_consumed=samples_consumed,
+        world_size=proc.world,
+        micro_batches=batch.micro_batches,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=proc.device,
+        model_config=model.config.to_dict(),
+        train_config=dataclasses.asdict(cfg),
+        corpus_sha256=data.corpus.sha256,
+    )
+    ckpt.save_atomic(state, ckpt.checkpoint_path(cfg.ckpt_dir))
+
+
 # ----------------------------------------------------------------------------
 # Finish: rank 0 reports.
 
@@ -372,25 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         micro_batches = load_micro_batches(
             data.corpus, data.stream, samples_consumed, batch, proc.device
         )
-        allreduce_wall = None
-        if cfg.deterministic:
-            loss, allreduce_wall = deterministic_gradients(
-                ddp,
-                optimizer,
-                params,
-                micro_batches,
-                seed=cfg.seed,
-                step=step,
-                total_micro_batches=batch.micro_batches,
-            )
-        else:
-            loss = accumulated_gradients(
-                ddp,
-                micro_batches,
-                seed=cfg.seed,
-                step=step,
-                total_micro_batches=batch.micro_batches,
-            )
+        loss, allreduce_wall = compute_gradients(
+            cfg, ddp, optimizer, params, micro_batches, step, batch.micro_batches
+        )
         grad_norm = None
         if cfg.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -415,20 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             allreduce_wall=allreduce_wall,
         )
         if proc.master and cfg.ckpt_dir is not None and due(step, cfg.checkpoint_every, cfg.steps):
-            state = ckpt.training_state(
-                step=step,
-                samples_consumed=samples_consumed,
-                world_size=proc.world,
-                micro_batches=batch.micro_batches,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                device=proc.device,
-                model_config=model.config.to_dict(),
-                train_config=dataclasses.asdict(cfg),
-                corpus_sha256=data.corpus.sha256,
+            save_checkpoint(
+                cfg, proc, batch, data, model, optimizer, scheduler, step, samples_consumed
             )
-            ckpt.save_atomic(state, ckpt.checkpoint_path(cfg.ckpt_dir))
     reporter.close_bar()
     wall = time.perf_counter() - t_start
 
