@@ -141,7 +141,7 @@ def test_options_read_the_ledger_path():
 
 def test_trainer_passes_the_ledger_path_to_entrenar_only():
     from trainer.common import group_options
-    from trainer.train import parse_args
+    from trainer.config import parse_args
 
     assert parse_args(["--ledger", "run.jsonl"]).ledger == "run.jsonl"
     options = group_options("entrenar", True, "run.jsonl")

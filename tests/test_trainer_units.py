@@ -17,6 +17,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.common import is_power_of_two, param_hash, state_hash, tree_sum
+from trainer.config import TrainConfig, parse_args
 from trainer.data import (
     EXCLUDED_DIRS,
     SampleStream,
@@ -29,8 +30,10 @@ from trainer.data import (
     val_windows,
     windows_to_batch,
 )
+from trainer.metrics import read_metrics
 from trainer.model import GPT, GPTConfig
-from trainer.train import CosineWithWarmup, TrainConfig, micro_seed, parse_args, read_metrics
+from trainer.optim import CosineWithWarmup
+from trainer.step import micro_seed
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)

@@ -9,7 +9,11 @@ A checkpoint is one file, ``<dir>/latest.pt``, written by rank 0 only:
 - ``step`` and ``samples_consumed``: the data position (see trainer/data.py),
   a global count, so a run saved at N workers resumes at any other N,
 - ``model_config``, ``train_config``, ``corpus_sha256``, ``world_size``,
-  ``param_hash``: to refuse a mismatched resume and to audit.
+  ``micro_batches``, ``param_hash``: to refuse a mismatched resume and to audit,
+- ``ledger_parameters``: the optimizer's parameters in the run ledger's
+  order, what ``python -m entrenar_pg.ledger verify --checkpoint`` hashes.
+
+``training_state`` builds this payload and ``restore`` loads it back.
 
 Atomicity: the payload is written to a temporary file in the same directory,
 flushed and fsync'ed, then renamed over ``latest.pt`` with ``os.replace``
@@ -47,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.common import optimizer_parameters, param_hash
 
 CHECKPOINT_NAME = "latest.pt"
 FORMAT_VERSION = 1
@@ -195,3 +201,63 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def training_state(
+    *,
+    step: int,
+    samples_consumed: int,
+    world_size: int,
+    micro_batches: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    device: torch.device,
+    model_config: dict[str, Any],
+    train_config: dict[str, Any],
+    corpus_sha256: str,
+) -> dict[str, Any]:
+    """The trainer's checkpoint payload (the module docstring lists its fields)."""
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "samples_consumed": samples_consumed,
+        "world_size": world_size,
+        "micro_batches": micro_batches,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(device),
+        "model_config": model_config,
+        "train_config": train_config,
+        "corpus_sha256": corpus_sha256,
+        "param_hash": param_hash(model),
+        # what `python -m entrenar_pg.ledger verify --checkpoint` hashes
+        "ledger_parameters": optimizer_parameters(optimizer),
+    }
+
+
+def restore(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    device: torch.device,
+    model_config: dict[str, Any],
+    corpus_sha256: str,
+) -> dict[str, Any]:
+    """Load a checkpoint into the model, optimizer, scheduler and RNGs; the payload.
+
+    Refuses (``ValueError``) a checkpoint of another model or another corpus.
+    """
+    state = load(path)
+    if state["model_config"] != model_config:
+        raise ValueError(f"{path}: model config {state['model_config']} != {model_config}")
+    if state["corpus_sha256"] != corpus_sha256:
+        raise ValueError(f"{path}: made on a different corpus (--corpus-bytes?)")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"], device)
+    return state

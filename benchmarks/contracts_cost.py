@@ -1,8 +1,8 @@
 """What deterministic mode and the contract checker cost (docs/contracts.md, "Costs").
 
-    python tests/scripts/contracts_cost.py allreduce N MIB REPEATS
-    python tests/scripts/contracts_cost.py ddp N STEPS WIDTH BATCH
-    python tests/scripts/contracts_cost.py gpt N STEPS
+    python -m benchmarks.contracts_cost allreduce N MIB REPEATS
+    python -m benchmarks.contracts_cost ddp N STEPS WIDTH BATCH
+    python -m benchmarks.contracts_cost gpt N STEPS
 
 ``allreduce``: ring vs deterministic ring vs ring + checker at one size, one
 entrenar group each, interleaved (rotating order) so drift hits all alike. A

@@ -1,7 +1,7 @@
 """Time dist.all_reduce over entrenar's TCP transport, its shared-memory byte
 rings and its shm-native allreduce (the slot areas), interleaved.
 
-torchrun --standalone --nproc_per_node=N tests/scripts/shm_vs_tcp.py [rounds] [sizes...]
+torchrun --standalone --nproc_per_node=N -m benchmarks.shm_vs_tcp [rounds] [sizes...]
 Prints, on rank 0, the median time per call at each size for each path and
 the ratios slots / rings and slots / tcp: the machine is shared, so ratios,
 not absolutes. The paths:
@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,12 +44,18 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 _SUM = Reduction(Kind.SUM)
 
 
+def runtime_of(group: dist.ProcessGroup) -> Any:
+    """An entrenar group's runtime (its backend's private ``_runtime``)."""
+    backend: Any = group._get_backend(torch.device("cpu"))
+    return backend._runtime
+
+
 class AlgoOnly:
     """The slots group's allreduce job without dispatch: sequence numbers of
     its own (far above the group's, the same on every rank)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.rt = group._get_backend(torch.device("cpu"))._runtime
+        self.rt = runtime_of(group)
         self.seq = 1 << 40
 
     def __call__(self, t: torch.Tensor) -> None:
@@ -78,17 +86,17 @@ def main() -> None:
         "slots": dist.new_group(backend="entrenar", pg_options=Options(transport="shm")),
         "floor": dist.new_group(backend=floor.BACKEND),
     }
-    rings = groups["rings"]._get_backend(torch.device("cpu"))._runtime
+    rings = runtime_of(groups["rings"])
     rings.mesh.all_local = False  # the policy's rows for the byte rings
-    slots = groups["slots"]._get_backend(torch.device("cpu"))._runtime
+    slots = runtime_of(groups["slots"])
     assert slots.mesh.all_local and slots.mesh.slots is not None
     algo = AlgoOnly(groups["slots"])
     calls: dict[str, Callable[[torch.Tensor], object]] = {
-        name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()
+        name: partial(dist.all_reduce, group=g) for name, g in groups.items()
     }
     calls["algo"] = algo
     syncs: dict[str, Callable[[], object]] = {
-        name: (lambda g=g: dist.barrier(group=g)) for name, g in groups.items()
+        name: partial(dist.barrier, group=g) for name, g in groups.items()
     }
     syncs["algo"] = syncs["slots"]
     syncs["floor"] = dist.barrier  # the floor's barrier waits for no one

@@ -2,7 +2,7 @@
 
     git archive <old-commit> entrenar_pg | tar -x -C /tmp/old
     mv /tmp/old/entrenar_pg /tmp/old/entrenar_old
-    PYTHONPATH=$PWD:/tmp/old python tests/scripts/bench_header_confirm.py
+    PYTHONPATH=$PWD:/tmp/old python -m benchmarks.header_confirm_cost
 
 The old copy is imported as ``entrenar_old`` (its imports are relative), so
 every rank process holds both an old and a new group over one store and the
@@ -121,7 +121,7 @@ def main() -> None:
     print("| collective | size | N | old (us) | new (us) | new/old |")
     print("|---|---|---|---|---|---|")
     for world in [int(w) for w in args.worlds.split(",")]:
-        path = f"/tmp/bench_header_confirm_{os.getpid()}_{world}.json"
+        path = f"/tmp/header_confirm_cost_{os.getpid()}_{world}.json"
         from socket import socket
 
         with socket() as s:
