@@ -34,7 +34,7 @@ from conftest import free_port, make_groups, rank_env, run_ranks
 import entrenar_pg
 from entrenar_pg import Options, flight_recorder, trace
 from entrenar_pg.trace import diagnose, load_dir, report_text
-from entrenar_pg.trace_html import BEFORE, render_html
+from entrenar_pg.trace.picture import BEFORE, render_html
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = REPO / "tests" / "scripts" / "fr_scenario.py"

@@ -1,4 +1,5 @@
-"""``python -m entrenar_pg.trace DIR``: what went wrong, from the ranks' flight-recorder dumps.
+"""What went wrong, from the ranks' flight-recorder dumps: the analysis behind
+``python -m entrenar_pg.trace DIR`` (``cli.py``) and its picture (``picture.py``).
 
 Reads every ``<prefix><rank>`` dump in DIR (the files entrenar writes on a
 break with ``TORCH_FR_DUMP_ON_TIMEOUT``, or ``dump_flight_recorder()``) and,
@@ -30,12 +31,11 @@ import logging
 import os
 import pickle
 import re
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .flight_recorder import BACKEND, COMPLETED
+from ..flight_recorder import BACKEND, COMPLETED
 
 _RANK_SUFFIX = re.compile(r"^(.*?)(\d+)$")
 # Why a rank has no record of a collective its peers recorded (``why_absent``)
@@ -396,45 +396,3 @@ def report_text(reports: list[GroupReport]) -> str:
                 f" (missing ranks {first['missing_ranks']}, mismatches {first['mismatches']})"
             )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m entrenar_pg.trace",
-        description="Say what went wrong from entrenar's flight-recorder dumps (one per rank).",
-    )
-    parser.add_argument("trace_dir", help="directory of <prefix><rank> dump files")
-    parser.add_argument("-p", "--prefix", default=None, help="file name prefix (if several)")
-    parser.add_argument("--json", action="store_true", help="print the analysis as JSON")
-    parser.add_argument(
-        "--html",
-        metavar="OUT.html",
-        default=None,
-        help="also write a picture: one lane per rank, one box per collective (one HTML file)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        dumps = load_dir(args.trace_dir, args.prefix)
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
-        print(f"entrenar_pg.trace: {e}", file=sys.stderr)
-        return 2
-    reports = diagnose(dumps)
-    if args.html is not None:
-        from .trace_html import render_html  # the picture only when asked for
-
-        try:
-            with open(args.html, "w", encoding="utf-8") as f:
-                f.write(render_html(reports, dumps, source=args.trace_dir))
-        except OSError as e:
-            print(f"entrenar_pg.trace: --html: {e}", file=sys.stderr)
-            return 2
-        print(f"entrenar_pg.trace: wrote {args.html}", file=sys.stderr)
-    if args.json:
-        print(json.dumps([asdict(r) for r in reports], indent=1, default=str))
-    else:
-        print(report_text(reports))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,8 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flight_recorder import BACKEND, COMPLETED, SCHEDULED, STARTED
-from .trace import (
+from ..flight_recorder import BACKEND, COMPLETED, SCHEDULED, STARTED
+from .analysis import (
     NEVER_ISSUED,
     NOT_REACHED,
     NOT_RECORDED,

@@ -1,0 +1,7 @@
+"""``python -m entrenar_pg.trace``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
