@@ -36,7 +36,9 @@ parsing, per-size plans), ``workers`` (what each spawned rank runs), ``model``
 (what this machine offers), ``report`` (tables, plots, files), ``mpi`` (the MPI
 ranks, run by path), ``floor`` (the backend that moves nothing),
 ``deepspeed_peer`` (DeepSpeed's SHM allreduce, the ``deepspeed`` variant),
-``goals`` (issue 17's PASS/FAIL table) and ``split4k`` (a separate program:
+``goals`` (issue 17's PASS/FAIL table), ``calls`` (the Python calls one
+4 KiB allreduce makes, counted once per run after the timed runs: a separate
+program too) and ``split4k`` (a separate program:
 where a 4 KiB call's time goes).
 """
 
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.baseline import add_baseline_ratios, copy_baseline_package, run_world_vs_baseline
+from benchmarks.calls import count_in_subprocess, summary_row
 from benchmarks.config import (
     BASELINE,
     DDP_VARIANTS,
@@ -123,6 +126,28 @@ def _measure_worlds(
                     result["mpi"].append(allreduce_row(world, name, int(size_s), samples))
 
 
+def count_python_calls(result: dict[str, Any], baseline_root: str | None) -> None:
+    """``result["python_calls"]``: one blocking 4 KiB allreduce's Python calls per
+    transport (``benchmarks/calls.py``), this checkout's and the baseline's.
+
+    Counted in a separate short process after the timed runs, so no profiler
+    is ever on while anything is timed; a failed count is a note, not a failed
+    bench."""
+    roots = {"": str(Path(__file__).resolve().parents[1])}
+    if baseline_root is not None:
+        roots[BASELINE] = baseline_root
+    rows: dict[str, Any] = {}
+    for suffix, root in roots.items():
+        try:
+            counted = count_in_subprocess(root)
+        except RuntimeError as e:
+            result["meta"]["notes"].append(f"Python call count{suffix} skipped: {e}")
+            continue
+        for transport, r in counted["transports"].items():
+            rows[f"entrenar[{transport}]{suffix}"] = summary_row(r)
+    result["python_calls"] = rows
+
+
 def sweep_variants(cfg: BenchConfig) -> list[Variant]:
     """The allreduce sweep's variants for ``cfg``, entrenar ones once per transport."""
     return with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
@@ -186,11 +211,15 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "git": git_revision(Path(cfg.baseline_tree)),
         }
         with tempfile.TemporaryDirectory(prefix="entrenar_baseline_") as tmp:
-            _measure_worlds(cfg, result, mpiexec, copy_baseline_package(cfg.baseline_tree, tmp))
+            baseline_root = copy_baseline_package(cfg.baseline_tree, tmp)
+            _measure_worlds(cfg, result, mpiexec, baseline_root)
+            count_python_calls(result, baseline_root)
         add_baseline_ratios(result["allreduce"], ("world_size", "size_bytes"))
         add_baseline_ratios(result["ddp"], ("world_size",))
     else:
         _measure_worlds(cfg, result, mpiexec, None)
+        if ok:
+            count_python_calls(result, None)
     for r in result["ddp"]:
         active = r.get("check_active", {}).get(r["variant"], True)
         if base_name(r["variant"]).endswith("-check") and not active:

@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -251,6 +254,7 @@ def count_all(
             "ranks": "threads of one process; rank 0's thread counted",
             "warmup_calls": WARMUP,
             "peer_lead_s": peer_lead_s,
+            "entrenar_pg": OURS_ROOT,
             "python": sys.version.split()[0],
             "torch": torch.__version__,
         },
@@ -278,6 +282,45 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"\n{name}: calls per entrenar_pg file")
         lines.extend(f"  {n:>4}  {f}" for f, n in r["per_file"].items())
     return lines
+
+
+def summary_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One transport's headline figures (what ``python -m benchmarks.bench`` keeps)."""
+    return {
+        "ours": r["calls"]["ours"],
+        "torch": r["calls"]["torch"],
+        "other": r["calls"]["other"],
+        "our_files": r["our_files"],
+        "other_threads": r["other_threads"],
+        "deterministic": r["deterministic"],
+    }
+
+
+def count_in_subprocess(import_root: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run this counter as its own process, importing ``entrenar_pg`` from
+    ``import_root`` (a checkout, or a ``--baseline-tree`` copy); the benchmarks
+    come from this checkout. Returns ``count_all``'s result; raises
+    ``RuntimeError`` (with the output's tail) when the run fails.
+
+    Its own process, so the benchmark's process never carries a profiler, and
+    run from an empty directory, so the working directory shadows no package.
+    """
+    here = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys([import_root, here])))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="entrenar_calls_") as tmp:
+        out = Path(tmp) / "calls.json"
+        cmd = [sys.executable, "-m", "benchmarks.calls", "--repeats", "2", "--json", str(out)]
+        try:
+            p = subprocess.run(
+                cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"the call counter ran past {timeout_s:.0f} s") from e
+        if p.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the call counter failed ({p.returncode}): {p.stderr[-1500:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -202,6 +202,24 @@ def goals_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     return _render(header, body, markdown)
 
 
+def calls_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
+    """The Python calls one blocking 4 KiB allreduce makes, per transport."""
+    header = ["variant", "ours", "torch", "other", "our files", "other threads", "repeatable"]
+    body = [
+        [
+            name,
+            str(r["ours"]),
+            str(r["torch"]),
+            str(r["other"]),
+            str(r["our_files"]),
+            str(r["other_threads"]),
+            "yes" if r["deterministic"] else "no",
+        ]
+        for name, r in result.get("python_calls", {}).items()
+    ]
+    return _render(header, body, markdown)
+
+
 def _render(header: list[str], body: list[list[str]], markdown: bool) -> list[str]:
     """A padded text table, or a markdown one."""
     if markdown:
@@ -240,6 +258,14 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
         lines += ["", f"allreduce float32, N={world}:", ""]
         lines += allreduce_table(result, world, markdown)
         lines += [""] + summary_tables(result, world, markdown)
+    if result.get("python_calls"):
+        lines += [
+            "",
+            "Python calls per 4 KiB allreduce (ours / torch), N=2, rank 0, blocking, idle "
+            "group, the peer first (python -m benchmarks.calls; counted after the timed runs):",
+            "",
+        ]
+        lines += calls_table(result, markdown)
     if result["ddp"]:
         d = result["ddp"][0]
         lines += [
