@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,6 +162,11 @@ def test_missing_deepspeed_and_transport_are_reported_not_dropped(
     monkeypatch.setattr(bench, "entrenar_transports", lambda: ("tcp",))
     seen: list[BenchConfig] = []
     monkeypatch.setattr(bench, "_measure_worlds", lambda cfg, *a: seen.append(cfg))
+
+    def no_count(root: str) -> dict[str, Any]:
+        raise RuntimeError("the call counter failed (1): boom")
+
+    monkeypatch.setattr(bench, "count_in_subprocess", no_count)
     cfg = BenchConfig(algos=("gloo", "auto", "deepspeed"), transports=("tcp", "shm"), mpi=False)
     result = bench.run_bench(cfg)
     (ran,) = seen
@@ -175,6 +181,7 @@ def test_missing_deepspeed_and_transport_are_reported_not_dropped(
     text = "\n".join(report_lines(result))
     assert f"unavailable: {DEEPSPEED}: deepspeed not installed" in text
     assert "unavailable: entrenar[shm]:" in text
+    assert "note: Python call count skipped: the call counter failed (1): boom" in text
 
 
 def test_deepspeed_availability_and_segment_cleanup(
@@ -223,6 +230,11 @@ def test_quick_bench_smoke(tmp_path: Path) -> None:
     for png in ("allreduce_busbw.png", "allreduce_latency.png"):
         assert (out / png).stat().st_size > 1000
     assert "allreduce float32, N=2" in proc.stdout
+    if entrenar_available()[0]:
+        calls = result["python_calls"]
+        assert set(calls) == {"entrenar[shm]", "entrenar[tcp]"}, meta["notes"]
+        assert all(r["ours"] > 0 and r["torch"] > 0 for r in calls.values()), calls
+        assert "Python calls per 4 KiB allreduce (ours / torch)" in proc.stdout
 
 
 def _ds_segments() -> set[str]:
