@@ -143,8 +143,14 @@ def count_python_calls(result: dict[str, Any], baseline_root: str | None) -> Non
         except RuntimeError as e:
             result["meta"]["notes"].append(f"Python call count{suffix} skipped: {e}")
             continue
+        imported = Path(counted["conditions"]["entrenar_pg"]).resolve()
+        if not imported.is_relative_to(Path(root).resolve()):
+            result["meta"]["notes"].append(
+                f"Python call count{suffix} skipped: it imported {imported}, not {root}'s"
+            )
+            continue
         for transport, r in counted["transports"].items():
-            rows[f"entrenar[{transport}]{suffix}"] = summary_row(r)
+            rows[f"entrenar[{transport}]{suffix}"] = dict(summary_row(r), entrenar_pg=str(imported))
     result["python_calls"] = rows
 
 

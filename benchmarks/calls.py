@@ -26,8 +26,10 @@ What makes the count the same each time: the peer is let in first. Rank 1
 starts its all_reduce, rank 0 waits ``--peer-lead`` seconds (its part is
 then in the ring or the socket) and makes its own call, which then sends and
 receives in its first attempt and never enters the busy-poll loop, whose
-turns depend on timing. That is the common call's path; a rank that arrives
-first also pays the spin turns while it waits. Each transport is counted
+turns depend on timing. That is the common call's path. A rank that arrives
+first also pays the calls of its wait (the busy-poll turns, the shared-memory
+slot waits): ``caller_first`` counts that case too (rank 0 leading by the
+same lead), for information only, as it varies from run to run. Each transport is counted
 ``--repeats`` times; ``deterministic`` says whether every count agreed.
 
 The counts are of events, not time: the profiler slows the call down, the
@@ -48,6 +50,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -201,15 +204,21 @@ class Pair:
 
     def warm_up(self, iters: int = WARMUP) -> None:
         for _ in range(iters):
-            self._both(lambda: self._allreduce(0), lambda: self._allreduce(1))
+            self._both(partial(self._allreduce, 0), partial(self._allreduce, 1))
+
+    def _late_allreduce(self, rank: int, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._allreduce(rank)
 
     def count(self, peer_lead_s: float = 0.05) -> dict[str, Any]:
-        """Rank 0's events for one blocking allreduce, the peer having arrived first."""
+        """Rank 0's events for one blocking allreduce, the peer having arrived
+        ``peer_lead_s`` first; a negative lead makes rank 0 the first, by ``-peer_lead_s``
+        (it then also counts its waiting, which depends on timing)."""
         counter = self.counter
         result: dict[str, Any] = {}
 
         def rank0() -> None:
-            time.sleep(peer_lead_s)
+            time.sleep(max(0.0, peer_lead_s))
             counter.__init__()  # type: ignore[misc]  # fresh counts, same object
             counter.caller = threading.get_ident()
             sys.setprofile(counter.event)
@@ -219,7 +228,7 @@ class Pair:
             sys.setprofile(None)
             result.update(counter.summary())
 
-        self._both(rank0, lambda: self._allreduce(1))
+        self._both(rank0, partial(self._late_allreduce, 1, max(0.0, -peer_lead_s)))
         return result
 
     def close(self) -> None:
@@ -233,11 +242,13 @@ def count_transport(transport: str, repeats: int, peer_lead_s: float) -> dict[st
     try:
         pair.warm_up()
         counts = [pair.count(peer_lead_s) for _ in range(repeats)]
+        caller_first = [pair.count(-peer_lead_s)["calls"] for _ in range(repeats)]
     finally:
         pair.close()
     first = counts[0]
     first["repeats"] = [c["calls"] for c in counts]
     first["deterministic"] = all(c["calls"] == first["calls"] for c in counts)
+    first["caller_first"] = caller_first
     return first
 
 
@@ -267,7 +278,8 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     lines = [
         "Python calls per 4 KiB allreduce, N=2, rank 0, blocking, warmed-up idle group",
         f"{'transport':<10}{'ours':>6}{'torch':>7}{'other':>7}{'files':>7}"
-        f"{'c_ours':>8}{'c_torch':>8}{'c_other':>8}{'threads':>9}  same each time",
+        f"{'c_ours':>8}{'c_torch':>8}{'c_other':>8}{'threads':>9}  same each time"
+        "  (ours, rank 0 first)",
     ]
     for name, r in result["transports"].items():
         c, cc = r["calls"], r["c_calls"]
@@ -275,6 +287,7 @@ def table_lines(result: dict[str, Any]) -> list[str]:
             f"{name:<10}{c['ours']:>6}{c['torch']:>7}{c['other']:>7}{r['our_files']:>7}"
             f"{cc['ours']:>8}{cc['torch']:>8}{cc['other']:>8}{r['other_threads']:>9}"
             f"  {'yes' if r['deterministic'] else 'no: ' + str(r['repeats'])}"
+            f"  ({', '.join(str(c['ours']) for c in r['caller_first'])})"
         )
     lines.append("(files: entrenar_pg files entered; c_*: builtin/C calls made from that code;")
     lines.append(" threads: events on the groups' other threads meanwhile)")
@@ -293,6 +306,7 @@ def summary_row(r: dict[str, Any]) -> dict[str, Any]:
         "our_files": r["our_files"],
         "other_threads": r["other_threads"],
         "deterministic": r["deterministic"],
+        "ours_caller_first": [c["ours"] for c in r["caller_first"]],
     }
 
 

@@ -204,7 +204,16 @@ def goals_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
 
 def calls_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     """The Python calls one blocking 4 KiB allreduce makes, per transport."""
-    header = ["variant", "ours", "torch", "other", "our files", "other threads", "repeatable"]
+    header = [
+        "variant",
+        "ours",
+        "torch",
+        "other",
+        "our files",
+        "other threads",
+        "repeatable",
+        "ours, rank 0 first",
+    ]
     body = [
         [
             name,
@@ -214,6 +223,7 @@ def calls_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
             str(r["our_files"]),
             str(r["other_threads"]),
             "yes" if r["deterministic"] else "no",
+            ", ".join(str(n) for n in r.get("ours_caller_first", [])) or "-",
         ]
         for name, r in result.get("python_calls", {}).items()
     ]
@@ -262,7 +272,8 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
         lines += [
             "",
             "Python calls per 4 KiB allreduce (ours / torch), N=2, rank 0, blocking, idle "
-            "group, the peer first (python -m benchmarks.calls; counted after the timed runs):",
+            "group, the peer first (python -m benchmarks.calls; counted after the timed runs; "
+            "the last column: rank 0 first, its wait included, varies):",
             "",
         ]
         lines += calls_table(result, markdown)
