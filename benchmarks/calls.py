@@ -126,7 +126,7 @@ class CallCount:
             "c_calls": {k: self.c_calls[k] for k in ("ours", "torch", "other")},
             "our_files": len(self.files),
             "per_file": dict(self.files.most_common()),
-            "top_functions": dict(self.functions.most_common(15)),
+            "top_functions": dict(self.functions.most_common(30)),
             "other_threads": self.other_threads,
         }
 
