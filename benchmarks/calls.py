@@ -32,6 +32,10 @@ slot waits): ``caller_first`` counts that case too (rank 0 leading by the
 same lead), for information only, as it varies from run to run. Each transport is counted
 ``--repeats`` times; ``deterministic`` says whether every count agreed.
 
+Thread ranks, not processes, because they start in a second and the path
+is the same code: the same counter in two torchrun processes (every Python
+thread of rank 0 profiled) gave the same counts (docs/benchmarks.md).
+
 The counts are of events, not time: the profiler slows the call down, the
 count does not depend on it.
 """
