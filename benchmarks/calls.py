@@ -23,8 +23,9 @@ ranks, so a non-zero figure there is an upper bound on rank 0's share; zero
 means the call never left the caller's thread.
 
 What makes the count the same each time: the peer is let in first. Rank 1
-starts its all_reduce, rank 0 waits ``--peer-lead`` seconds (its part is
-then in the ring or the socket) and makes its own call, which then sends and
+starts its all_reduce, rank 0 waits until rank 1's group has issued it (its
+sequence number moved) and ``--peer-lead`` seconds more (its part is then in
+the ring or the socket) and makes its own call, which then sends and
 receives in its first attempt and never enters the busy-poll loop, whose
 turns depend on timing. That is the common call's path. A rank that arrives
 first also pays the calls of its wait (the busy-poll turns, the shared-memory
@@ -221,7 +222,15 @@ class Pair:
         counter = self.counter
         result: dict[str, Any] = {}
 
+        peer = self.groups[1]._runtime  # our own group: its sequence counter
+        issued = peer.seq
+        deadline = time.monotonic() + self.timeout_s
+
         def rank0() -> None:
+            # The peer first: it has taken its sequence number (its send follows
+            # at once), then the lead covers its send.
+            while peer_lead_s > 0 and peer.seq == issued and time.monotonic() < deadline:
+                time.sleep(0.001)
             time.sleep(max(0.0, peer_lead_s))
             counter.__init__()  # type: ignore[misc]  # fresh counts, same object
             counter.caller = threading.get_ident()
