@@ -273,9 +273,9 @@ def test_shutdown_with_a_job_stuck_on_a_silent_peer_fails_it_after_the_drain_bou
     """The running job gets ``SHUTDOWN_DRAIN_S`` to finish; then its links are
     shut down under it, so it fails at once instead of holding its thread until
     its own (here 20 s) timeout."""
-    from entrenar_pg.runtime import dispatch
+    from entrenar_pg import config
 
-    monkeypatch.setattr(dispatch, "SHUTDOWN_DRAIN_S", 0.5)
+    monkeypatch.setattr(config, "SHUTDOWN_DRAIN_S", 0.5)
     gs = make_groups(2, timeout_s=20)
     try:
         in_flight = gs[0].allreduce([torch.ones(1000)])  # rank 1 never joins it

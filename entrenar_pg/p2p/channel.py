@@ -48,6 +48,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from ..api.work import EntrenarWork
+from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
 from ..profiling import event_until
@@ -71,8 +72,6 @@ from .matching import (
 log = logging.getLogger(__name__)
 
 _TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
-# How long a break hook (abort() among them) waits for the p2p thread to end.
-ABORT_JOIN_S = 0.3
 
 
 class P2PWork(EntrenarWork):
@@ -182,13 +181,13 @@ class P2PChannel:
     def __init__(
         self,
         mesh: Mesh,
-        timeout_s: float,
+        timeout: GroupTimeout,
         staging: Callable[[torch.device], Staging],
         name: str = "",
     ) -> None:
         self.rank = mesh.rank
         self.world = mesh.world
-        self.timeout_s = timeout_s
+        self.timeout = timeout  # the group's, shared with the runtime (set_timeout)
         self.staging = staging
         # Called (outside the lock, once per failed link) with a link failure
         # that left work pending: the group breaks, as for a collective.
@@ -249,7 +248,7 @@ class P2PChannel:
                 tag,
                 op.nbytes,
                 op.host.dtype,
-                time.monotonic() + self.timeout_s,
+                time.monotonic() + self.timeout.seconds,
                 op.what,
             )
             self._next_recv += 1
@@ -288,7 +287,7 @@ class P2PChannel:
         work = P2PWork(fut, what, self.rank, peer if peer != ANY_SOURCE else -1)
         op = _Op(peer, tag, staging, item, fut, work, what, is_recv)
         if self.recorder is not None:
-            op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout_s)
+            op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout.seconds)
         if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
             name = p2p_name(is_recv, self.rank, peer)
             event_until(fut, name, tensor, op.nbytes, tag)
@@ -448,7 +447,7 @@ class P2PChannel:
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
         deadlines = [
-            ln.last_progress + self.timeout_s
+            ln.last_progress + self.timeout.seconds
             for ln in self._links.values()
             if ln.busy() and ln.dead is None
         ]
@@ -461,13 +460,14 @@ class P2PChannel:
         """The one timeout rule: a recv nobody sent to, or a link on which
         nothing moved, for the timeout."""
         now = time.monotonic()
-        self._matching.expire(now, self.timeout_s)
+        timeout_s = self.timeout.seconds
+        self._matching.expire(now, timeout_s)
         for link in self._links.values():
-            if link.dead is None and link.busy() and link.last_progress + self.timeout_s <= now:
+            if link.dead is None and link.busy() and link.last_progress + timeout_s <= now:
                 recv_from = [link.peer] if link.incoming is not None or link.inc.offset else []
                 send_to = [link.peer] if not link.out.idle() else []
                 self._link_down(
-                    link, self._causes.stalled(link.what, recv_from, send_to, self.timeout_s)
+                    link, self._causes.stalled(link.what, recv_from, send_to, timeout_s)
                 )
 
     def _link_down(self, link: _Link, error: EntrenarError) -> None:
