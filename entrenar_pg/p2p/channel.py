@@ -49,7 +49,7 @@ from torch.autograd import profiler as _profiler
 
 from ..api.work import EntrenarWork
 from ..config import ABORT_JOIN_S, GroupTimeout
-from ..errors import EntrenarError, PeerConnectionError
+from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
 from ..profiling import event_until
 from ..runtime.staging import Staged, Staging
@@ -194,7 +194,9 @@ class P2PChannel:
         self.on_failure: Callable[[EntrenarError], None] | None = None
         self.recorder: FlightRecorder | None = None  # the group's flight recorder, if on
         self._lock = threading.Lock()
-        self._closing = False
+        # Why the channel stopped (close(): the group was destroyed; abort():
+        # the group's failure; the thread's own failure); None while it runs.
+        self._stopped_by: EntrenarError | None = None
         self._matching = Matching(self.rank)
         self._recvs: dict[int, _Op] = {}  # the recvs the matching knows, by PostedRecv.id
         self._buffers: dict[int, torch.Tensor] = {}  # message payloads, by Message.id
@@ -226,10 +228,9 @@ class P2PChannel:
                 self._deliver_local(op)
             else:
                 link = self._links[dst]
-                if self._closing or link.dead is not None:
-                    self._done.append(
-                        (op, op_error(self.rank, op.what, link.dead, "the group was destroyed"))
-                    )
+                cause = link.dead or self._stopped_by
+                if cause is not None:
+                    self._done.append((op, op_error(self.rank, op.what, cause)))
                 else:
                     self._queue(link, op)
             done, self._done = self._done, []
@@ -266,7 +267,7 @@ class P2PChannel:
 
     def close(self) -> None:
         """Stop the thread and fail what is pending (the transport owns the sockets)."""
-        self._stop(None, join_s=5.0)
+        self._stop(group_destroyed(self.rank, "p2p"), join_s=5.0)
 
     def abort(self, error: EntrenarError) -> None:
         """The group failed with ``error``: fail everything pending with it, stop.
@@ -296,8 +297,8 @@ class P2PChannel:
     def _cannot_arrive(self, src: int) -> tuple[EntrenarError | None, str] | None:
         """Why no message from ``src`` can arrive any more, as ``op_error``'s
         (cause, why); None: one can."""
-        if self._closing:
-            return None, "the group was destroyed"
+        if self._stopped_by is not None:
+            return self._stopped_by, ""
         if src == ANY_SOURCE:
             if self._links and all(ln.dead is not None for ln in self._links.values()):
                 return None, "every peer's connection is closed"
@@ -354,16 +355,16 @@ class P2PChannel:
             self._done.append((op, None))
         return failed
 
-    def _stop(self, error: EntrenarError | None, join_s: float) -> None:
+    def _stop(self, error: EntrenarError, join_s: float) -> None:
         with self._lock:
-            if self._closing:
+            if self._stopped_by is not None:
                 return
-            self._closing = True
+            self._stopped_by = error
         self._loop.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(join_s)
         with self._lock:
-            self._fail_all(error, "the process group was destroyed")
+            self._fail_all(error, "")
             done, self._done = self._done, []
         complete(done)
         self._loop.close()
@@ -384,7 +385,7 @@ class P2PChannel:
         try:
             while True:
                 with self._lock:
-                    if self._closing:
+                    if self._stopped_by is not None:
                         return
                     want = {
                         fd: select.POLLIN | (0 if link.out.idle() else select.POLLOUT)
@@ -394,7 +395,7 @@ class P2PChannel:
                     wait_s = self._next_deadline() - time.monotonic()
                 events = self._loop.sleep(want, wait_s + 0.001)
                 with self._lock:
-                    if self._closing:
+                    if self._stopped_by is not None:
                         return
                     for fd, ev in events:
                         link = self._fd_link.get(fd)
@@ -424,7 +425,7 @@ class P2PChannel:
                 self._fail_all(error, "")
                 for link in self._links.values():
                     link.dead = link.dead or error
-                self._closing = True
+                self._stopped_by = error
                 done, self._done = self._done, []
             complete(done)
 
@@ -496,7 +497,7 @@ class P2PChannel:
             link.peer,
             error,
         )
-        if affected and not self._closing:
+        if affected and self._stopped_by is None:
             self._failures.append(link.dead)
 
     # ------------------------------------------------------------ stream callbacks

@@ -136,6 +136,7 @@ class Mesh:
             if self.causes.closed_here:
                 return
             self.causes.closed_here = True
+            self.causes.destroyed = error is None
             if self.control is not None:
                 self.control.close(None if error is None else abort_record(self.rank, error))
             if self.slots is not None and error is not None:
