@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         CollectiveMismatchError,
         ContractViolation,
         EntrenarError,
+        GroupDestroyedError,
         PeerConnectionError,
     )
     from .reduce_ops import tree_sum
@@ -38,6 +39,7 @@ _PUBLIC = {
     "ContractViolation": ".errors",
     "EntrenarError": ".errors",
     "EntrenarProcessGroup": ".api.process_group",
+    "GroupDestroyedError": ".errors",
     "Options": ".config",
     "PeerConnectionError": ".errors",
     "flight_recorder": ".flight_recorder",
@@ -52,6 +54,7 @@ __all__ = [
     "ContractViolation",
     "EntrenarError",
     "EntrenarProcessGroup",
+    "GroupDestroyedError",
     "Options",
     "PeerConnectionError",
     "dump_flight_recorder",

@@ -12,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 # Environment variable names (one constant each, so grep finds every use).
 ENV_ALGORITHM = "ENTRENAR_ALGO"
@@ -47,6 +48,50 @@ FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
 TRANSPORTS = ("auto", "tcp", "shm")
+
+# Time bounds: every fixed wait of the package, in seconds (a group's own
+# timeout is the caller's: ``GroupTimeout``).
+#
+# The shortest timeout a wait accepts: a timedelta that rounds to zero or
+# below (or a deadline already past) still gets one poll, not a busy error.
+MIN_TIMEOUT_S = 0.001
+# The longest one sleep on shared-memory words or rings lasts before they are
+# looked at again: only a lost wake-up needs it (``shm._Fence``), and this is
+# what one costs.
+SHM_SLEEP_CAP_S = 0.05
+# How long abort() waits for each of the group's two threads to end, the p2p
+# thread (a break hook) and then the comm thread: both wake at once when the
+# links drop, so only a completion callback of the caller's can keep one
+# longer (it then ends on its own, as a daemon, once its job fails). One bound
+# for both: the joins run in turn, and two of them stay under abort()'s
+# promise to return within a second.
+ABORT_JOIN_S = 0.4
+# How long shutdown() lets the running job finish before closing its links
+# under it (a job waiting on a silent peer would otherwise keep its thread
+# until the job's own timeout).
+SHUTDOWN_DRAIN_S = 10.0
+
+
+def timeout_seconds(timeout: timedelta) -> float:
+    """``timeout`` in seconds, at least ``MIN_TIMEOUT_S``."""
+    return max(timeout.total_seconds(), MIN_TIMEOUT_S)
+
+
+class GroupTimeout:
+    """The one keeper of a group's no-progress timeout.
+
+    The runtime (collectives whose options set none) and the p2p channel read
+    the same object, so ``set_timeout`` changes both at once.
+    """
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.seconds = timeout_seconds(timeout)
+
+    def set(self, timeout: timedelta) -> None:
+        self.seconds = timeout_seconds(timeout)
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

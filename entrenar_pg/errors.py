@@ -25,6 +25,26 @@ class PeerConnectionError(EntrenarError):
     """A peer died, a link broke or a wait timed out: the group is unusable, recreate it."""
 
 
+class GroupDestroyedError(PeerConnectionError, ValueError):
+    """A call on a destroyed group (``shutdown()``, ``destroy_process_group``,
+    interpreter exit), or one still pending when it was destroyed.
+
+    One class wherever the group notices (the call's own checks, the comm
+    thread's queue, the p2p channel), with one message shape
+    (``group_destroyed``). A ``ValueError`` too, because torch raises
+    ValueError for a destroyed group ("Invalid process group specified or has
+    been destroyed"), so code written for gloo catches it; a
+    ``PeerConnectionError`` too, the class of "this group is unusable,
+    recreate it", so fault-tolerance code that catches entrenar's errors
+    (torchft) does as well.
+    """
+
+
+def group_destroyed(rank: int, call: str) -> GroupDestroyedError:
+    """The error of ``call`` on this rank's destroyed group."""
+    return GroupDestroyedError(f"rank {rank}: {call}: the process group was destroyed")
+
+
 class CollectiveMismatchError(EntrenarError):
     """Two ranks issued different collectives (op, dtype, size, algorithm or order)."""
 

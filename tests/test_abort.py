@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from conftest import make_groups
 
-from entrenar_pg import EntrenarProcessGroup, PeerConnectionError
+from entrenar_pg import EntrenarProcessGroup, GroupDestroyedError, PeerConnectionError
 
 ABORT_BOUND_S = 1.0  # the claim; measured well under it (see the report in each failure)
 
@@ -273,9 +273,9 @@ def test_shutdown_with_a_job_stuck_on_a_silent_peer_fails_it_after_the_drain_bou
     """The running job gets ``SHUTDOWN_DRAIN_S`` to finish; then its links are
     shut down under it, so it fails at once instead of holding its thread until
     its own (here 20 s) timeout."""
-    from entrenar_pg.runtime import dispatch
+    from entrenar_pg import config
 
-    monkeypatch.setattr(dispatch, "SHUTDOWN_DRAIN_S", 0.5)
+    monkeypatch.setattr(config, "SHUTDOWN_DRAIN_S", 0.5)
     gs = make_groups(2, timeout_s=20)
     try:
         in_flight = gs[0].allreduce([torch.ones(1000)])  # rank 1 never joins it
@@ -285,12 +285,59 @@ def test_shutdown_with_a_job_stuck_on_a_silent_peer_fails_it_after_the_drain_bou
         gs[0].shutdown()
         seconds = time.monotonic() - t0
         err = wait_error(in_flight, within_s=1.0)
-        assert isinstance(err, PeerConnectionError) and "shut down" in str(err), err
+        assert isinstance(err, GroupDestroyedError) and "destroyed" in str(err), err
         err = wait_error(queued, within_s=1.0)
         assert isinstance(err, PeerConnectionError) and "destroyed" in str(err), err
         assert seconds < 2.0, f"shutdown took {seconds:.2f}s"
         assert entrenar_threads(gs[0]) == []
         assert all(s.fileno() == -1 for s in gs[0]._runtime.mesh._links.values())
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_every_call_on_a_destroyed_group_fails_with_one_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A destroyed group raised ValueError for a later call but
+    PeerConnectionError for work pending when it went. Now every call, a
+    collective or a p2p op, running, queued, pending or issued later, fails
+    with GroupDestroyedError (a ValueError, as torch raises for a destroyed
+    group, and a PeerConnectionError), as "rank R: <call>: the process group
+    was destroyed"."""
+    from entrenar_pg import config
+
+    monkeypatch.setattr(config, "SHUTDOWN_DRAIN_S", 0.3)
+    gs = make_groups(2, timeout_s=20)
+    try:
+        pg = gs[0]
+        running = pg.allreduce([torch.ones(10)])  # rank 1 never joins
+        queued = pg.allreduce([torch.ones(10)])
+        pending_recv = pg.recv([torch.zeros(3)], 1, 7)  # rank 1 never sends
+        time.sleep(0.2)
+        pg.shutdown()
+        errors: list[tuple[str, BaseException]] = [
+            ("allreduce#1", wait_error(running, within_s=1.0)),
+            ("allreduce#2", wait_error(queued, within_s=1.0)),
+            ("p2p recv from rank 1 (tag 7)", wait_error(pending_recv, within_s=1.0)),
+        ]
+        later: list[tuple[str, Any]] = [
+            ("allreduce", lambda: pg.allreduce([torch.ones(1)])),
+            ("barrier", pg.barrier),
+            ("send", lambda: pg.send([torch.ones(1)], 1, 0)),
+            ("recv", lambda: pg.recv([torch.ones(1)], 1, 0)),
+        ]
+        for call, issue in later:
+            with pytest.raises(Exception) as caught:
+                issue()
+            errors.append((call, caught.value))
+        for call, err in errors:
+            assert type(err) is GroupDestroyedError, (call, type(err), err)
+            assert isinstance(err, ValueError) and isinstance(err, PeerConnectionError)
+            text = str(err)
+            assert text.startswith(f"rank 0: {call}"), (call, text)
+            assert text.endswith(": the process group was destroyed"), (call, text)
     finally:
         for g in gs:
             g.shutdown()

@@ -62,7 +62,6 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self.options = options if options is not None else Options.from_env()
         self._group_name = group_name
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
-        self._timeout = timeout
         self._runtime = Runtime(store, rank, size, self.options, timeout, group_name)
         if self._runtime.recorder is not None:  # dumps name the group as torch does
             self._runtime.recorder.describe(self, self._global_ranks)
@@ -278,7 +277,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """A barrier that raises if it is not passed within ``timeout`` (default: the group's)."""
         if timeout is None:
-            timeout = timedelta(seconds=self._runtime.timeout_s)
+            timeout = timedelta(seconds=self._runtime.timeout.seconds)
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
         self.barrier().wait(timeout)
@@ -333,8 +332,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
                 f"rank {self._rank}: set_timeout: the timeout must be a positive timedelta, "
                 f"got {timeout!r}"
             )
-        self._timeout = timeout
-        self._runtime.set_timeout(seconds)
+        self._runtime.set_timeout(timeout)
 
     def __del__(self) -> None:
         try:

@@ -48,7 +48,8 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from ..api.work import EntrenarWork
-from ..errors import EntrenarError, PeerConnectionError
+from ..config import ABORT_JOIN_S, GroupTimeout
+from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
 from ..profiling import event_until
 from ..runtime.staging import Staged, Staging
@@ -71,8 +72,6 @@ from .matching import (
 log = logging.getLogger(__name__)
 
 _TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
-# How long a break hook (abort() among them) waits for the p2p thread to end.
-ABORT_JOIN_S = 0.3
 
 
 class P2PWork(EntrenarWork):
@@ -182,20 +181,22 @@ class P2PChannel:
     def __init__(
         self,
         mesh: Mesh,
-        timeout_s: float,
+        timeout: GroupTimeout,
         staging: Callable[[torch.device], Staging],
         name: str = "",
     ) -> None:
         self.rank = mesh.rank
         self.world = mesh.world
-        self.timeout_s = timeout_s
+        self.timeout = timeout  # the group's, shared with the runtime (set_timeout)
         self.staging = staging
         # Called (outside the lock, once per failed link) with a link failure
         # that left work pending: the group breaks, as for a collective.
         self.on_failure: Callable[[EntrenarError], None] | None = None
         self.recorder: FlightRecorder | None = None  # the group's flight recorder, if on
         self._lock = threading.Lock()
-        self._closing = False
+        # Why the channel stopped (close(): the group was destroyed; abort():
+        # the group's failure; the thread's own failure); None while it runs.
+        self._stopped_by: EntrenarError | None = None
         self._matching = Matching(self.rank)
         self._recvs: dict[int, _Op] = {}  # the recvs the matching knows, by PostedRecv.id
         self._buffers: dict[int, torch.Tensor] = {}  # message payloads, by Message.id
@@ -227,10 +228,9 @@ class P2PChannel:
                 self._deliver_local(op)
             else:
                 link = self._links[dst]
-                if self._closing or link.dead is not None:
-                    self._done.append(
-                        (op, op_error(self.rank, op.what, link.dead, "the group was destroyed"))
-                    )
+                cause = link.dead or self._stopped_by
+                if cause is not None:
+                    self._done.append((op, op_error(self.rank, op.what, cause)))
                 else:
                     self._queue(link, op)
             done, self._done = self._done, []
@@ -249,7 +249,7 @@ class P2PChannel:
                 tag,
                 op.nbytes,
                 op.host.dtype,
-                time.monotonic() + self.timeout_s,
+                time.monotonic() + self.timeout.seconds,
                 op.what,
             )
             self._next_recv += 1
@@ -267,7 +267,7 @@ class P2PChannel:
 
     def close(self) -> None:
         """Stop the thread and fail what is pending (the transport owns the sockets)."""
-        self._stop(None, join_s=5.0)
+        self._stop(group_destroyed(self.rank, "p2p"), join_s=5.0)
 
     def abort(self, error: EntrenarError) -> None:
         """The group failed with ``error``: fail everything pending with it, stop.
@@ -288,7 +288,7 @@ class P2PChannel:
         work = P2PWork(fut, what, self.rank, peer if peer != ANY_SOURCE else -1)
         op = _Op(peer, tag, staging, item, fut, work, what, is_recv)
         if self.recorder is not None:
-            op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout_s)
+            op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout.seconds)
         if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
             name = p2p_name(is_recv, self.rank, peer)
             event_until(fut, name, tensor, op.nbytes, tag)
@@ -297,8 +297,8 @@ class P2PChannel:
     def _cannot_arrive(self, src: int) -> tuple[EntrenarError | None, str] | None:
         """Why no message from ``src`` can arrive any more, as ``op_error``'s
         (cause, why); None: one can."""
-        if self._closing:
-            return None, "the group was destroyed"
+        if self._stopped_by is not None:
+            return self._stopped_by, ""
         if src == ANY_SOURCE:
             if self._links and all(ln.dead is not None for ln in self._links.values()):
                 return None, "every peer's connection is closed"
@@ -355,16 +355,16 @@ class P2PChannel:
             self._done.append((op, None))
         return failed
 
-    def _stop(self, error: EntrenarError | None, join_s: float) -> None:
+    def _stop(self, error: EntrenarError, join_s: float) -> None:
         with self._lock:
-            if self._closing:
+            if self._stopped_by is not None:
                 return
-            self._closing = True
+            self._stopped_by = error
         self._loop.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(join_s)
         with self._lock:
-            self._fail_all(error, "the process group was destroyed")
+            self._fail_all(error, "")
             done, self._done = self._done, []
         complete(done)
         self._loop.close()
@@ -385,7 +385,7 @@ class P2PChannel:
         try:
             while True:
                 with self._lock:
-                    if self._closing:
+                    if self._stopped_by is not None:
                         return
                     want = {
                         fd: select.POLLIN | (0 if link.out.idle() else select.POLLOUT)
@@ -395,7 +395,7 @@ class P2PChannel:
                     wait_s = self._next_deadline() - time.monotonic()
                 events = self._loop.sleep(want, wait_s + 0.001)
                 with self._lock:
-                    if self._closing:
+                    if self._stopped_by is not None:
                         return
                     for fd, ev in events:
                         link = self._fd_link.get(fd)
@@ -425,7 +425,7 @@ class P2PChannel:
                 self._fail_all(error, "")
                 for link in self._links.values():
                     link.dead = link.dead or error
-                self._closing = True
+                self._stopped_by = error
                 done, self._done = self._done, []
             complete(done)
 
@@ -448,7 +448,7 @@ class P2PChannel:
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
         deadlines = [
-            ln.last_progress + self.timeout_s
+            ln.last_progress + self.timeout.seconds
             for ln in self._links.values()
             if ln.busy() and ln.dead is None
         ]
@@ -461,13 +461,14 @@ class P2PChannel:
         """The one timeout rule: a recv nobody sent to, or a link on which
         nothing moved, for the timeout."""
         now = time.monotonic()
-        self._matching.expire(now, self.timeout_s)
+        timeout_s = self.timeout.seconds
+        self._matching.expire(now, timeout_s)
         for link in self._links.values():
-            if link.dead is None and link.busy() and link.last_progress + self.timeout_s <= now:
+            if link.dead is None and link.busy() and link.last_progress + timeout_s <= now:
                 recv_from = [link.peer] if link.incoming is not None or link.inc.offset else []
                 send_to = [link.peer] if not link.out.idle() else []
                 self._link_down(
-                    link, self._causes.stalled(link.what, recv_from, send_to, self.timeout_s)
+                    link, self._causes.stalled(link.what, recv_from, send_to, timeout_s)
                 )
 
     def _link_down(self, link: _Link, error: EntrenarError) -> None:
@@ -496,7 +497,7 @@ class P2PChannel:
             link.peer,
             error,
         )
-        if affected and not self._closing:
+        if affected and self._stopped_by is None:
             self._failures.append(link.dead)
 
     # ------------------------------------------------------------ stream callbacks

@@ -27,7 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
+from ..errors import (
+    CollectiveMismatchError,
+    EntrenarError,
+    GroupDestroyedError,
+    PeerConnectionError,
+    group_destroyed,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -286,4 +292,6 @@ def op_error(rank: int, what: str, cause: EntrenarError | None, why: str = "") -
     for reason ``why``."""
     if cause is None:
         return PeerConnectionError(f"rank {rank}: p2p {what} failed: {why}")
+    if isinstance(cause, GroupDestroyedError):  # one shape for every call on a destroyed group
+        return group_destroyed(rank, f"p2p {what}")
     return failure_class(cause)(f"rank {rank}: p2p {what} failed: {cause}", culprit=cause.culprit)

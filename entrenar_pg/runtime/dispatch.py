@@ -24,11 +24,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd import profiler as _profiler
 
-from .. import flight_recorder
+from .. import config, flight_recorder
 from ..api.requests import Request, custom
 from ..api.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
-from ..config import Options
+from ..config import GroupTimeout, Options, timeout_seconds
 from ..errors import EntrenarError
 from ..flight_recorder import PROFILING_NAMES, FlightRecorder
 from ..p2p import P2PChannel
@@ -45,14 +45,6 @@ log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
-# How long abort() waits for the comm thread to end: a job blocked on the
-# network fails within milliseconds of its links dropping; abort() must return
-# within a second even if the thread is busy elsewhere (a future callback).
-ABORT_JOIN_S = 0.4
-# How long shutdown() lets the running job finish before closing its links
-# under it (a job waiting on a silent peer would otherwise keep its thread
-# until the job's own timeout).
-SHUTDOWN_DRAIN_S = 10.0
 
 
 def profile_call(future: torch.futures.Future, seq: int, req: Request) -> None:
@@ -93,9 +85,10 @@ class Runtime:
         self.rank = rank
         self.options = options
         self.state = GroupState(rank)
-        # The no-progress bound of a collective whose opts carry no timeout of
-        # their own (set_timeout changes it for later calls).
-        self.timeout_s = max(timeout.total_seconds(), 0.001)
+        # The no-progress bound of a collective or p2p call whose opts carry
+        # no timeout of their own (set_timeout changes it for later calls);
+        # the p2p channel reads this same object.
+        self.timeout = GroupTimeout(timeout)
         self.seq = 0
         self.checker: Any | None = None  # the contract checker, if the group has one
         self._lock = threading.Lock()  # orders seq assignment with enqueueing
@@ -108,7 +101,7 @@ class Runtime:
         self._caller_spin_s = options.caller_spin_us / 1e6
         self.mesh = Mesh(store, rank, size, options, timeout, name=name)
         # p2p has its own channel and thread: a recv must never block the collectives.
-        self.p2p = P2PChannel(self.mesh, self.timeout_s, self.p2p_staging, name=name)
+        self.p2p = P2PChannel(self.mesh, self.timeout, self.p2p_staging, name=name)
         self.p2p.on_failure = self._p2p_failed  # a p2p link failure breaks the group too
         # The break hooks, in order: pending p2p fails with the group's error
         # (before its sockets go), then the peers learn of the failure and a
@@ -184,13 +177,13 @@ class Runtime:
         name = op_name(req.op)
         engine = self.engine
         blocking = opts is not None and getattr(opts, "asyncOp", True) is False
-        timeout_s = self.timeout_s
+        timeout_s = self.timeout.seconds
         if opts is not None:
             # torch's per-call timeout; its default (kUnsetTimeout, -1 ms)
             # means the group's, as it does for gloo.
             per_call = getattr(opts, "timeout", None)
             if per_call is not None and per_call > _UNSET:
-                timeout_s = per_call.total_seconds()
+                timeout_s = timeout_seconds(per_call)
         nbytes = req.nbytes
         with self._lock:  # seq order == queue order
             self.seq += 1
@@ -283,7 +276,7 @@ class Runtime:
         """Destroy: later calls are refused, queued jobs fail, threads stop, links close.
 
         ``shutdown`` (``at_exit`` False) lets the running job finish (up to
-        ``SHUTDOWN_DRAIN_S``; a job still running then has its links dropped
+        ``config.SHUTDOWN_DRAIN_S``; a job still running then has its links dropped
         under it, which fails it at once), then says BYE to every peer; at
         interpreter exit the links are dropped first (that wakes a comm thread
         blocked in poll), so no thread of ours is still inside torch when
@@ -299,13 +292,13 @@ class Runtime:
             self.mesh.close(hard=True)
             self.engine.stop(Phase.CLOSED, timeout_s=2.0)
         else:
-            drained = self.engine.stop(Phase.CLOSED, timeout_s=SHUTDOWN_DRAIN_S)
+            drained = self.engine.stop(Phase.CLOSED, timeout_s=config.SHUTDOWN_DRAIN_S)
             self.p2p.close()
             # Closing an fd does not wake a thread polling it; shutting the
             # socket down does.
             self.mesh.close(hard=not drained)
             if not drained:  # the job fails at once now: join its thread
-                self.engine.stop(Phase.CLOSED, timeout_s=ABORT_JOIN_S)
+                self.engine.stop(Phase.CLOSED, timeout_s=config.ABORT_JOIN_S)
 
     def abort(self, error: EntrenarError) -> None:
         """Break the group with ``error`` (first, so ``errored()`` never misses it;
@@ -316,19 +309,18 @@ class Runtime:
         Returns within a second whatever the peers and the store do: nothing
         here touches the store, no send blocks (sockets are non-blocking and
         close without lingering), and its only waits are two bounded joins
-        (the p2p thread's, ``p2p.ABORT_JOIN_S``, and the comm thread's,
-        ``ABORT_JOIN_S``); a thread still busy after its bound (a future
+        (the p2p thread's, then the comm thread's, ``config.ABORT_JOIN_S``
+        each); a thread still busy after its bound (a future
         callback of the caller's) ends on its own, as a daemon, once its job
         fails."""
         self.state.fail(error, "abort()")
-        self.engine.stop(Phase.ABORTED, timeout_s=ABORT_JOIN_S)
+        self.engine.stop(Phase.ABORTED, timeout_s=config.ABORT_JOIN_S)
 
     # ------------------------------------------------------------ timeouts
 
-    def set_timeout(self, seconds: float) -> None:
+    def set_timeout(self, timeout: timedelta) -> None:
         """The no-progress timeout of later collectives and p2p calls."""
-        self.timeout_s = seconds
-        self.p2p.timeout_s = seconds
+        self.timeout.set(timeout)
 
 
 def _stream_of(streams: dict[int, Any], device: torch.device) -> tuple[int, Any]:

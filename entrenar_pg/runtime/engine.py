@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EntrenarError, PeerConnectionError
+from ..errors import EntrenarError, group_destroyed
 from .state import GroupState, Phase
 
 log = logging.getLogger(__name__)
@@ -99,9 +99,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         with self._mutex:
             if not self._state.running:
-                raise PeerConnectionError(
-                    f"rank {self.rank}: {job.kind}#{job.seq}: the process group was destroyed"
-                )
+                raise group_destroyed(self.rank, f"{job.kind}#{job.seq}")
             self._queue.append(job)
             self._cv.notify()
 
@@ -264,10 +262,7 @@ class Engine:
             job.future.set_exception(
                 state.broken_error(what)
                 if state.error is not None
-                else PeerConnectionError(
-                    f"rank {self.rank}: {what}: the process group was destroyed "
-                    "before this collective ran"
-                )
+                else group_destroyed(self.rank, what)
             )
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ..errors import EntrenarError
+from ..errors import EntrenarError, group_destroyed
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class GroupState:
     def check(self, call: str) -> None:
         """Refuse ``call`` on a destroyed or broken group (before anything is sent)."""
         if self.phase is Phase.CLOSED:
-            raise ValueError(f"rank {self.rank}: {call}: the process group was destroyed")
+            raise group_destroyed(self.rank, call)
         if self.error is not None:
             raise self.broken_error(call)
 

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, peer_gone
+from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, group_destroyed, peer_gone
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +329,7 @@ class Causes:
         self.rank = rank
         self.control = control
         self.closed_here = False  # set when this rank closed or aborted its own links
+        self.destroyed = False  # ... and closed them because the group was destroyed
 
     def how_ended(self, peer: int, wait_s: float = CAUSE_WAIT_S) -> AbortRecord | str | None:
         """Why ``peer``'s link closed, from its control link (see ``ControlChannel``)."""
@@ -365,6 +366,8 @@ class Causes:
 
     def here_closed(self, what: str) -> EntrenarError:
         """This rank's own links were closed under ``what`` (abort() or shutdown)."""
+        if self.destroyed:
+            return group_destroyed(self.rank, what)
         return PeerConnectionError(
             f"rank {self.rank}: {what}: this rank's links were closed under it "
             "(the group was aborted or shut down)",

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import SHM_SLEEP_CAP_S
 from ..errors import peer_gone
 from .abort import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
@@ -35,9 +36,6 @@ _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
-# The longest one sleep on shared-memory links lasts before the rings are
-# checked again (see ``shm._Fence``: only a lost wake-up would need it).
-SHM_SLEEP_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -430,10 +428,10 @@ class Progress(Links):
             if shm:
                 # Ask the shared-memory peers for a wake-up; one that moved
                 # meanwhile means no sleep. The bounded sleep re-checks the
-                # rings (a lost wake-up costs at most SHM_SLEEP_S, not the timeout).
+                # rings (a lost wake-up costs at most SHM_SLEEP_CAP_S, not the timeout).
                 if any([link.arm_send() if out else link.arm_recv() for link, out in shm]):
                     return
-                left = min(left, SHM_SLEEP_S)
+                left = min(left, SHM_SLEEP_CAP_S)
             events = self.sleep(want, left)
             if self.causes.closed_here:  # abort() or shutdown from another thread
                 raise self.causes.here_closed(what)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..config import Options
+from ..config import MIN_TIMEOUT_S, Options
 from ..errors import PeerConnectionError
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Rendezvous:
 
     def store_get(self, key: str, deadline: float) -> bytes:
         """``store.get`` bounded by the group's timeout, not the store's own."""
-        left = max(deadline - time.monotonic(), 0.001)
+        left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
         try:
             self._store.wait([key], timedelta(seconds=left))
         except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout

@@ -69,7 +69,7 @@ class _Fence:
     wake-up. An uncontended ``threading.Lock`` round trip is an atomic
     read-modify-write (a locked instruction: a full barrier on x86-64), the
     cheapest one Python offers. On weaker architectures the loop's bounded
-    sleep (``loop.SHM_SLEEP_S``) would bound what a lost wake-up costs, but
+    sleep (``config.SHM_SLEEP_CAP_S``) would bound what a lost wake-up costs, but
     the rings' data/index order needs x86-64 too, so ``connect`` offers
     shared memory only there.
     """

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import SHM_SLEEP_CAP_S
+
 if TYPE_CHECKING:
     from .loop import Progress
     from .shm import ShmLink
@@ -234,7 +236,7 @@ class SlotArea:
                         own[_SLEEPS] = 0
                         raise progress.causes.stalled(what, now_missing, [], timeout_s)
                     closed = progress.sleep_on(
-                        now_missing, self._watched, what, min(left, _SLEEP_S)
+                        now_missing, self._watched, what, min(left, SHM_SLEEP_CAP_S)
                     )
                     own[_SLEEPS] = 0
                     now_missing = self.missing(phase)
@@ -252,9 +254,6 @@ class SlotArea:
             progress.done_sleeping()
 
 
-# The longest one sleep lasts before the words are looked at again (a lost
-# wake-up costs at most this; see ``shm._Fence``).
-_SLEEP_S = 0.05
 _MAX_CACHED_VIEWS = 64
 # Looks at the peers' words before the first sched_yield (~0.2 us each).
 _TIGHT_LOOKS = 50

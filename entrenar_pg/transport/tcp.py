@@ -20,7 +20,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from ..config import Options
+from ..config import Options, timeout_seconds
 from .abort import Causes, ControlChannel, abort_record
 from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
@@ -49,8 +49,8 @@ class Mesh:
         self._store = store
         self._close_lock = threading.Lock()
         self._links: dict[tuple[int, int], socket.socket] = {}
+        timeout_s = timeout_seconds(timeout)  # set-up's bound, and jobs' until set per job
         if world > 1:
-            timeout_s = max(timeout.total_seconds(), 0.001)
             channels = (DATA, CONTROL, P2P)
             self._links = Rendezvous(store, rank, world, options, timeout_s, channels).connect_all()
         data: dict[int, Any] = self._channel(DATA)
@@ -63,9 +63,7 @@ class Mesh:
         self.slots: SlotArea | None = None
         if options.transport != "tcp" and data:
             try:
-                found = connect_shm(
-                    rank, data, options.transport, max(timeout.total_seconds(), 0.001)
-                )
+                found = connect_shm(rank, data, options.transport, timeout_s)
                 self.shm, self.slots = found.links, found.slots
                 self.all_local = found.slots is not None
                 log.info(
@@ -88,7 +86,7 @@ class Mesh:
             self.causes,
             control=self.control,
             spin_s=options.spin_us / 1e6,
-            timeout_s=max(timeout.total_seconds(), 0.001),
+            timeout_s=timeout_s,
         )
         # The collectives' entry point (an attribute: tests spy on it).
         self.run = self.progress.run
@@ -138,6 +136,7 @@ class Mesh:
             if self.causes.closed_here:
                 return
             self.causes.closed_here = True
+            self.causes.destroyed = error is None
             if self.control is not None:
                 self.control.close(None if error is None else abort_record(self.rank, error))
             if self.slots is not None and error is not None:
