@@ -40,7 +40,8 @@ COPY_IGNORE = shutil.ignore_patterns(
 TORCH_PIN = f"torch=={torch.__version__.split('+')[0]}"  # the torch these tests run on
 # A backstop over each test and the fixtures it starts (the wheel, the venv):
 # every step below has its own, shorter timeout.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# xdist_group: one worker runs this module, so its module-scoped wheel and venv are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("wheel")]
 
 
 def isolated_env(**extra: str) -> dict[str, str]:
