@@ -211,13 +211,15 @@ if rank == 0:
     torch.save({"step": 3, "ledger_parameters": checkpoint_parameters(opt)}, out / "ckpt.pt")
 entrenar_pg.dump_flight_recorder()  # to TORCH_FR_DUMP_TEMP_FILE + rank
 backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-print(json.dumps({
+# One write per line (print writes the text and its newline apart): under
+# PYTHONUNBUFFERED the two ranks' lines could interleave on torchrun's stdout.
+sys.stdout.write(json.dumps({
     "rank": rank,
     "reduced": sorted(set(reduced.tolist())),
     "expected": world * (world + 1) / 2,
     "backend": type(backend).__module__,
     "package": entrenar_pg.__file__,
-}))
+}) + "\\n")
 dist.destroy_process_group()
 """
 
