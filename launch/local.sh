@@ -5,6 +5,7 @@
 #   launch/local.sh 4 --steps 100   # 4 processes, extra flags go to trainer/train.py
 #   NPROC=4 launch/local.sh --backend gloo
 #   MAX_RESTARTS=3 launch/local.sh 2 --resume   # restart the group on a failure
+#   PYTHON=venv/bin/python launch/local.sh      # torchrun of that interpreter
 #
 # One process per GPU when CUDA is available (the trainer picks cuda:LOCAL_RANK),
 # otherwise CPU processes sharing the cores (the trainer gives each
@@ -20,7 +21,9 @@ if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then
     shift
 fi
 
-exec torchrun \
+# torchrun as a module of $PYTHON (python3): the launcher of the interpreter
+# that has torch and this package, even when that venv's bin/ is not on PATH.
+exec "${PYTHON:-python3}" -m torch.distributed.run \
     --standalone \
     --nnodes=1 \
     --nproc-per-node="$nproc" \

@@ -28,6 +28,9 @@
 #                                 resolve to RDZV_HOST (containers, namespaces)
 #   LOCAL_ADDR                    this host's address as the others reach it
 #                                 (torchrun --local-addr; default: its FQDN)
+#   PYTHON (python3)              the interpreter whose torchrun runs (as
+#                                 `$PYTHON -m torch.distributed.run`), so a
+#                                 venv's works without its bin/ on PATH
 # Without ENTRENAR_HOST/IFNAME entrenar listens on the local address that routes
 # to MASTER_ADDR, which is right on most clusters.
 set -euo pipefail
@@ -57,7 +60,7 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then
     extra+=(--local-addr="$LOCAL_ADDR")
 fi
 
-exec torchrun \
+exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes="$nnodes" \
     --node-rank="$node_rank" \
     --nproc-per-node="$nproc" \

@@ -36,6 +36,9 @@
 #   NETEM                 optional tc-netem spec applied to every eth0 (e.g.
 #                         "delay 1ms"; needs sch_netem, which not every kernel has);
 #                         with RATE the tbf sits under it
+#   PYTHON (python3)      the interpreter whose torchrun each node runs (as
+#                         `$PYTHON -m torch.distributed.run`), so a venv's works
+#                         without its bin/ on PATH (sudo drops PATH anyway)
 #   TIMEOUT_S (0)         stop each node's torchrun after this many seconds (0: no limit)
 #   NODE_CMD              run this bash command in every namespace instead of the
 #                         torchrun above, with NODE (index), NODE_ADDR (its address)
@@ -56,6 +59,7 @@ prefix="${NETNS_PREFIX:-enr$$}"
 log_dir="${LOG_DIR:-runs/netns}"
 subnet="10.77.0"
 timeout_s="${TIMEOUT_S:-0}"
+python="${PYTHON:-python3}"
 tbf_burst="${TBF_BURST:-128kb}"
 tbf_latency="${TBF_LATENCY:-20ms}"
 
@@ -164,7 +168,7 @@ for ((i = 0; i < nodes; i++)); do
     fi
     ip netns exec "$ns" env \
         ENTRENAR_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 \
-        "${limit[@]}" torchrun \
+        "${limit[@]}" "$python" -m torch.distributed.run \
         --nnodes="$nodes" \
         --node-rank="$i" \
         --nproc-per-node="$nproc" \

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from conftest import REPO, torchrun
 
-pytestmark = pytest.mark.slow
+# xdist_group: one worker runs this module, so its module-scoped torchrun job runs once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
 WORLD = 2
 JOB_TIMEOUT_S = 420
 

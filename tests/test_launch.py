@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -30,6 +31,11 @@ TINY = [
 
 
 run = run_session
+
+# The scripts run `$PYTHON -m torch.distributed.run`: this interpreter's torchrun,
+# so the tests pass when run as venv/bin/python -m pytest with the venv's bin/
+# not on PATH.
+LAUNCH_ENV = dict(os.environ, PYTHON=sys.executable)
 
 
 def end_record(metrics: Path) -> dict:
@@ -117,6 +123,7 @@ def test_local_sh_trains(tmp_path):
     run(
         [str(LAUNCH / "local.sh"), "2", "--backend", BACKEND, *TINY, "--out-dir", str(out)],
         timeout=80,
+        env=LAUNCH_ENV,
     )
     end = end_record(out / "metrics.jsonl")
     assert end["world_size"] == 2 and end["step"] == 4 and end["replicas_agree"]
@@ -131,7 +138,7 @@ def test_multinode_sh_two_nodes_on_loopback(tmp_path):
     procs = []
     for node in (0, 1):
         env = dict(
-            os.environ,
+            LAUNCH_ENV,
             RDZV_HOST="127.0.0.1",
             RDZV_PORT=port,
             NNODES="2",
@@ -182,7 +189,7 @@ def test_netns_cluster_two_hosts_over_veth(tmp_path):
     prefix = f"enrt{os.getpid() % 100000}"
     out = tmp_path / "run"
     env = dict(
-        os.environ,
+        LAUNCH_ENV,
         NODES="2",
         NPROC="1",
         NETNS_PREFIX=prefix,

@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 from test_launch import TINY, end_record
 
+# xdist_group: one worker runs this module, so its module-scoped Slurm cluster runs once.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = "launch/slurm/train.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")

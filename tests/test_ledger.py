@@ -28,6 +28,9 @@ from entrenar_pg.ledger import main as ledger_main
 from entrenar_pg.ledger import verify as ledger_verify
 from entrenar_pg.ledger_writer import GENESIS, RunLedger, canonical, parameter_hash, seal
 
+# xdist_group: one worker runs this module, so the module-scoped trainings run once.
+pytestmark = pytest.mark.xdist_group("ledger_runs")
+
 STEPS = 4
 FLIP_AT = 3
 TINY = [

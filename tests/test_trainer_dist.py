@@ -23,7 +23,8 @@ from conftest import run_session
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
 
-pytestmark = pytest.mark.slow
+# xdist_group: one worker runs this module, so its module-scoped reference training runs once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_dist")]
 
 # A model and corpus small enough that a step takes milliseconds.
 TINY = [

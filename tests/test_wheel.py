@@ -40,7 +40,8 @@ COPY_IGNORE = shutil.ignore_patterns(
 TORCH_PIN = f"torch=={torch.__version__.split('+')[0]}"  # the torch these tests run on
 # A backstop over each test and the fixtures it starts (the wheel, the venv):
 # every step below has its own, shorter timeout.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# xdist_group: one worker runs this module, so its module-scoped wheel and venv are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("wheel")]
 
 
 def isolated_env(**extra: str) -> dict[str, str]:
@@ -210,13 +211,15 @@ if rank == 0:
     torch.save({"step": 3, "ledger_parameters": checkpoint_parameters(opt)}, out / "ckpt.pt")
 entrenar_pg.dump_flight_recorder()  # to TORCH_FR_DUMP_TEMP_FILE + rank
 backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-print(json.dumps({
+# One write per line (print writes the text and its newline apart): under
+# PYTHONUNBUFFERED the two ranks' lines could interleave on torchrun's stdout.
+sys.stdout.write(json.dumps({
     "rank": rank,
     "reduced": sorted(set(reduced.tolist())),
     "expected": world * (world + 1) / 2,
     "backend": type(backend).__module__,
     "package": entrenar_pg.__file__,
-}))
+}) + "\\n")
 dist.destroy_process_group()
 """
 
