@@ -357,6 +357,9 @@ def test_public_api_async_work_and_stats() -> None:
 # ----------------------------------------------------------------------------- DDP
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_with_a_sparse_embedding_trains_to_gloos_weights(tmp_path: Path) -> None:
@@ -365,6 +368,13 @@ def test_ddp_with_a_sparse_embedding_trains_to_gloos_weights(tmp_path: Path) -> 
         proc = torchrun(
             script, 2, "--backend", backend, "--out", str(tmp_path / backend), timeout_s=150
         )
+        if backend == "gloo" and GLOO_EXIT_ABORT in proc.stderr:
+            # The reference, not the subject: gloo's process now and then aborts
+            # in its own teardown after the script finished (seen under the
+            # parallel suite's load); one rerun, and the reference must then pass.
+            proc = torchrun(
+                script, 2, "--backend", backend, "--out", str(tmp_path / backend), timeout_s=150
+            )
         assert proc.returncode == 0, f"{backend}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     states = {
         b: [torch.load(tmp_path / b / f"rank{r}.pt") for r in range(2)]
