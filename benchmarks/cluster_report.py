@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from benchmarks.config import GLOO
-from benchmarks.report import _fmt_time, _render
+from benchmarks.report import _fmt_time, _render, write_result_files
 from benchmarks.sizes import format_bytes
 
 HEADER = [
@@ -140,9 +139,6 @@ def write_plot(result: dict[str, Any], out: Path) -> Path:
 
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     """cluster.json, results.md and cluster.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    jpath = out / "cluster.json"
-    jpath.write_text(json.dumps(result, indent=1))
-    mpath = out / "results.md"
-    mpath.write_text("\n".join(report_lines(result, markdown=True)) + "\n")
+    markdown = "\n".join(report_lines(result, markdown=True)) + "\n"
+    jpath, mpath = write_result_files(result, out, "cluster.json", markdown)
     return [jpath, mpath, write_plot(result, out)]

@@ -413,12 +413,22 @@ def write_goals_plot(result: dict[str, Any], out: Path) -> Path | None:
     return path
 
 
-def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
-    """bench.json, results.md and the PNGs under ``out``."""
+def write_result_files(
+    result: dict[str, Any], out: Path, json_name: str, markdown: str
+) -> tuple[Path, Path]:
+    """``json_name`` (the whole result) and ``results.md`` under ``out``: the two
+    text files every benchmark leaves (bench, cluster, scale)."""
     out.mkdir(parents=True, exist_ok=True)
-    jpath = out / "bench.json"
+    jpath = out / json_name
     jpath.write_text(json.dumps(result, indent=1))
     mpath = out / "results.md"
-    mpath.write_text("\n".join(report_lines(result, markdown=True)) + "\n")
+    mpath.write_text(markdown)
+    return jpath, mpath
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
+    """bench.json, results.md and the PNGs under ``out``."""
+    markdown = "\n".join(report_lines(result, markdown=True)) + "\n"
+    jpath, mpath = write_result_files(result, out, "bench.json", markdown)
     goals_png = write_goals_plot(result, out)
     return [jpath, mpath, *write_plots(result, out), *([goals_png] if goals_png else [])]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_result_files
 from benchmarks.scale_ranks import ENTRENAR
 
 COMMON_SOFT_LIMIT = 1024  # the usual default soft RLIMIT_NOFILE
@@ -221,9 +221,7 @@ def write_plot(result: dict[str, Any], out: Path) -> Path | None:
 
 def write_outputs(result: dict[str, Any], out: Path) -> list[str]:
     """Write scale.json, results.md and scale.png under ``out``; return the lines to print."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
-    (out / "results.md").write_text(text)
+    write_result_files(result, out, "scale.json", text)
     write_plot(result, out)
     return [*text.splitlines(), "", f"written: {out}/scale.json, results.md, scale.png"]
