@@ -31,10 +31,13 @@ _enter = torch._C._autograd._record_function_with_args_enter
 _end_when_done = torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction
 
 
-def event_until(future: torch.futures.Future, name: str, *args: Any) -> None:
+def event_until(future: torch.futures.Future, name: str, *args: Any) -> torch.futures.Future:
     """Open the profiler event ``name`` (inputs ``args``) now; it ends when ``future`` completes.
 
-    Call it before the future can complete and before anything else chains
-    on it, so that the event ends first, as the work does.
+    Returns the future to hand to the caller (the Work's): it completes, with
+    ``future``'s value or error, only after the event has ended. A torch future
+    wakes its waiters before it runs its callbacks, so a caller waiting on
+    ``future`` itself could leave the profiler (which frees its state) while
+    our thread is still ending the event in it: a crash, seen under load.
     """
-    _end_when_done(_enter(name, *args), future)
+    return _end_when_done(_enter(name, *args), future)

@@ -285,13 +285,14 @@ class P2PChannel:
         (item,) = staging.add([tensor], read=not is_recv, write=is_recv)
         staging.load()
         fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
-        work = P2PWork(fut, what, self.rank, peer if peer != ANY_SOURCE else -1)
+        seen = fut  # the caller's; under a profiler, complete once the event ended
+        if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
+            name = p2p_name(is_recv, self.rank, peer)
+            seen = event_until(fut, name, tensor, tensor.numel() * tensor.element_size(), tag)
+        work = P2PWork(seen, what, self.rank, peer if peer != ANY_SOURCE else -1)
         op = _Op(peer, tag, staging, item, fut, work, what, is_recv)
         if self.recorder is not None:
             op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout.seconds)
-        if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
-            name = p2p_name(is_recv, self.rank, peer)
-            event_until(fut, name, tensor, op.nbytes, tag)
         return op
 
     def _cannot_arrive(self, src: int) -> tuple[EntrenarError | None, str] | None:

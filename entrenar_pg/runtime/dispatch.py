@@ -47,7 +47,7 @@ _MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
 
 
-def profile_call(future: torch.futures.Future, seq: int, req: Request) -> None:
+def profile_call(future: torch.futures.Future, seq: int, req: Request) -> torch.futures.Future:
     """Collective ``seq``'s profiler event (``entrenar:all_reduce``) until ``future`` completes.
 
     Its inputs are the call's tensors (their shapes and dtypes under
@@ -57,7 +57,7 @@ def profile_call(future: torch.futures.Future, seq: int, req: Request) -> None:
     args: list[Any] = []
     for tensors, _read, _write in req.io:
         args += tensors
-    event_until(future, PROFILING_NAMES[req.op], *args, req.nbytes, seq)
+    return event_until(future, PROFILING_NAMES[req.op], *args, req.nbytes, seq)
 
 
 class _Blocking(NamedTuple):
@@ -188,7 +188,11 @@ class Runtime:
         with self._lock:  # seq order == queue order
             self.seq += 1
             seq = self.seq
-            work = EntrenarWork(fut, name, self.rank, seq)
+            # Under a profiler the caller's future is the one that completes
+            # after the event ended (profiling.event_until); opened in the
+            # caller's thread, before the job can run.
+            seen = profile_call(fut, seq, req) if _profiler._is_profiler_enabled else fut
+            work = EntrenarWork(seen, name, self.rank, seq)
             job = Job(
                 seq,
                 name,
@@ -200,8 +204,6 @@ class Runtime:
             )
             if self.recorder is not None:
                 job.record = self.recorder.collective(seq, req.op, req.io, timeout_s)
-            if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
-                profile_call(fut, seq, req)  # in the caller's thread, before the job can run
             inline = (
                 (blocking or nbytes <= self.options.inline_max_bytes)
                 and not staging.is_cuda
