@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.sessions import TIMED_OUT, run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "netns_cluster.sh"
@@ -108,27 +109,10 @@ def run_on_hosts(
         TBF_BURST=shaping.tbf_burst,
         TBF_LATENCY=shaping.tbf_latency,
     )
-    p = subprocess.Popen(
-        [str(SCRIPT)],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = p.communicate(timeout=timeout_s + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            out, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        err += f"\nnetns: stopped after {timeout_s + 30:.0f} s"
-        return subprocess.CompletedProcess(p.args, 124, out, err)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    done = run_in_session([str(SCRIPT)], timeout_s=timeout_s + 30, env=full_env)
+    if done.returncode == TIMED_OUT:
+        done.stderr += f"\nnetns: stopped after {timeout_s + 30:.0f} s"
+    return done
 
 
 def namespaces_left(prefix: str) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 import entrenar_pg
 from benchmarks.netns import namespaces_allowed
+from benchmarks.sessions import TIMED_OUT, run_in_session
 from entrenar_pg import EntrenarProcessGroup, Options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,31 +169,18 @@ def run_session(
     a non-zero exit fails the test. On timeout the whole session is stopped:
     SIGTERM first (so a launch script's trap tears down what it built), then
     SIGKILL, so no process outlives the test."""
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            out, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}")
-    if check and p.returncode != 0:
+    done = run_in_session(cmd, timeout_s=timeout, env=env)
+    if done.returncode == TIMED_OUT:
         pytest.fail(
-            f"exit status {p.returncode}: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+            f"timed out after {timeout}s: {' '.join(cmd)}\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         )
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if check and done.returncode != 0:
+        pytest.fail(
+            f"exit status {done.returncode}: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-6000:]}"
+        )
+    return done
 
 
 @pytest.fixture(autouse=True)

@@ -36,13 +36,15 @@ link stays in step). A peer that leaves with nothing pending is normal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 from torch.autograd import profiler as _profiler
@@ -52,7 +54,6 @@ from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
 from ..profiling import event_until
-from ..runtime.staging import Staged, Staging
 from ..transport.loop import POLLHANG, Links, LinkState
 from ..transport.plan import Recv, Send, bytes_of
 from ..transport.tcp import Mesh
@@ -68,6 +69,29 @@ from .matching import (
     failure_class,
     op_error,
 )
+
+
+class StagedTensor(Protocol):
+    """One staged tensor (``runtime.staging.Staged``): the user's and its host copy."""
+
+    user: torch.Tensor
+    host: torch.Tensor | None
+
+
+class Staging(Protocol):
+    """What an op needs of its staging. The runtime (which builds this channel, a
+    floor up) owns ``runtime.staging`` and hands each op one (``Runtime.p2p_staging``)."""
+
+    def add(
+        self, tensors: Sequence[torch.Tensor], *, read: bool, write: bool
+    ) -> Sequence[StagedTensor]: ...
+    def load(self) -> None: ...
+    def store(self) -> None: ...
+    def new_future(self) -> torch.futures.Future[Any]: ...
+    def completion_context(
+        self,
+    ) -> Callable[[], contextlib.AbstractContextManager[Any]] | None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +122,7 @@ class _Op:
     peer: int  # destination (send), source or ANY_SOURCE (recv)
     tag: int
     staging: Staging
-    item: Staged
+    item: StagedTensor
     future: torch.futures.Future
     work: P2PWork
     what: str
