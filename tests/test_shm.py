@@ -42,7 +42,8 @@ from entrenar_pg import (
     Options,
 )
 from entrenar_pg.runtime import jobs
-from entrenar_pg.transport import shm, slots
+from entrenar_pg.transport.shm import setup as shm
+from entrenar_pg.transport.shm import slots
 from entrenar_pg.wire import Algo
 
 c10d = torch._C._distributed_c10d

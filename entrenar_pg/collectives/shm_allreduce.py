@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
-from ..transport.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
+from ..transport.shm.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
 from .common import Call, ScratchPool, bytes_of, chunk_bounds
 

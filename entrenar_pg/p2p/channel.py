@@ -49,14 +49,14 @@ from typing import Any, Protocol
 import torch
 from torch.autograd import profiler as _profiler
 
-from ..api.work import EntrenarWork
+from ..call.work import EntrenarWork
 from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
 from ..profiling import event_until
 from ..transport.loop import POLLHANG, Links, LinkState
+from ..transport.mesh import Mesh
 from ..transport.plan import Recv, Send, bytes_of
-from ..transport.tcp import Mesh
 from ..wire import HEADER_BYTES, Header, OpCode, p2p_header
 from .matching import (
     ANY_SOURCE,

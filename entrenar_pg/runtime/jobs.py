@@ -17,12 +17,12 @@ import torch
 
 from .. import collectives as alg
 from .. import sparse
-from ..api import requests as rq
+from ..api import checks as rq
 from ..reduce_ops import Reduction, finish_, prepare_
 from ..wire import Algo, OpCode
 
 if TYPE_CHECKING:
-    from .dispatch import Runtime
+    from .runtime import Runtime
 
 Hosts = list[list[torch.Tensor]]
 

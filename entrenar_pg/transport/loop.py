@@ -28,9 +28,9 @@ from typing import Any
 
 from ..config import SHM_SLEEP_CAP_S
 from ..errors import peer_gone
-from .abort import AbortRecord, Causes, ControlChannel
+from .control import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
-from .shm import ShmLink
+from .shm.setup import ShmLink
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT

@@ -21,12 +21,12 @@ from datetime import timedelta
 from typing import Any
 
 from ..config import Options, timeout_seconds
-from .abort import Causes, ControlChannel, abort_record
+from .control import Causes, ControlChannel, abort_record
 from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
-from .shm import ShmLink
-from .shm import connect as connect_shm
-from .slots import SlotArea
+from .shm.setup import ShmLink
+from .shm.setup import connect as connect_shm
+from .shm.slots import SlotArea
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import PeerConnectionError
+from ...errors import PeerConnectionError
 from .slots import AREA_BYTES, SlotArea, new_area_nonce
 
 log = logging.getLogger(__name__)

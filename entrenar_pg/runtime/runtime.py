@@ -25,8 +25,8 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from .. import config, flight_recorder
-from ..api.requests import Request, custom
-from ..api.work import EntrenarWork
+from ..api.checks import Request, custom
+from ..call.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import GroupTimeout, Options, timeout_seconds
 from ..errors import EntrenarError

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SHM_SLEEP_CAP_S
+from ...config import SHM_SLEEP_CAP_S
 
 if TYPE_CHECKING:
-    from .loop import Progress
-    from .shm import ShmLink
+    from ..loop import Progress
+    from .setup import ShmLink
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
@@ -81,7 +81,7 @@ class SlotArea:
     """
 
     def __init__(self, rank: int, areas: dict[int, memoryview], links: dict[int, ShmLink]) -> None:
-        from .shm import _Fence  # the rings' fence: one kind of barrier in the transport
+        from .setup import _Fence  # the rings' fence: one kind of barrier in the transport
 
         self.rank = rank
         self.world = len(areas)
