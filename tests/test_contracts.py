@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conftest import run_ranks, torchrun
 
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
-from entrenar_pg.api import checks as rq
+from entrenar_pg.call import requests as rq
 from entrenar_pg.checker import hashing
 from entrenar_pg.checker.projection import Projection
 from entrenar_pg.runtime import jobs

@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, scenario: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import entrenar_pg
-    from entrenar_pg.api import checks as rq
+    from entrenar_pg.call import requests as rq
     from entrenar_pg.runtime import jobs
 
     ContractViolationType = entrenar_pg.ContractViolation

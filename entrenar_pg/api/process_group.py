@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from .. import sparse
 from .._plugin import BACKEND_NAME
-from ..call.work import EntrenarWork
+from ..call.work import EntrenarWork, P2PWork
 from ..checker import ContractChecker
 from ..config import Options
 from ..errors import EntrenarError, PeerConnectionError
 from ..ledger_writer import RunLedger
 from ..overloads import normalize
-from ..p2p import ANY_SOURCE, P2PWork
+from ..p2p import ANY_SOURCE
 from ..runtime.runtime import Runtime
 from . import checks as rq
 from .dynamo_boundary import hide_from_dynamo

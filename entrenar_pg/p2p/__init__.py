@@ -4,7 +4,7 @@
 ``channel``: the thread that moves the messages over the mesh's p2p sockets.
 """
 
-from .channel import P2PChannel, P2PWork
+from .channel import P2PChannel
 from .matching import ANY_SOURCE, Matching
 
-__all__ = ["ANY_SOURCE", "Matching", "P2PChannel", "P2PWork"]
+__all__ = ["ANY_SOURCE", "Matching", "P2PChannel"]

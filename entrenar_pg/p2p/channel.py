@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import torch
 from torch.autograd import profiler as _profiler
 
-from ..call.work import EntrenarWork
+from ..call.work import P2PWork
 from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import Entry, FlightRecorder, p2p_name
@@ -96,22 +96,6 @@ class Staging(Protocol):
 log = logging.getLogger(__name__)
 
 _TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
-
-
-class P2PWork(EntrenarWork):
-    """The Work of a send or recv; a recv's knows the rank it came from (``_source_rank``)."""
-
-    def __init__(self, future: torch.futures.Future, what: str, rank: int, src: int) -> None:
-        super().__init__(future, what, rank)
-        self.src = src
-
-    def _source_rank(self) -> int:
-        if self.src < 0:
-            raise ValueError(f"rank {self._rank}: {self._what}: not received yet")
-        return self.src
-
-    def source_rank(self) -> int:
-        return self._source_rank()
 
 
 @dataclass(eq=False)

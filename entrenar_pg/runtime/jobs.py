@@ -17,7 +17,7 @@ import torch
 
 from .. import collectives as alg
 from .. import sparse
-from ..api import checks as rq
+from ..call import requests as rq
 from ..reduce_ops import Reduction, finish_, prepare_
 from ..wire import Algo, OpCode
 

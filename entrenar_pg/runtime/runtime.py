@@ -25,7 +25,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from .. import config, flight_recorder
-from ..api.checks import Request, custom
+from ..call.requests import Request, custom
 from ..call.work import EntrenarWork
 from ..collectives import Call, Choice, ScratchPool, choose, op_name
 from ..config import GroupTimeout, Options, timeout_seconds
