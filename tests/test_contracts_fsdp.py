@@ -46,9 +46,9 @@ class StepFault:
         self.step = 0
         self.done = False
 
-    def __call__(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> None:
-        self.job(rt, seq, req, hosts)
-        if self.done or self.step != self.at or rt.rank != self.victim:
+    def __call__(self, ctx: Any, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        self.job(ctx, req, hosts)
+        if self.done or self.step != self.at or ctx.rank != self.victim:
             return
         (out,) = hosts[1][:1]
         if not out.numel():
