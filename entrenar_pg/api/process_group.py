@@ -4,7 +4,7 @@
 
 Each collective method is the same two steps: ``overloads.normalize`` turns
 whichever call form torch bound into the options form, and a builder of
-``api/requests.py`` checks the arguments (in the caller's thread, before
+``api/checks.py`` checks the arguments (in the caller's thread, before
 anything is sent) and returns a request, which ``Runtime.submit`` runs as the
 group's next job; the method returns its Work at once. Point-to-point calls
 are checked the same way and go to the p2p channel, outside the FIFO.

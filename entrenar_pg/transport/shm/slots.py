@@ -1,7 +1,7 @@
 """Slot areas: the shared memory of the shm-native allreduce (``collectives/shm_allreduce.py``).
 
 When every rank of a group is on this host and every pair mapped the
-other's segment (``shm.connect``), each rank's segment also holds a *slot
+other's segment (``setup.connect``), each rank's segment also holds a *slot
 area*, mapped by every peer:
 
     one page of control words | slot 0 | slot 1
@@ -25,7 +25,7 @@ hang-ups (a killed peer is named at once). Nothing moving for the job's
 timeout is ``Causes.stalled`` naming the ranks still missing. A publisher
 whose peers are awake makes no syscall.
 
-Memory order: x86-64 only (``shm.connect`` offers shared memory nowhere
+Memory order: x86-64 only (``setup.connect`` offers shared memory nowhere
 else); the fence before ``ARRIVED`` also drains the non-temporal stores a
 large ``memcpy`` may use.
 """
