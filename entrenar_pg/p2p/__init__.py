@@ -1,7 +1,9 @@
 """Point-to-point messages: send / recv / recv_anysource, matched by peer and tag.
 
 ``matching``: which recv a message is for (sans-IO, tested on its own);
-``channel``: the thread that moves the messages over the mesh's p2p sockets.
+``channel``: the thread that moves the messages over the mesh's p2p sockets;
+``link``: one peer's streams and the messages framed on them; ``ops``: a
+send or recv from its staging to its completion.
 """
 
 from .channel import P2PChannel
