@@ -36,9 +36,11 @@ import torch.distributed as dist
 import entrenar_pg  # noqa: F401  (registers the backend)
 from benchmarks import floor
 from entrenar_pg import Options
+from entrenar_pg.collectives import choose
 from entrenar_pg.reduce_ops import Kind, Reduction
 from entrenar_pg.runtime import jobs
-from entrenar_pg.wire import Algo
+from entrenar_pg.runtime.context import JobContext
+from entrenar_pg.wire import Algo, OpCode
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 _SUM = Reduction(Kind.SUM)
@@ -60,7 +62,21 @@ class AlgoOnly:
 
     def __call__(self, t: torch.Tensor) -> None:
         self.seq += 1
-        jobs.allreduce_flat(self.rt, self.seq, t, _SUM, t.numel() * t.element_size())
+        rt = self.rt
+        mesh = rt.mesh
+        spin_s, timeout_s = rt.options.caller_spin_us / 1e6, rt.timeout.seconds
+        ctx = JobContext(
+            mesh,
+            rt.rank,
+            mesh.world,
+            self.seq,
+            rt.scratch,
+            spin_s,
+            timeout_s,
+            rt.choices,
+            rt.options,
+        )
+        jobs.allreduce_flat(ctx, t, _SUM, t.numel() * t.element_size())
 
 
 def time_one(
@@ -105,7 +121,8 @@ def main() -> None:
     cpu: dict[tuple[str, int], list[float]] = {}
     for size in sizes:
         t = torch.ones(size // 4)
-        assert slots.call(0, jobs.OpCode.ALLREDUCE, size).choice.algo is Algo.SHM
+        choice = choose(OpCode.ALLREDUCE, size, world, slots.options, slots.mesh.all_local)
+        assert choice.algo is Algo.SHM
         iters = max(3, min(300, (64 << 20) // size // 2))
         for name in names:  # warm-up: plans, pages
             time_one(calls[name], syncs[name], t, 2)

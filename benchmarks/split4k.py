@@ -86,13 +86,14 @@ class Probes:
     """
 
     def __init__(self) -> None:
-        from entrenar_pg.api import process_group, work
-        from entrenar_pg.runtime import dispatch, engine, jobs
+        from entrenar_pg.api import process_group
+        from entrenar_pg.call import work
+        from entrenar_pg.runtime import engine, jobs, runtime
 
         self.targets: tuple[tuple[str, Any, str], ...] = (
             ("pg.allreduce", process_group.EntrenarProcessGroup, "allreduce"),
-            ("Runtime.submit", dispatch.Runtime, "submit"),
-            ("Runtime.run", dispatch.Runtime, "run"),
+            ("Runtime.submit", runtime.Runtime, "submit"),
+            ("Runtime.run", runtime.Runtime, "run"),
             ("Work.wait", work.EntrenarWork, "wait"),
             # Called only when a call is handed to the comm thread instead of
             # running in the caller's: counts the hand-offs.

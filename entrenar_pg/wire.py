@@ -68,7 +68,7 @@ class Algo(enum.IntEnum):
     DIRECT = 3  # every rank talks to every rank (alltoall, direct-exchange reduce-scatter)
     CHAIN = 4  # pipelined chain (large broadcast)
     TREE_RING = 5  # deterministic allreduce: direct-exchange reduce-scatter + ring all-gather
-    SHM = 6  # allreduce through the slot areas of ranks all on one host (transport/slots.py)
+    SHM = 6  # allreduce through the slot areas of ranks all on one host (transport/shm/slots.py)
 
 
 class Flags(enum.IntFlag):

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.calls import Pair
 from entrenar_pg.collectives.common import Call
-from entrenar_pg.runtime.dispatch import Runtime
+from entrenar_pg.runtime.runtime import Runtime
 from tests.conftest import REPO
 
 
@@ -48,7 +48,7 @@ def test_counts_are_sane_and_repeatable(pair: Pair) -> None:
     first = pair.count()
     assert first["calls"]["ours"] > 0
     assert first["calls"]["torch"] > 0  # dist.all_reduce's own Python
-    assert {"api/process_group.py", "runtime/dispatch.py"} <= set(first["per_file"])
+    assert {"api/process_group.py", "runtime/runtime.py"} <= set(first["per_file"])
     assert first["our_files"] == len(first["per_file"])
     assert sum(first["per_file"].values()) == first["calls"]["ours"]
     second = pair.count()

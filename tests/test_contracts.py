@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conftest import run_ranks, torchrun
 
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
-from entrenar_pg.api import requests as rq
+from entrenar_pg.call import requests as rq
 from entrenar_pg.checker import hashing
 from entrenar_pg.checker.projection import Projection
 from entrenar_pg.runtime import jobs
@@ -47,9 +47,9 @@ class Corrupt:
         self.job, self.at, self.victims, self.how = job, at, victims, how
         self.calls: dict[int, int] = {}
 
-    def __call__(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> None:
-        self.job(rt, seq, req, hosts)
-        rank = rt.rank
+    def __call__(self, ctx: Any, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        self.job(ctx, req, hosts)
+        rank = ctx.rank
         self.calls[rank] = self.calls.get(rank, 0) + 1
         written = [t for (_, _, write), h in zip(req.io, hosts, strict=True) if write for t in h]
         written = [t for t in written if t.numel()]
@@ -61,7 +61,7 @@ class Corrupt:
         elif self.how == "scale":  # every rank the same wrong (scaled) output
             flat.mul_(1.5)
         elif self.how == "drop":  # a lost contribution: the first chunk zeroed
-            flat[: max(1, flat.numel() // rt.mesh.world)] = 0
+            flat[: max(1, flat.numel() // ctx.world)] = 0
         elif self.how == "inc7":  # integer off by one
             flat[7] += 1
         elif self.how == "gross":  # one element far off (beyond any rounding bound)

@@ -22,7 +22,7 @@ from conftest import run_ranks
 from test_contracts import corrupt
 
 from entrenar_pg import ContractViolation, EntrenarProcessGroup, Options
-from entrenar_pg.api import requests as rq
+from entrenar_pg.call import requests as rq
 
 N = 3
 M = 1000  # elements per rank's piece

@@ -46,9 +46,9 @@ class StepFault:
         self.step = 0
         self.done = False
 
-    def __call__(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> None:
-        self.job(rt, seq, req, hosts)
-        if self.done or self.step != self.at or rt.rank != self.victim:
+    def __call__(self, ctx: Any, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        self.job(ctx, req, hosts)
+        if self.done or self.step != self.at or ctx.rank != self.victim:
             return
         (out,) = hosts[1][:1]
         if not out.numel():
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, scenario: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import entrenar_pg
-    from entrenar_pg.api import requests as rq
+    from entrenar_pg.call import requests as rq
     from entrenar_pg.runtime import jobs
 
     ContractViolationType = entrenar_pg.ContractViolation

@@ -188,7 +188,7 @@ def test_reduce_scatter_tree(world: int, kind: Kind) -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
         buf = xs[rank].clone()
         choice = alg.choose(OpCode.REDUCE_SCATTER, 0, world, pg.options)
-        call = alg.Call(pg.mesh, 10**6, choice)  # outside the engine: the group is idle
+        call = alg.Call(pg.mesh, 10**6, choice, alg.ScratchPool(), 0.0, 30.0)  # the group is idle
         alg.reduce_scatter_tree(call, split(buf), red)
         return split(buf)[rank].clone()
 

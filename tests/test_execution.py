@@ -44,9 +44,9 @@ def test_blocking_call_completes_in_the_callers_thread() -> None:
         ran_in: list[threading.Thread] = []
         real_run = pg.mesh.run
 
-        def spy(plan, what):  # type: ignore[no-untyped-def]
+        def spy(plan, what, pace):  # type: ignore[no-untyped-def]
             ran_in.append(threading.current_thread())
-            return real_run(plan, what)
+            return real_run(plan, what, pace)
 
         pg.mesh.run = spy  # type: ignore[method-assign]
         if rank == 1:
@@ -188,11 +188,11 @@ def test_spin_is_set_by_who_runs_the_job() -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> None:
         real = pg.mesh.run
 
-        def spy(plan, what):  # type: ignore[no-untyped-def]
+        def spy(plan, what, pace):  # type: ignore[no-untyped-def]
             where = "comm" if threading.current_thread().name.startswith("entrenar-") else "caller"
             if rank == 0:
-                seen[where] = pg.mesh.spin_s
-            real(plan, what)
+                seen[where] = pace.spin_s
+            real(plan, what, pace)
 
         pg.mesh.run = spy  # type: ignore[method-assign]
         t = torch.ones(64)
@@ -237,7 +237,7 @@ def test_ctrl_c_in_a_callers_thread_collective_breaks_the_group_everywhere() -> 
     def fn(rank: int, pg: EntrenarProcessGroup) -> str:
         if rank == 0:
 
-            def interrupted(plan, what):  # type: ignore[no-untyped-def]
+            def interrupted(plan, what, pace):  # type: ignore[no-untyped-def]
                 raise KeyboardInterrupt
 
             pg.mesh.run = interrupted  # type: ignore[method-assign]

@@ -1,6 +1,6 @@
 """``benchmarks/scale.py``: a real small job (8 ranks over 2 processes), checked against the design.
 
-The connection design today (``transport/rendezvous.py``, ``transport/tcp.py``,
+The connection design today (``transport/rendezvous.py``, ``transport/mesh.py``,
 ``transport/loop.py``): every pair of ranks gets three TCP sockets at set-up
 (data, control, p2p), and the p2p thread's loop holds one socketpair to be
 woken. So a rank's group holds 3(N-1) + 2 sockets, whatever the transport
@@ -36,7 +36,7 @@ def design_sockets(world: int) -> int:
 
 def design_memfds(world: int) -> int:
     """memfd descriptors one rank holds when all ``world`` ranks share memory (``auto``
-    offers shared memory on x86-64 only: ``transport/shm.py``)."""
+    offers shared memory on x86-64 only: ``transport/shm/setup.py``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
     return 2 * (world - 1) + 1

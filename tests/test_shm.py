@@ -42,13 +42,14 @@ from entrenar_pg import (
     Options,
 )
 from entrenar_pg.runtime import jobs
-from entrenar_pg.transport import shm, slots
+from entrenar_pg.transport.shm import ring, slots
+from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.wire import Algo
 
 c10d = torch._C._distributed_c10d
 JOB = REPO / "tests" / "scripts" / "shm_job.py"
 R = dist.ReduceOp
-RING_ELEMS = shm.RING_BYTES // 4
+RING_ELEMS = ring.RING_BYTES // 4
 
 
 def _opts(cls: Any, **fields: Any) -> Any:
@@ -68,7 +69,7 @@ def _data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # (dtype, op, elements): every op and dtype class once; sizes below, at and
-# beyond a ring (shm.RING_BYTES), through direct, star and ring plans.
+# beyond a ring (ring.RING_BYTES), through direct, star and ring plans.
 ALLREDUCES = [
     (torch.float32, R.SUM, 7),
     (torch.float32, R.SUM, 70_000),  # direct (<= 256 KiB)
@@ -174,7 +175,7 @@ def test_a_piece_larger_than_the_ring_moves_in_parts() -> None:
         pg.allreduce([t]).wait()
         return t
 
-    opts = dict(algorithm="ring", segment_bytes=4 * shm.RING_BYTES)
+    opts = dict(algorithm="ring", segment_bytes=4 * ring.RING_BYTES)
     tcp = _run(2, Options(transport="tcp", **opts), fn, shm_expected=False)
     mem = _run(2, Options(transport="shm", **opts), fn, shm_expected=True)
     assert torch.equal(tcp[0], mem[0]) and torch.equal(mem[0], mem[1])

@@ -41,7 +41,7 @@ from benchmarks.model.links import (
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
 SHM_SMALL_MAX_BYTES = 1 << 20  # shm_allreduce.SMALL_MAX_BYTES: one phase up to here
-SLOT_DATA_BYTES = 4 << 20  # transport/slots.SLOT_DATA_BYTES: the chunk of the large path
+SLOT_DATA_BYTES = 4 << 20  # transport/shm/slots.SLOT_DATA_BYTES: the chunk of the large path
 
 
 @dataclass(frozen=True)

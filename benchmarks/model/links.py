@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # entrenar's kinds
-SHM = "shm"  # shared-memory byte rings between two ranks of one host (transport/shm.py)
+SHM = "shm"  # shared-memory byte rings between two ranks of one host (transport/shm/ring.py)
 SLOTS = "slots"  # the shm-native allreduce's slot copies (collectives/shm_allreduce.py)
 LOOPBACK = "loopback"  # TCP over the loopback interface
 NET = "net"  # TCP through a host's link (the shaped veth); bytes counted per host link

@@ -1,1 +1,1 @@
-"""The process group torch sees: its surface (process_group.py), the request checks, the Work."""
+"""The process group torch sees: its surface, the argument checks, the dynamo boundary."""

@@ -4,7 +4,7 @@
 
 Each collective method is the same two steps: ``overloads.normalize`` turns
 whichever call form torch bound into the options form, and a builder of
-``api/requests.py`` checks the arguments (in the caller's thread, before
+``api/checks.py`` checks the arguments (in the caller's thread, before
 anything is sent) and returns a request, which ``Runtime.submit`` runs as the
 group's next job; the method returns its Work at once. Point-to-point calls
 are checked the same way and go to the p2p channel, outside the FIFO.
@@ -28,16 +28,16 @@ import torch.distributed as dist
 
 from .. import sparse
 from .._plugin import BACKEND_NAME
+from ..call.work import EntrenarWork, P2PWork
 from ..checker import ContractChecker
 from ..config import Options
 from ..errors import EntrenarError, PeerConnectionError
 from ..ledger_writer import RunLedger
 from ..overloads import normalize
-from ..p2p import ANY_SOURCE, P2PWork
-from ..runtime.dispatch import Runtime
-from . import requests as rq
+from ..p2p import ANY_SOURCE
+from ..runtime.runtime import Runtime
+from . import checks as rq
 from .dynamo_boundary import hide_from_dynamo
-from .work import EntrenarWork
 
 log = logging.getLogger(__name__)
 

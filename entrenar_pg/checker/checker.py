@@ -1,6 +1,6 @@
 """The contract checker of a group: measures every collective, judges in batches, raises everywhere.
 
-The runtime calls ``before`` and ``after`` around every job (runtime/dispatch.py,
+The runtime calls ``before`` and ``after`` around every job (runtime/runtime.py,
 ``Runtime.run``). ``before`` asks the request kind for its slots
 (checker/kinds.py) and measures the inputs; ``after`` measures the outputs and
 keeps the record. Records are exchanged (one small direct exchange, op CHECK)
@@ -74,7 +74,7 @@ def exchange(call: Call, payload: torch.Tensor, aux: int) -> list[list[int]]:
                 plan.open(p, header)
                 plan.send(p, mine)
                 plan.recv(p, bytes_of(out[p]))
-        call.mesh.run(plan, call.what(OpCode.CHECK))
+        call.mesh.run(plan, call.what(OpCode.CHECK), call)
     rows: list[list[int]] = out.tolist()
     return rows
 
@@ -174,7 +174,7 @@ class ContractChecker:
                     self.allreduces_checked += 1  # measured: judged in this batch or the next
             due = len(self._pending) >= self._hold or m.contract.rule is Rule.FLUSH
             if self._pending and due:
-                self._batch(rt.call(seq, OpCode.CHECK, 0), _NO_PARAMETERS, _AUX_BATCH)
+                self._batch(rt.call(OpCode.CHECK, 0), _NO_PARAMETERS, _AUX_BATCH)
         finally:
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu

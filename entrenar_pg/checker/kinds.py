@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..api import requests as rq
+from ..call import requests as rq
 from ..reduce_ops import Reduction
 from ..runtime import jobs
 from ..wire import OpCode

@@ -66,4 +66,4 @@ def alltoall(
     if n > 2:
         for p, header in headers.items():
             plan.acknowledge(p, header)
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)

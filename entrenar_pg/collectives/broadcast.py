@@ -53,4 +53,4 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
     plan.confirm_peers(n, header)
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)

@@ -6,7 +6,7 @@ import operator
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -70,12 +70,16 @@ class ScratchPool:
 
 @dataclass(slots=True)
 class Call:
-    """One collective as seen by one rank: where it runs and how (the policy's ``Choice``)."""
+    """One collective as seen by one rank: where it runs and how (the policy's
+    ``Choice``), and its job's pace (``transport.loop.Pace``: how long the
+    loop spins in this thread, how long nothing may move)."""
 
     mesh: Mesh
     seq: int
     choice: Choice
-    scratch: ScratchPool = field(default_factory=ScratchPool)
+    scratch: ScratchPool
+    spin_s: float
+    timeout_s: float
 
     @property
     def rank(self) -> int:

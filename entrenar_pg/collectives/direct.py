@@ -51,7 +51,7 @@ def allreduce_direct(
             plan.recv(p, bytes_of(part))
         if cacheable:
             call.scratch.keep_plan(key, (plan, parts))
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)
     contributions = parts[:r] + [buf] + parts[r:]
     if call.choice.tree:
         result = tree_reduce_(contributions, red.combine_kind)

@@ -136,7 +136,7 @@ def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
         kind=red.combine_kind,
         on_reduced=lambda seg: finish_(seg, red, n),
     )
-    call.mesh.run(plan, call.what(OpCode.ALLREDUCE))
+    call.mesh.run(plan, call.what(OpCode.ALLREDUCE), call)
 
 
 def allgather_ring(
@@ -151,7 +151,7 @@ def allgather_ring(
     numel = sum(c.numel() for c in chunks)
     open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel), chunks)
     ring_pass(call, plan, chunks, reduce_steps=0, gather_steps=call.world - 1)
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)
 
 
 def reduce_scatter_ring(
@@ -185,4 +185,4 @@ def reduce_scatter_ring(
         kind=red.combine_kind,
         on_reduced=lambda seg: finish_(seg, red, n),
     )
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)

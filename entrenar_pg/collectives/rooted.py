@@ -52,7 +52,7 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
         reduce_scatter_ring(call, chunks, red, OpCode.REDUCE, aux=root)
     header = call.header(OpCode.REDUCE, Algo.DIRECT, buf.dtype, numel=buf.numel(), aux=root)
     plan = _rooted(call, header, root, chunks, chunks[r], to_root=True)
-    call.mesh.run(plan, call.what(OpCode.REDUCE))
+    call.mesh.run(plan, call.what(OpCode.REDUCE), call)
 
 
 def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
@@ -73,7 +73,7 @@ def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> Non
     else:
         gather_reduce(call, plan, buf, red, root, header, replies=False)
     plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.REDUCE))
+    call.mesh.run(plan, call.what(OpCode.REDUCE), call)
 
 
 def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, root: int) -> None:
@@ -92,7 +92,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
     header = call.header(OpCode.GATHER, Algo.DIRECT, inp.dtype, numel=inp.numel(), aux=root)
     plan = _rooted(call, header, root, outs or [], inp, to_root=True)
     plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.GATHER))
+    call.mesh.run(plan, call.what(OpCode.GATHER), call)
 
 
 def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, root: int) -> None:
@@ -111,7 +111,7 @@ def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, r
     header = call.header(OpCode.SCATTER, Algo.DIRECT, out.dtype, numel=out.numel(), aux=root)
     plan = _rooted(call, header, root, ins or [], out, to_root=False)
     plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.SCATTER))
+    call.mesh.run(plan, call.what(OpCode.SCATTER), call)
 
 
 def _rooted(

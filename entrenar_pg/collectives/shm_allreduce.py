@@ -1,7 +1,7 @@
 """The shm-native allreduce: ranks all on one host reduce straight from each other's slots.
 
 No plan and no byte ring: each rank's input goes once into its own slot
-area (``transport/slots.py``), which every peer has mapped, and the
+area (``transport/shm/slots.py``), which every peer has mapped, and the
 reduction reads the peers' slots in place.
 
 - Small (<= ``SMALL_MAX_BYTES``), one phase: each rank writes its 32-byte
@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
-from ..transport.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
+from ..transport.shm.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
 from .common import Call, ScratchPool, bytes_of, chunk_bounds
 
@@ -131,7 +131,7 @@ def _wait(area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray)
     """``area.wait``; a peer found running another collective (its plan's
     header in its ring to us) is a mismatch naming both calls."""
     try:
-        area.wait(phase, call.mesh.progress, call.what(op))
+        area.wait(phase, call.mesh.progress, call.what(op), call)
     except ForeignTraffic as e:
         error = _mismatch(call.rank, e.peer, packed, e.raw) or CollectiveMismatchError(
             f"rank {call.rank}: {call.what(op)}: rank {e.peer} runs another collective"

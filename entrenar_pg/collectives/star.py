@@ -105,7 +105,7 @@ def allreduce_star(
         # No data: the answer is the header alone, which proves nothing
         # about the other leaves; every rank confirms with every other.
         plan.confirm_peers(n, header)
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)
 
 
 def barrier(call: Call) -> None:

@@ -158,7 +158,7 @@ def reduce_scatter_tree(
         op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
     )
     _exchange(call, plan, chunks, red, header)
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)
 
 
 def allreduce_tree_ring(
@@ -202,4 +202,4 @@ def allreduce_tree_ring(
         gate = reduced if s == 0 else got[s - 1]
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
             plan.send(right, views[c][a * size : b * size], is_set(gate, k))
-    call.mesh.run(plan, call.what(op))
+    call.mesh.run(plan, call.what(op), call)

@@ -36,28 +36,23 @@ link stays in step). A peer that leaves with nothing pending is normal.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import select
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
 
 import torch
-from torch.autograd import profiler as _profiler
 
-from ..api.work import EntrenarWork
+from ..call.work import P2PWork
 from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
-from ..flight_recorder import Entry, FlightRecorder, p2p_name
-from ..profiling import event_until
+from ..flight_recorder import FlightRecorder
 from ..transport.loop import POLLHANG, Links, LinkState
-from ..transport.plan import Recv, Send, bytes_of
-from ..transport.tcp import Mesh
-from ..wire import HEADER_BYTES, Header, OpCode, p2p_header
+from ..transport.mesh import Mesh
+from ..transport.plan import Recv, bytes_of
+from .link import PeerLink
 from .matching import (
     ANY_SOURCE,
     Discarded,
@@ -69,129 +64,9 @@ from .matching import (
     failure_class,
     op_error,
 )
-
-
-class StagedTensor(Protocol):
-    """One staged tensor (``runtime.staging.Staged``): the user's and its host copy."""
-
-    user: torch.Tensor
-    host: torch.Tensor | None
-
-
-class Staging(Protocol):
-    """What an op needs of its staging. The runtime (which builds this channel, a
-    floor up) owns ``runtime.staging`` and hands each op one (``Runtime.p2p_staging``)."""
-
-    def add(
-        self, tensors: Sequence[torch.Tensor], *, read: bool, write: bool
-    ) -> Sequence[StagedTensor]: ...
-    def load(self) -> None: ...
-    def store(self) -> None: ...
-    def new_future(self) -> torch.futures.Future[Any]: ...
-    def completion_context(
-        self,
-    ) -> Callable[[], contextlib.AbstractContextManager[Any]] | None: ...
-
+from .ops import Done, Op, Staging, complete, new_op
 
 log = logging.getLogger(__name__)
-
-_TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
-
-
-class P2PWork(EntrenarWork):
-    """The Work of a send or recv; a recv's knows the rank it came from (``_source_rank``)."""
-
-    def __init__(self, future: torch.futures.Future, what: str, rank: int, src: int) -> None:
-        super().__init__(future, what, rank)
-        self.src = src
-
-    def _source_rank(self) -> int:
-        if self.src < 0:
-            raise ValueError(f"rank {self._rank}: {self._what}: not received yet")
-        return self.src
-
-    def source_rank(self) -> int:
-        return self._source_rank()
-
-
-@dataclass(eq=False)
-class _Op:
-    """A send or recv: the user's tensor staged (``item.host`` is the flat host
-    tensor on the wire), its future and Work."""
-
-    peer: int  # destination (send), source or ANY_SOURCE (recv)
-    tag: int
-    staging: Staging
-    item: StagedTensor
-    future: torch.futures.Future
-    work: P2PWork
-    what: str
-    is_recv: bool
-    record: Entry | None = None  # its flight-recorder entry, when the group records
-
-    @property
-    def host(self) -> torch.Tensor:
-        assert self.item.host is not None, "internal: p2p op not staged"
-        return self.item.host
-
-    @property
-    def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
-
-
-@dataclass(eq=False)
-class _Link:
-    """Per-peer state: the two streams the loop moves, and where reading stands."""
-
-    peer: int
-    out: LinkState  # header, payload, header, payload, ... of queued sends
-    inc: LinkState  # header, then the payload it announces, then the next header
-    header: bytearray = field(default_factory=lambda: bytearray(HEADER_BYTES))
-    sending: list[_Op] = field(default_factory=list)  # sends on ``out``, oldest first
-    incoming: Message | None = None  # the message whose payload is being received
-    sent_index: int = 0
-    recv_index: int = 0
-    last_progress: float = 0.0  # when a byte last moved either way
-    dead: EntrenarError | None = None  # why the link is unusable (None while it works)
-
-    @property
-    def what(self) -> str:
-        return f"p2p link to rank {self.peer}"
-
-    def busy(self) -> bool:
-        """Bytes are due on this link (a send queued, or a message half received)."""
-        return not self.out.idle() or self.incoming is not None or self.inc.offset > 0
-
-
-_Done = tuple[_Op, BaseException | None]
-
-
-def complete(done: list[_Done]) -> None:
-    """Complete the futures of finished ops (outside the channel's lock): a
-    recv's data goes back into the user's tensor first (``Staging.store``),
-    and the future completes in the staging's completion context (CUDA: the
-    p2p stream current, so its event follows the copy)."""
-    for op, error in done:
-        if op.record is not None:
-            if error is None:
-                op.record.complete()
-            else:
-                op.record.retire()
-        if error is not None:
-            op.future.set_exception(error)
-            continue
-        try:
-            if op.is_recv:
-                op.staging.store()
-        except BaseException as e:  # a failed copy-back fails the recv, not the thread
-            op.future.set_exception(e)
-            continue
-        context = op.staging.completion_context()
-        if context is None:
-            op.future.set_result([op.item.user])
-        else:
-            with context():
-                op.future.set_result([op.item.user])
 
 
 class P2PChannel:
@@ -222,16 +97,16 @@ class P2PChannel:
         # the group's failure; the thread's own failure); None while it runs.
         self._stopped_by: EntrenarError | None = None
         self._matching = Matching(self.rank)
-        self._recvs: dict[int, _Op] = {}  # the recvs the matching knows, by PostedRecv.id
+        self._recvs: dict[int, Op] = {}  # the recvs the matching knows, by PostedRecv.id
         self._buffers: dict[int, torch.Tensor] = {}  # message payloads, by Message.id
         self._next_recv = 0
-        self._done: list[_Done] = []  # finished ops, completed outside the lock
+        self._done: list[Done] = []  # finished ops, completed outside the lock
         self._failures: list[EntrenarError] = []  # link failures to report, likewise
         self._loop: Links = mesh.p2p_links()
         self._causes = mesh.causes
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, PeerLink] = {}
         for peer, sock in self._loop.sockets.items():
-            link = _Link(peer, LinkState(peer, sock, [], 0), LinkState(peer, sock, [], 0))
+            link = PeerLink(peer, LinkState(peer, sock, [], 0), LinkState(peer, sock, [], 0))
             self._expect_header(link)
             self._links[peer] = link
         self._fd_link = {link.out.sock.fileno(): link for link in self._links.values()}
@@ -256,7 +131,7 @@ class P2PChannel:
                 if cause is not None:
                     self._done.append((op, op_error(self.rank, op.what, cause)))
                 else:
-                    self._queue(link, op)
+                    link.queue(op, partial(self._sent, link, op))
             done, self._done = self._done, []
         complete(done)
         self._loop.wake()
@@ -301,23 +176,19 @@ class P2PChannel:
         keep it), and pending ops fail here either way."""
         self._stop(error, join_s=ABORT_JOIN_S)
 
-    def _new_op(
-        self, tensor: torch.Tensor, peer: int, tag: int, what: str, *, is_recv: bool
-    ) -> _Op:
-        """Stage ``tensor`` (read by a send, written by a recv) and make its op and Work."""
+    def _new_op(self, tensor: torch.Tensor, peer: int, tag: int, what: str, *, is_recv: bool) -> Op:
         staging = self.staging(tensor.device)
-        (item,) = staging.add([tensor], read=not is_recv, write=is_recv)
-        staging.load()
-        fut = staging.new_future()  # devices=[device] on CUDA: stream-synchronizing
-        seen = fut  # the caller's; under a profiler, complete once the event ended
-        if _profiler._is_profiler_enabled:  # one attribute test when no profiler runs
-            name = p2p_name(is_recv, self.rank, peer)
-            seen = event_until(fut, name, tensor, tensor.numel() * tensor.element_size(), tag)
-        work = P2PWork(seen, what, self.rank, peer if peer != ANY_SOURCE else -1)
-        op = _Op(peer, tag, staging, item, fut, work, what, is_recv)
-        if self.recorder is not None:
-            op.record = self.recorder.p2p(is_recv, peer, tensor, self.timeout.seconds)
-        return op
+        return new_op(
+            staging,
+            tensor,
+            self.rank,
+            peer,
+            tag,
+            what,
+            is_recv=is_recv,
+            recorder=self.recorder,
+            timeout_s=self.timeout.seconds,
+        )
 
     def _cannot_arrive(self, src: int) -> tuple[EntrenarError | None, str] | None:
         """Why no message from ``src`` can arrive any more, as ``op_error``'s
@@ -331,21 +202,7 @@ class P2PChannel:
             return self._links[src].dead, ""
         return None
 
-    def _queue(self, link: _Link, op: _Op) -> None:
-        """Queue ``op``'s message on ``link``: header, then payload."""
-        header = p2p_header(link.sent_index, op.host.dtype, op.nbytes, op.tag)
-        link.sent_index += 1
-        if not link.busy():
-            link.last_progress = time.monotonic()
-        sent = partial(self._sent, link, op)  # runs when the last byte left
-        if op.nbytes:
-            link.out.push(Send(memoryview(header.pack())))
-            link.out.push(Send(bytes_of(op.host), None, sent))
-        else:
-            link.out.push(Send(memoryview(header.pack()), None, sent))
-        link.sending.append(op)
-
-    def _deliver_local(self, op: _Op) -> None:
+    def _deliver_local(self, op: Op) -> None:
         """A send to this rank: the matching places it like an arriving message."""
         data = op.host.view(torch.uint8) if op.nbytes else torch.empty(0, dtype=torch.uint8)
         place = self._matching.arrive(self.rank, op.tag, op.nbytes, op.host.dtype)
@@ -397,10 +254,8 @@ class P2PChannel:
     def _fail_all(self, error: EntrenarError | None, why: str) -> None:
         """Fail every pending op (under the lock)."""
         for link in self._links.values():
-            for op in link.sending:
+            for op in link.drop_pending():
                 self._done.append((op, op_error(self.rank, op.what, error, why)))
-            link.sending.clear()
-            link.incoming = None
         self._matching.close(error, why)
         self._settle()
 
@@ -454,21 +309,12 @@ class P2PChannel:
                 done, self._done = self._done, []
             complete(done)
 
-    def _pump(self, link: _Link, *, receiving: bool) -> None:
+    def _pump(self, link: PeerLink, *, receiving: bool) -> None:
         """Move what one stream of ``link`` can; a failure gives the link up."""
         try:
-            if receiving:
-                moved = self._loop.pump_recv(link.inc, link.what)
-            else:
-                moved = self._loop.pump_send(link.out, link.what)
+            link.pump(self._loop, receiving=receiving)
         except EntrenarError as e:
             self._link_down(link, e)
-            return
-        if moved:
-            link.last_progress = time.monotonic()
-        for st in (link.inc, link.out):
-            if st.index >= _TRIM_AT:
-                st.trim()
 
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
@@ -489,25 +335,21 @@ class P2PChannel:
         timeout_s = self.timeout.seconds
         self._matching.expire(now, timeout_s)
         for link in self._links.values():
-            if link.dead is None and link.busy() and link.last_progress + timeout_s <= now:
-                recv_from = [link.peer] if link.incoming is not None or link.inc.offset else []
-                send_to = [link.peer] if not link.out.idle() else []
-                self._link_down(
-                    link, self._causes.stalled(link.what, recv_from, send_to, timeout_s)
-                )
+            error = link.stall(now, timeout_s, self._causes)
+            if error is not None:
+                self._link_down(link, error)
 
-    def _link_down(self, link: _Link, error: EntrenarError) -> None:
+    def _link_down(self, link: PeerLink, error: EntrenarError) -> None:
         """Give up on a link: fail everything pending with its peer, with ``error``."""
         if link.dead is not None:
             return
         link.dead = failure_class(error)(str(error), culprit=error.culprit)
         # Outcomes so far first, so the count below is this link's alone.
         self._settle()
-        affected = len(link.sending)
-        for op in link.sending:
+        dropped = link.drop_pending()
+        for op in dropped:
             self._done.append((op, op_error(self.rank, op.what, link.dead)))
-        link.sending.clear()
-        link.incoming = None
+        affected = len(dropped)
         self._loop.forget(link.out.sock.fileno())
         self._matching.peer_down(link.peer, link.dead)
         affected += self._settle()
@@ -527,31 +369,16 @@ class P2PChannel:
 
     # ------------------------------------------------------------ stream callbacks
 
-    def _expect_header(self, link: _Link) -> None:
-        link.inc.push(Recv(memoryview(link.header), partial(self._header_in, link)))
+    def _expect_header(self, link: PeerLink) -> None:
+        link.expect_header(partial(self._header_in, link))
 
-    def _sent(self, link: _Link, op: _Op) -> None:
+    def _sent(self, link: PeerLink, op: Op) -> None:
         """A send's last byte left: its Work completes."""
-        if link.sending and link.sending[0] is op:
-            link.sending.pop(0)
+        link.sent(op)
         self._done.append((op, None))
 
-    def _header_in(self, link: _Link) -> None:
-        try:
-            header = Header.unpack(bytes(link.header))
-        except ValueError as e:
-            raise PeerConnectionError(
-                f"rank {self.rank}: {link.what}: garbage from rank {link.peer} where a "
-                f"message header was due ({e}): the stream is corrupt",
-                culprit=link.peer,
-            ) from None
-        if header.op is not OpCode.SEND or header.seq != link.recv_index:
-            raise PeerConnectionError(
-                f"rank {self.rank}: {link.what}: rank {link.peer} sent {header.describe()} "
-                f"where p2p message #{link.recv_index} was due: the stream is corrupt",
-                culprit=link.peer,
-            )
-        link.recv_index += 1
+    def _header_in(self, link: PeerLink) -> None:
+        header = link.read_header(self.rank)
         place = self._matching.arrive(link.peer, header.aux, header.numel, header.dtype)
         if isinstance(place, IntoRecv):
             view = bytes_of(self._recvs[place.recv.id].host)
@@ -562,7 +389,7 @@ class P2PChannel:
         link.incoming = place.msg
         link.inc.push(Recv(view, partial(self._payload_in, link, place.msg)))
 
-    def _payload_in(self, link: _Link, msg: Message) -> None:
+    def _payload_in(self, link: PeerLink, msg: Message) -> None:
         link.incoming = None
         self._matching.arrived(msg)
         self._expect_header(link)

@@ -1,1 +1,1 @@
-"""What runs a group's collectives: the dispatch path, the jobs, the engine, the state, staging."""
+"""What runs a group's collectives: the runtime, the jobs, the engine, the state, staging."""

@@ -1,28 +1,27 @@
 """The job of each request kind: what runs, in the token-holding thread, on staged host tensors.
 
-Each job is a plain function ``job(rt, seq, req, hosts)``: ``hosts[i]`` are
-the flat host tensors of ``req.io[i]`` (``runtime/staging.py`` made them and
-copies results back afterwards). A job asks the runtime for a ``Call``
-(``rt.call(seq, op, nbytes)``), which carries the policy's ``Choice``
-(collectives/policy.py) for that op and size, and runs the algorithm it
-names. ``JOBS`` maps each request class to its job.
+Each job is a plain function ``job(ctx, req, hosts)``: ``ctx`` is the call's
+``JobContext`` (``runtime/context.py``), ``hosts[i]`` the flat host tensors
+of ``req.io[i]`` (``runtime/staging.py`` made them and copies results back
+afterwards). A job asks its context for a ``Call`` (``ctx.call(op,
+nbytes)``), which carries the policy's ``Choice`` (collectives/policy.py)
+for that op and size, and runs the algorithm it names. ``JOBS`` maps each
+request class to its job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import collectives as alg
 from .. import sparse
-from ..api import requests as rq
+from ..call import requests as rq
 from ..reduce_ops import Reduction, finish_, prepare_
 from ..wire import Algo, OpCode
-
-if TYPE_CHECKING:
-    from .dispatch import Runtime
+from .context import JobContext
 
 Hosts = list[list[torch.Tensor]]
 
@@ -89,36 +88,36 @@ def alltoall_pieces(
 # ---------------------------------------------------------------------- reductions
 
 
-def allreduce_flat(rt: Runtime, seq: int, flat: torch.Tensor, red: Reduction, nbytes: int) -> None:
+def allreduce_flat(ctx: JobContext, flat: torch.Tensor, red: Reduction, nbytes: int) -> None:
     """The one allreduce of a flat host tensor (of ``nbytes``) every allreduce request ends in."""
-    call = rt.call(seq, OpCode.ALLREDUCE, nbytes)
+    call = ctx.call(OpCode.ALLREDUCE, nbytes)
     prepare_(flat, red)
     if call.choice.algo is not Algo.NONE:
         _ALLREDUCE[call.choice.algo](call, flat, red)
 
 
-def allreduce(rt: Runtime, seq: int, req: rq.Allreduce, hosts: Hosts) -> None:
+def allreduce(ctx: JobContext, req: rq.Allreduce, hosts: Hosts) -> None:
     (tensors,) = hosts
     if len(tensors) == 1:
-        allreduce_flat(rt, seq, tensors[0], req.red, req.nbytes)
+        allreduce_flat(ctx, tensors[0], req.red, req.nbytes)
         return
     total = sum(h.numel() for h in tensors)
-    flat = rt.scratch.get("coalesced", total, tensors[0].dtype)
+    flat = ctx.scratch.get("coalesced", total, tensors[0].dtype)
     torch.cat(tensors, out=flat)
-    allreduce_flat(rt, seq, flat, req.red, req.nbytes)  # the same bytes, packed
+    allreduce_flat(ctx, flat, req.red, req.nbytes)  # the same bytes, packed
     offset = 0
     for h in tensors:
         h.copy_(flat[offset : offset + h.numel()])
         offset += h.numel()
 
 
-def sparse_allreduce(rt: Runtime, seq: int, req: rq.SparseAllreduce, hosts: Hosts) -> None:
-    sparse.allreduce(rt.call(seq, req.op, req.nbytes), req.tensor)
+def sparse_allreduce(ctx: JobContext, req: rq.SparseAllreduce, hosts: Hosts) -> None:
+    sparse.allreduce(ctx.call(req.op, req.nbytes), req.tensor)
 
 
-def reduce(rt: Runtime, seq: int, req: rq.Reduce, hosts: Hosts) -> None:
+def reduce(ctx: JobContext, req: rq.Reduce, hosts: Hosts) -> None:
     buf = hosts[0][0]
-    call = rt.call(seq, OpCode.REDUCE, buf.numel() * buf.element_size())
+    call = ctx.call(OpCode.REDUCE, buf.numel() * buf.element_size())
     if call.rank != req.root:  # the algorithm works in place: keep the user's input
         copy = call.scratch.get("reduce_in", buf.numel(), buf.dtype)
         copy.copy_(buf)
@@ -127,7 +126,7 @@ def reduce(rt: Runtime, seq: int, req: rq.Reduce, hosts: Hosts) -> None:
     alg.reduce(call, buf, req.red, req.root)
 
 
-def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -> None:
+def reduce_scatter(ctx: JobContext, req: rq.ReduceScatter, hosts: Hosts) -> None:
     """The one reduce-scatter every form ends in.
 
     ``pieces[p]`` are this rank's contributions to rank p (flat host
@@ -137,10 +136,10 @@ def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -
     is unpacked into the outputs.
     """
     inputs, outs = hosts
-    pieces = reduce_scatter_pieces(req, inputs, rt.mesh.world)
+    pieces = reduce_scatter_pieces(req, inputs, ctx.world)
     red = req.red
     chunk_sizes = [sum(t.numel() for t in ps) for ps in pieces]
-    flat = rt.scratch.get("rs_packed", sum(chunk_sizes), outs[0].dtype)
+    flat = ctx.scratch.get("rs_packed", sum(chunk_sizes), outs[0].dtype)
     chunks, at = [], 0
     for ps, size in zip(pieces, chunk_sizes, strict=True):
         chunk = flat[at : at + size]
@@ -149,7 +148,7 @@ def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -
         chunks.append(chunk)
         at += size
     prepare_(flat, red)
-    call = rt.call(seq, OpCode.REDUCE_SCATTER, flat.numel() * flat.element_size())
+    call = ctx.call(OpCode.REDUCE_SCATTER, flat.numel() * flat.element_size())
     if call.choice.algo is Algo.NONE:
         finish_(chunks[0], red, 1)
     else:
@@ -166,23 +165,23 @@ def reduce_scatter(rt: Runtime, seq: int, req: rq.ReduceScatter, hosts: Hosts) -
 # ---------------------------------------------------------------------- data movement
 
 
-def broadcast(rt: Runtime, seq: int, req: rq.Broadcast, hosts: Hosts) -> None:
+def broadcast(ctx: JobContext, req: rq.Broadcast, hosts: Hosts) -> None:
     for h in hosts[0]:  # one broadcast per tensor, each sized by the policy on its own
-        call = rt.call(seq, OpCode.BROADCAST, h.numel() * h.element_size())
+        call = ctx.call(OpCode.BROADCAST, h.numel() * h.element_size())
         if call.choice.algo is not Algo.NONE:
             alg.broadcast(call, h, req.root)
 
 
-def allgather(rt: Runtime, seq: int, req: rq.Allgather, hosts: Hosts) -> None:
+def allgather(ctx: JobContext, req: rq.Allgather, hosts: Hosts) -> None:
     (src,), dst = hosts
-    chunks = allgather_chunks(req, dst, rt.mesh.world)
-    call = rt.call(seq, OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
+    chunks = allgather_chunks(req, dst, ctx.world)
+    call = ctx.call(OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
     chunks[call.rank].copy_(src)
     if call.choice.algo is not Algo.NONE:
         alg.allgather_ring(call, chunks)
 
 
-def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Hosts) -> None:
+def allgather_packed(ctx: JobContext, req: rq.AllgatherPacked, hosts: Hosts) -> None:
     """The one all-gather the coalesced forms end in.
 
     This rank's pieces are concatenated into its chunk of a scratch buffer,
@@ -190,12 +189,12 @@ def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Host
     unpacked into its destination ``dests[p][j]``.
     """
     pieces = hosts[0]
-    n = rt.mesh.world
+    n = ctx.world
     dests = allgather_dests(req, hosts, n)
     size = sum(t.numel() for t in pieces)
-    flat = rt.scratch.get("ag_packed", size * n, pieces[0].dtype)
+    flat = ctx.scratch.get("ag_packed", size * n, pieces[0].dtype)
     chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
-    call = rt.call(seq, OpCode.ALLGATHER, flat.numel() * flat.element_size())
+    call = ctx.call(OpCode.ALLGATHER, flat.numel() * flat.element_size())
     if size:
         torch.cat([t.view(-1) for t in pieces], out=chunks[call.rank])
     if call.choice.algo is not Algo.NONE:
@@ -207,9 +206,9 @@ def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Host
             at += d.numel()
 
 
-def rooted(rt: Runtime, seq: int, req: rq.Rooted, hosts: Hosts) -> None:
+def rooted(ctx: JobContext, req: rq.Rooted, hosts: Hosts) -> None:
     """Gather (every rank's input to the root's outputs) or scatter (the reverse)."""
-    call = rt.call(seq, req.op, req.nbytes)
+    call = ctx.call(req.op, req.nbytes)
     is_root = call.rank == req.root
     if req.op is OpCode.GATHER:
         (inp,), outs = hosts
@@ -219,8 +218,8 @@ def rooted(rt: Runtime, seq: int, req: rq.Rooted, hosts: Hosts) -> None:
         alg.scatter(call, ins if is_root else None, out, req.root)
 
 
-def alltoall(rt: Runtime, seq: int, req: rq.Alltoall, hosts: Hosts) -> None:
-    call = rt.call(seq, OpCode.ALLTOALL, req.nbytes)
+def alltoall(ctx: JobContext, req: rq.Alltoall, hosts: Hosts) -> None:
+    call = ctx.call(OpCode.ALLTOALL, req.nbytes)
     if req.bounds is None:
         alg.alltoall(call, *alltoall_pieces(req, hosts[0], hosts[1]))
         return
@@ -232,17 +231,17 @@ def alltoall(rt: Runtime, seq: int, req: rq.Alltoall, hosts: Hosts) -> None:
     alg.alltoall(call, *alltoall_pieces(req, [inp], [out]))
 
 
-def barrier(rt: Runtime, seq: int, req: rq.Barrier, hosts: Hosts) -> None:
-    call = rt.call(seq, OpCode.BARRIER, 0)
+def barrier(ctx: JobContext, req: rq.Barrier, hosts: Hosts) -> None:
+    call = ctx.call(OpCode.BARRIER, 0)
     if call.choice.algo is not Algo.NONE:
         alg.barrier(call)
 
 
-def custom(rt: Runtime, seq: int, req: rq.Custom, hosts: Hosts) -> None:
-    req.run(rt.call(seq, req.op, req.nbytes))
+def custom(ctx: JobContext, req: rq.Custom, hosts: Hosts) -> None:
+    req.run(ctx.call(req.op, req.nbytes))
 
 
-JOBS: dict[type, Callable[[Runtime, int, Any, Hosts], None]] = {
+JOBS: dict[type, Callable[[JobContext, Any, Hosts], None]] = {
     rq.Allreduce: allreduce,
     rq.SparseAllreduce: sparse_allreduce,
     rq.Reduce: reduce,

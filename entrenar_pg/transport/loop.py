@@ -8,10 +8,16 @@ the same sleep (``pump_send``, ``pump_recv``, ``sleep``). Either way:
 - a link moves what the kernel takes or has, never waiting on the peer's
   receive (so no size deadlocks), consecutive pieces in one syscall;
 - a blocked link is retried only once ``poll()`` says so; before sleeping the
-  loop busy-polls for ``spin_s`` (a small message's answer usually comes
-  within tens of microseconds, and waking a sleeping thread costs as much);
-- one timeout rule: a wait fails once nothing it waits on has moved for
-  ``timeout_s``; the error (``abort.Causes``) names whom every rank waits on;
+  loop busy-polls for the job's ``spin_s`` (a small message's answer usually
+  comes within tens of microseconds, and waking a sleeping thread costs as
+  much);
+- one timeout rule: a wait fails once nothing it waits on has moved for the
+  job's ``timeout_s``; the error (``control.Causes``) names whom every rank
+  waits on. Both come with each ``run`` (``Pace``): nothing of the loop's
+  changes from job to job;
+- a link is a socket, or anything that answers a socket's calls; one whose
+  peer wakes this rank only when asked (a shared-memory ring, ``WokenLink``)
+  is asked before the loop sleeps on it;
 - one errno classifier (``errors.peer_gone``) and one abort protocol: a link
   that closes is explained from the peer's control link (its abort record,
   its goodbye or its death), also for peers this plan does not talk to.
@@ -23,19 +29,47 @@ import os
 import select
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import SHM_SLEEP_CAP_S
 from ..errors import peer_gone
-from .abort import AbortRecord, Causes, ControlChannel
+from .control import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
-from .shm import ShmLink
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
+
+
+class Pace(Protocol):
+    """A job's pace, read by the loop for one ``run``: how long to busy-poll
+    before sleeping, and how long nothing may move before the wait fails
+    (``collectives.Call`` is one)."""
+
+    @property
+    def spin_s(self) -> float: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+
+class WokenLink(Protocol):
+    """A link whose peer wakes this rank only when asked (``shm/ring.py``'s
+    ``ShmLink``). Its ``fileno`` is ``sock``'s, the pair's TCP socket, which
+    carries the wake-up bytes (poll it for input, whichever way the link
+    waits) and the hang-up."""
+
+    @property
+    def sock(self) -> socket.socket: ...
+    def arm_send(self) -> bool:
+        """Ask for a wake-up when the outgoing side has room; True if it has now."""
+        ...
+
+    def arm_recv(self) -> bool:
+        """Ask for a wake-up when data arrives; True if some has now."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -105,15 +139,14 @@ class Links:
         *,
         control: ControlChannel | None = None,
         wakeable: bool = False,
-        spin_s: float = 0.0,
-        timeout_s: float = 1800.0,
+        woken: Mapping[int, WokenLink] | None = None,
     ) -> None:
         self.rank = rank
         self.causes = causes
         self.control = control
-        self.spin_s = spin_s  # set per job: the comm thread and a caller's thread differ
-        self.timeout_s = timeout_s  # set per job: the call's own, or the group's
         self._socks = socks
+        # The links (by peer) to ask for a wake-up before sleeping on them.
+        self._woken: Mapping[int, WokenLink] = woken or {}
         self._poller = select.poll()
         self._masks: dict[int, int] = {}
         self._fd_peer: dict[int, int] = {}
@@ -282,11 +315,11 @@ class Links:
 class Progress(Links):
     """The progress loop of a collective: runs one plan to completion (module docstring)."""
 
-    def run(self, plan: Plan, what: str) -> None:
+    def run(self, plan: Plan, what: str, pace: Pace) -> None:
         """Execute ``plan``: all its sends and receives, overlapped, in order per link.
 
         Raises PeerConnectionError if a peer closes, errors, or nothing moves
-        for ``timeout_s``; exceptions from ``done`` callbacks propagate.
+        for ``pace.timeout_s``; exceptions from ``done`` callbacks propagate.
         """
         if self.causes.closed_here:
             raise self.causes.here_closed(what)
@@ -294,6 +327,7 @@ class Progress(Links):
         # links, which this exchange reads as a close (and then its record),
         # and the check at the end covers peers this plan does not talk to.
         sending, receiving = self._first_attempt(plan, what)
+        spin_s = pace.spin_s
         spin_until = 0.0
         waited = False
         try:
@@ -317,18 +351,18 @@ class Progress(Links):
                     spin_until = 0.0
                     continue
                 spinning = False
-                if self.spin_s:
+                if spin_s:
                     # Busy-poll a little before sleeping in poll(). Each turn
                     # yields the core, so a peer (or a thread of ours) waiting
                     # for it runs first.
                     now = time.perf_counter()
                     if spin_until == 0.0:
-                        spin_until = now + self.spin_s
+                        spin_until = now + spin_s
                     spinning = now < spin_until
                     if spinning:
                         os.sched_yield()
                 if not spinning:
-                    self._wait(sending, receiving, what)
+                    self._wait(sending, receiving, what, pace.timeout_s)
                     waited = True
                     spin_until = 0.0
                 for st in sending:  # after a spin or a wait, try every link again
@@ -400,29 +434,34 @@ class Progress(Links):
 
     # ---------------------------------------------------------- a plan's wait and its failures
 
-    def _wait(self, sending: list[LinkState], receiving: list[LinkState], what: str) -> None:
+    def _wait(
+        self, sending: list[LinkState], receiving: list[LinkState], what: str, timeout_s: float
+    ) -> None:
         """Sleep until a blocked link of this plan can move, a peer hangs up or
         aborts, or nothing has moved for the timeout (then find whom to blame)."""
         want: dict[int, int] = {}
-        shm: list[tuple[ShmLink, bool]] = []  # (link, sending): armed before each sleep
+        woken = self._woken
+        shm: list[tuple[WokenLink, bool]] = []  # (link, sending): armed before each sleep
         for st in sending:
             if st.blocked:
-                if isinstance(st.sock, ShmLink):
-                    shm.append((st.sock, True))
+                link = woken.get(st.peer)
+                if link is not None:
+                    shm.append((link, True))
                     want[st.sock.fileno()] = _POLLIN  # the reader's wake-up byte
                 else:
                     want[st.sock.fileno()] = _POLLOUT
         for st in receiving:
             if st.blocked:
-                if isinstance(st.sock, ShmLink):
-                    shm.append((st.sock, False))
+                link = woken.get(st.peer)
+                if link is not None:
+                    shm.append((link, False))
                 fd = st.sock.fileno()
                 want[fd] = want.get(fd, 0) | _POLLIN
         assert want, f"rank {self.rank}: {what}: a send waits on nothing"
         control = self.control
         if control is not None:
             control.waiting = (what, [st.peer for st in receiving], [st.peer for st in sending])
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if shm:
@@ -440,7 +479,7 @@ class Progress(Links):
                     what,
                     [st.peer for st in receiving],
                     [st.peer for st in sending],
-                    self.timeout_s,
+                    timeout_s,
                 )
             data_event = False
             for fd, ev in events:
@@ -460,7 +499,7 @@ class Progress(Links):
             if data_event:
                 return
 
-    # ------------------------------------------------- a slot area's sleep (transport/slots.py)
+    # ------------------------------------------------- a slot area's sleep (shm/slots.py)
 
     def sleep_on(
         self, waiting_on: list[int], peers: list[int], what: str, wait_s: float
@@ -485,8 +524,8 @@ class Progress(Links):
             if peer is None:
                 self._on_control(fd, what)
                 continue
-            link = socks[peer]
-            sock = link.sock if isinstance(link, ShmLink) else link
+            woken = self._woken.get(peer)
+            sock = woken.sock if woken is not None else socks[peer]
             try:
                 while sock.recv(4096):
                     pass

@@ -4,7 +4,7 @@ Every rank listens on one port and publishes ``host:port`` in the group's
 store; rank 0 puts a random per-group secret there. Rank i connects to every
 rank j < i and accepts from every rank j > i, once per *channel*: the data
 channel carries collectives, the p2p channel send/recv, and the control
-channel the small frames of ``abort.py`` (abort causes, goodbyes, wait-for
+channel the small frames of ``control.py`` (abort causes, goodbyes, wait-for
 queries), so that they can be sent whatever state a data stream is in.
 
 The handshake is a challenge-response: the acceptor sends a nonce, the
@@ -42,7 +42,7 @@ from ..errors import PeerConnectionError
 log = logging.getLogger(__name__)
 
 DATA = 0  # collectives
-CONTROL = 1  # the abort protocol's frames (abort.py)
+CONTROL = 1  # the abort protocol's frames (control.py)
 P2P = 2  # send / recv
 CHANNEL_NAMES = {DATA: "data", CONTROL: "control", P2P: "p2p"}
 

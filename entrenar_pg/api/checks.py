@@ -1,28 +1,34 @@
-"""Argument checks, and the request objects they produce: one kind per collective job.
+"""Argument checks of torch's calls, and the request each call becomes.
 
 Every collective method of the process group normalizes its call form
 (overloads.py), then calls one builder here, which checks the arguments in
 the caller's thread (a ``ValueError`` / ``TypeError`` naming the rank and the
 call, raised before anything is queued or sent; the group stays usable) and
-returns a request: data only, read by the runtime (``runtime/dispatch.py``)
-and by the request kind's job (``runtime/jobs.py``).
-
-Every request starts with the same five fields: the opcode, the device of its
-tensors, the payload bytes (stats and the inline decision), what the Work's
-future completes with, and ``io``: the tensors to stage, in groups, each
-read and/or written; the job gets one list of flat host tensors per group,
-in that order. The rest is the kind's own.
+returns a request (``call/requests.py``): data only, read by the runtime
+(``runtime/runtime.py``) and by the request kind's job (``runtime/jobs.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import sparse
+from ..call.requests import (
+    Allgather,
+    AllgatherPacked,
+    Allreduce,
+    Alltoall,
+    Barrier,
+    Broadcast,
+    Reduce,
+    ReduceScatter,
+    Rooted,
+    SparseAllreduce,
+)
 from ..overlap import overlaps_itself
 from ..p2p import ANY_SOURCE
 from ..reduce_ops import SUPPORTED_DTYPES, Reduction, resolve
@@ -30,153 +36,6 @@ from ..runtime.state import GroupState, Phase
 from ..wire import OpCode
 
 _CPU = torch.device("cpu")
-
-
-# A group of a request's tensors and how the job uses them: (tensors, read,
-# write). A plain tuple: a NamedTuple's __new__ is a Python call, and the
-# allreduce path builds one per call.
-Stage = tuple[Sequence[torch.Tensor], bool, bool]
-
-
-class Request(Protocol):
-    """What the runtime reads of every request."""
-
-    @property
-    def op(self) -> OpCode: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def result(self) -> Any: ...
-    @property
-    def io(self) -> tuple[Stage, ...]: ...
-
-
-class Allreduce(NamedTuple):
-    """Dense allreduce of ``io[0]`` in place (several tensors: one coalesced pass)."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    red: Reduction
-
-
-class SparseAllreduce(NamedTuple):
-    """Allreduce of one sparse COO ``tensor`` (entrenar_pg.sparse); nothing staged."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    tensor: torch.Tensor
-
-
-class Broadcast(NamedTuple):
-    """``io[0]``: the tensors, read at the root, written elsewhere; one broadcast each."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    root: int
-
-
-class Allgather(NamedTuple):
-    """``io[0]``: the input; ``io[1]``: the N chunks (``split`` None), or one
-    output cut into N chunks of ``split`` elements."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    split: int | None
-
-
-class AllgatherPacked(NamedTuple):
-    """Coalesced all-gather. ``io[0]``: this rank's pieces. ``sizes`` None:
-    ``io[1 + p]`` are rank p's destinations; else ``io[1]`` are outputs, each
-    N pieces of ``sizes[j]`` elements."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    sizes: list[int] | None
-
-
-class Barrier(NamedTuple):
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-
-
-class Reduce(NamedTuple):
-    """``io[0]``: the one tensor (written at the root only)."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    red: Reduction
-    root: int
-
-
-class Rooted(NamedTuple):
-    """Gather (``io[0]`` the input, ``io[1]`` the root's outputs) or scatter
-    (``io[0]`` the root's inputs, ``io[1]`` the output), by ``op``."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    root: int
-
-
-class Alltoall(NamedTuple):
-    """``io[0]`` inputs, ``io[1]`` outputs: N pieces each (``bounds`` None), or
-    one tensor each, cut at ``bounds`` (input bounds, output bounds)."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    bounds: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None
-
-
-class ReduceScatter(NamedTuple):
-    """``io[0]`` inputs, ``io[1]`` outputs. ``sizes`` None: the inputs are the
-    N pieces of the one output; else each input is N pieces of ``sizes[j]``."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    red: Reduction
-    sizes: list[int] | None
-
-
-class Custom(NamedTuple):
-    """A job of a hook (the contract checker): ``run(call)`` on CPU data of its own."""
-
-    op: OpCode
-    device: torch.device
-    nbytes: int
-    result: Any
-    io: tuple[Stage, ...]
-    run: Callable[[Any], None]
 
 
 # ---------------------------------------------------------------------- the checks
@@ -590,8 +449,3 @@ def p2p(
     if not isinstance(tag, int):
         raise TypeError(f"{c.where(call)}: tag must be an int, got {type(tag).__name__}")
     return t
-
-
-def custom(op: OpCode, run: Callable[[Any], None]) -> Custom:
-    """A hook's job of its own (CPU, no payload of the caller's)."""
-    return Custom(op, _CPU, 0, [], (), run)

@@ -1,4 +1,4 @@
-"""EntrenarWork: the handle every collective returns.
+"""EntrenarWork: the handle every collective returns (P2PWork: a send's or recv's).
 
 torch's ``_create_work_from_future`` wrapper returns True from ``wait()`` even
 when the future failed, which would turn a broken collective into silent
@@ -94,3 +94,19 @@ class EntrenarWork(dist.Work):
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"
         return f"EntrenarWork({self._what}, rank={self._rank}, {state})"
+
+
+class P2PWork(EntrenarWork):
+    """The Work of a send or recv; a recv's knows the rank it came from (``_source_rank``)."""
+
+    def __init__(self, future: torch.futures.Future, what: str, rank: int, src: int) -> None:
+        super().__init__(future, what, rank)
+        self.src = src
+
+    def _source_rank(self) -> int:
+        if self.src < 0:
+            raise ValueError(f"rank {self._rank}: {self._what}: not received yet")
+        return self.src
+
+    def source_rank(self) -> int:
+        return self._source_rank()

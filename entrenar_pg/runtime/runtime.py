@@ -6,9 +6,11 @@ the scratch and pinned-buffer pools and the per-device comm streams.
 ``submit(request, opts)`` is the one path every collective takes: stage the
 request's tensors, take the next sequence number and create the job under
 one lock (so seq order = issue order), decide where it runs, and return an
-``EntrenarWork``. When the job runs, ``run`` loads the staged tensors, hands
-them to the request kind's job (``runtime/jobs.py``), stores the results,
-and the engine completes the future.
+``EntrenarWork``. When the job runs, ``run`` builds the call's
+``JobContext`` (``runtime/context.py``: its seq, its pace, what it runs on),
+loads the staged tensors, hands both to the request kind's job
+(``runtime/jobs.py``), stores the results, and the engine completes the
+future.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from .. import config, flight_recorder
-from ..api.requests import Request, custom
-from ..api.work import EntrenarWork
-from ..collectives import Call, Choice, ScratchPool, choose, op_name
+from ..call.requests import Request, custom
+from ..call.work import EntrenarWork
+from ..collectives import ScratchPool, op_name
 from ..config import GroupTimeout, Options, timeout_seconds
 from ..errors import EntrenarError
 from ..flight_recorder import PROFILING_NAMES, FlightRecorder
@@ -35,6 +37,7 @@ from ..p2p import P2PChannel
 from ..profiling import event_until
 from ..transport import Mesh
 from ..wire import OpCode
+from .context import Choices, JobContext
 from .engine import Engine, Job
 from .jobs import JOBS
 from .staging import PinnedPool, Staged, Staging, new_comm_stream
@@ -43,7 +46,6 @@ from .state import GroupState, Phase
 log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
-_MAX_CACHED_CHOICES = 1024
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms; 0 means unset too
 
 
@@ -93,7 +95,7 @@ class Runtime:
         self.checker: Any | None = None  # the contract checker, if the group has one
         self._lock = threading.Lock()  # orders seq assignment with enqueueing
         self.scratch = ScratchPool()
-        self._choices: dict[tuple[OpCode, int], Choice] = {}  # policy answers (see call)
+        self.choices: Choices = {}  # the policy's answers (JobContext.call)
         self.pinned: PinnedPool | None = None
         self.cuda_streams: dict[int, Any] = {}  # the comm thread's, by device index
         self.p2p_streams: dict[int, Any] = {}  # the p2p channel's, likewise
@@ -236,8 +238,19 @@ class Runtime:
     ) -> Any:
         """A job's work, in whichever thread holds the engine's token."""
         mesh = self.mesh
-        mesh.spin_s = self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s
-        mesh.timeout_s = timeout_s  # the call's own timeout, or the group's when it set none
+        ctx = JobContext(
+            mesh,
+            self.rank,
+            mesh.world,
+            seq,
+            self.scratch,
+            # The comm thread may share its core with a caller that computes;
+            # a caller's thread waits anyway: each has its own spin.
+            self._comm_spin_s if self.engine.in_comm_thread() else self._caller_spin_s,
+            timeout_s,  # the call's own timeout, or the group's when it set none
+            self.choices,
+            self.options,
+        )
         staging.load()
         hosts = []
         for items in staged:
@@ -248,29 +261,14 @@ class Runtime:
             hosts.append(group)
         checker = self.checker
         if checker is None:
-            JOBS[type(req)](self, seq, req, hosts)
+            JOBS[type(req)](ctx, req, hosts)
         else:  # the contract checker measures the job's inputs and outputs around it
-            measuring = checker.before(self, seq, req, hosts)
-            JOBS[type(req)](self, seq, req, hosts)
+            measuring = checker.before(ctx, seq, req, hosts)
+            JOBS[type(req)](ctx, req, hosts)
             if measuring is not None:
-                checker.after(self, seq, req, hosts, measuring)
+                checker.after(ctx, seq, req, hosts, measuring)
         staging.store()
         return req.result
-
-    def call(self, seq: int, op: OpCode, nbytes: int) -> Call:
-        """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""
-        # The answer for (op, nbytes) never changes (the options are frozen,
-        # the world fixed), so it is asked once: choose() is ~3 us here, a
-        # dict lookup a fifth of that, on every collective's path.
-        key = (op, nbytes)
-        choice = self._choices.get(key)
-        if choice is None:
-            if len(self._choices) >= _MAX_CACHED_CHOICES:
-                self._choices.clear()
-            mesh = self.mesh
-            choice = choose(op, nbytes, mesh.world, self.options, mesh.all_local)
-            self._choices[key] = choice
-        return Call(self.mesh, seq, choice, self.scratch)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -1,13 +1,13 @@
-"""The TCP transport: a group's authenticated sockets, and the loops that drive them.
+"""The mesh: one rank's links to every other rank of a group, and the loop that drives them.
 
-Set-up (``rendezvous.py``) gives each pair of ranks three sockets: *data*
+Set-up (``rendezvous.py``) gives each pair of ranks three TCP sockets: *data*
 (collectives, driven by ``loop.Progress.run``), *control* (the abort
-protocol's frames, ``abort.ControlChannel``) and *p2p* (send/recv, driven by
+protocol's frames, ``control.ControlChannel``) and *p2p* (send/recv, driven by
 the p2p thread with the same loop). One listen port, one store exchange and
 one secret per group serve all three.
 
 Collective data between ranks on one host goes through shared memory
-instead (``shm.py``, ``Options.transport``): the mesh hands the loop a ring
+instead (``shm/``, ``Options.transport``): the mesh hands the loop a ring
 link in place of such a pair's data socket, which stays open for that
 link's wake-ups and hang-up. Control, p2p and set-up stay on TCP.
 """
@@ -21,18 +21,18 @@ from datetime import timedelta
 from typing import Any
 
 from ..config import Options, timeout_seconds
-from .abort import Causes, ControlChannel, abort_record
+from .control import Causes, ControlChannel, abort_record
 from .loop import Links, Progress
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
-from .shm import ShmLink
-from .shm import connect as connect_shm
-from .slots import SlotArea
+from .shm.ring import ShmLink
+from .shm.setup import connect as connect_shm
+from .shm.slots import SlotArea
 
 log = logging.getLogger(__name__)
 
 
 class Mesh:
-    """One rank's links to every other rank of a group, over TCP."""
+    """One rank's links to every other rank of a group: TCP, and shared memory on this host."""
 
     def __init__(
         self,
@@ -49,7 +49,7 @@ class Mesh:
         self._store = store
         self._close_lock = threading.Lock()
         self._links: dict[tuple[int, int], socket.socket] = {}
-        timeout_s = timeout_seconds(timeout)  # set-up's bound, and jobs' until set per job
+        timeout_s = timeout_seconds(timeout)  # set-up's bound (each job brings its own)
         if world > 1:
             channels = (DATA, CONTROL, P2P)
             self._links = Rendezvous(store, rank, world, options, timeout_s, channels).connect_all()
@@ -80,36 +80,12 @@ class Mesh:
         ctrl = self._channel(CONTROL)
         self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
         self.causes = Causes(rank, self.control)
-        self.progress = Progress(
-            rank,
-            data,
-            self.causes,
-            control=self.control,
-            spin_s=options.spin_us / 1e6,
-            timeout_s=timeout_s,
-        )
+        self.progress = Progress(rank, data, self.causes, control=self.control, woken=self.shm)
         # The collectives' entry point (an attribute: tests spy on it).
         self.run = self.progress.run
 
     def _channel(self, channel: int) -> dict[int, socket.socket]:
         return {p: s for (p, ch), s in self._links.items() if ch == channel}
-
-    # The running job's tuning, read by the loop: set per job.
-    @property
-    def spin_s(self) -> float:
-        return self.progress.spin_s
-
-    @spin_s.setter
-    def spin_s(self, value: float) -> None:
-        self.progress.spin_s = value
-
-    @property
-    def timeout_s(self) -> float:
-        return self.progress.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self.progress.timeout_s = value
 
     @property
     def store(self) -> Any:

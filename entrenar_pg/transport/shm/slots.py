@@ -1,7 +1,7 @@
 """Slot areas: the shared memory of the shm-native allreduce (``collectives/shm_allreduce.py``).
 
 When every rank of a group is on this host and every pair mapped the
-other's segment (``shm.connect``), each rank's segment also holds a *slot
+other's segment (``setup.connect``), each rank's segment also holds a *slot
 area*, mapped by every peer:
 
     one page of control words | slot 0 | slot 1
@@ -17,15 +17,15 @@ no separate "done reading" word and no wait for readers, except that a rank
 cannot get more than one phase ahead of the slowest.
 
 Waiting (``SlotArea.wait``): look at the peers' words; spin a little with
-``sched_yield`` (the loop's ``spin_s``); then set this rank's ``SLEEPS`` word,
-fence, look again, and sleep in the progress loop's ``poll()`` on the peers'
+``sched_yield`` (the job's ``spin_s``); then set this rank's ``SLEEPS`` word,
+fence, look again, and sleep in the progress loop's ``poll()`` (``Sleeper``) on the peers'
 TCP data sockets (a publisher that sees ``SLEEPS`` set sends one wake-up
 byte there), which also watches the control sockets (aborts, QUERY) and
 hang-ups (a killed peer is named at once). Nothing moving for the job's
 timeout is ``Causes.stalled`` naming the ranks still missing. A publisher
 whose peers are awake makes no syscall.
 
-Memory order: x86-64 only (``shm.connect`` offers shared memory nowhere
+Memory order: x86-64 only (``setup.connect`` offers shared memory nowhere
 else); the fence before ``ARRIVED`` also drains the non-temporal stores a
 large ``memcpy`` may use.
 """
@@ -35,15 +35,17 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config import SHM_SLEEP_CAP_S
+from ...config import SHM_SLEEP_CAP_S
+from .fence import Fence
 
 if TYPE_CHECKING:
-    from .loop import Progress
-    from .shm import ShmLink
+    from ..control import Causes
+    from ..loop import Pace
+    from .ring import ShmLink
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
@@ -73,6 +75,18 @@ class ForeignTraffic(Exception):
         self.raw = raw
 
 
+class Sleeper(Protocol):
+    """What a slot wait needs of the progress loop (``loop.Progress`` is one)."""
+
+    @property
+    def causes(self) -> Causes: ...
+    def sleep_on(
+        self, waiting_on: list[int], peers: list[int], what: str, wait_s: float
+    ) -> list[int]: ...
+    def forget(self, fd: int) -> None: ...
+    def done_sleeping(self) -> None: ...
+
+
 class SlotArea:
     """This rank's slot area and its mappings of every peer's, for one group.
 
@@ -81,8 +95,6 @@ class SlotArea:
     """
 
     def __init__(self, rank: int, areas: dict[int, memoryview], links: dict[int, ShmLink]) -> None:
-        from .shm import _Fence  # the rings' fence: one kind of barrier in the transport
-
         self.rank = rank
         self.world = len(areas)
         self._areas = [areas[q] for q in range(self.world)]
@@ -105,7 +117,7 @@ class SlotArea:
             own[_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES : _PAGE + (p + 1) * _SLOT_STRIDE]
             for p in (0, 1)
         ]
-        self._fence = _Fence()
+        self._fence = Fence()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
 
@@ -176,7 +188,7 @@ class SlotArea:
                 return False
         return True
 
-    def check_peers(self, progress: Progress, what: str) -> None:
+    def check_peers(self, progress: Sleeper, what: str) -> None:
         """Raise if a peer's group failed (``mark_failed``): it published its
         part of this call and then failed, so the call did not complete on
         every rank and must not complete here (TCP plans end with the same
@@ -194,19 +206,20 @@ class SlotArea:
         """The peers that have not published ``phase`` yet."""
         return [q for q, ctl in self._peer_ctl if ctl[_ARRIVED] < phase]
 
-    def wait(self, phase: int, progress: Progress, what: str) -> None:
-        """Return once every peer published ``phase`` (module docstring: how)."""
+    def wait(self, phase: int, progress: Sleeper, what: str, pace: Pace) -> None:
+        """Return once every peer published ``phase`` (module docstring: how),
+        spinning and timing out at the job's ``pace``."""
         # A peer running on another core publishes within microseconds: look
         # a few times before giving the core away (no syscall if it does).
         for _ in range(_TIGHT_LOOKS):
             if self.ready(phase):
                 return
-        spin_until = time.perf_counter() + progress.spin_s
+        spin_until = time.perf_counter() + pace.spin_s
         while time.perf_counter() < spin_until:
             os.sched_yield()
             if not self.missing(phase):
                 return
-        self._sleep_until(phase, progress, what)
+        self._sleep_until(phase, progress, what, pace.timeout_s)
 
     def _foreign_traffic(self, phase: int) -> None:
         """Raise ``ForeignTraffic`` if a peer that has not published ``phase``
@@ -219,9 +232,8 @@ class SlotArea:
             if raw is not None and self.missing(phase):
                 raise ForeignTraffic(link.peer, raw)
 
-    def _sleep_until(self, phase: int, progress: Progress, what: str) -> None:
+    def _sleep_until(self, phase: int, progress: Sleeper, what: str, timeout_s: float) -> None:
         own, fence = self._own, self._fence
-        timeout_s = progress.timeout_s
         missing = self.missing(phase)
         deadline = time.monotonic() + timeout_s
         try:
@@ -245,7 +257,7 @@ class SlotArea:
                             raise progress.causes.peer_closed(q, what)
                         # It published and left (its last call): stop watching it.
                         self._watched.remove(q)
-                        progress.forget(progress.sockets[q].fileno())
+                        progress.forget(self._socks[q].fileno())
                 if len(now_missing) < len(missing):  # progress: the timeout starts again
                     deadline = time.monotonic() + timeout_s
                 missing = now_missing

@@ -1,0 +1,1 @@
+"""The vocabulary of one call: the request kinds the runtime runs and the Work it returns."""

@@ -1,0 +1,7 @@
+"""Shared memory between the ranks of one host.
+
+``ring.py``: a pair's byte rings (``ShmLink``), driven by the progress loop
+like a socket; ``slots.py``: the slot areas of the shm-native allreduce;
+``fence.py``: the barrier both use; ``setup.py``: finds the local peers,
+maps their memory and builds both (the only module that knows both).
+"""
