@@ -8,6 +8,7 @@ from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .direct import allreduce_direct
+from .hierarchical import allreduce_host_leaders, allreduce_host_slices
 from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
@@ -21,6 +22,8 @@ __all__ = [
     "ScratchPool",
     "allgather_ring",
     "allreduce_direct",
+    "allreduce_host_leaders",
+    "allreduce_host_slices",
     "allreduce_ring",
     "allreduce_shm",
     "allreduce_star",

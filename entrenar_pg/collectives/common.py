@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..transport import Mesh
+from ..transport import Mesh, Plan
 from ..transport import bytes_of as bytes_of  # re-exported: the algorithms take it from here
 from ..wire import Algo, Header, OpCode
 from .policy import Choice
@@ -70,20 +70,38 @@ class ScratchPool:
 
 @dataclass(slots=True)
 class Call:
-    """One collective as seen by one rank: where it runs and how (the policy's ``Choice``)."""
+    """One collective as seen by one rank: where it runs and how (the policy's ``Choice``).
+
+    ``team``: the ranks taking part, in order (None: the whole group). An
+    algorithm sees ``rank`` and ``world`` as its position in the team and
+    the team's size, and builds its plan with ``plan()``, which maps those
+    positions to the group's ranks; so ring, direct and tree code runs on a
+    host's ranks or on one rank per host unchanged (collectives/hierarchical.py).
+    """
 
     mesh: Mesh
     seq: int
     choice: Choice
     scratch: ScratchPool = field(default_factory=ScratchPool)
+    team: tuple[int, ...] | None = None
 
     @property
     def rank(self) -> int:
-        return self.mesh.rank
+        """This rank's position in the team (its rank when the team is the group)."""
+        return self.mesh.rank if self.team is None else self.team.index(self.mesh.rank)
 
     @property
     def world(self) -> int:
-        return self.mesh.world
+        """The team's size."""
+        return self.mesh.world if self.team is None else len(self.team)
+
+    def plan(self) -> Plan:
+        """An empty plan whose peers are named by their position in the team."""
+        return Plan(self.mesh.rank, members=self.team)
+
+    def on(self, team: tuple[int, ...]) -> Call:
+        """This call, run by ``team`` (ranks of the group, this one among them)."""
+        return Call(self.mesh, self.seq, self.choice, self.scratch, team)
 
     def header(
         self,

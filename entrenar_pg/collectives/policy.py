@@ -40,6 +40,8 @@ from typing import NamedTuple
 import torch
 
 from ..config import Options
+from ..reduce_ops import tree_has_blocks
+from ..transport.topology import Topology
 from ..wire import Algo, Flags, OpCode
 
 
@@ -58,11 +60,41 @@ class Choice(NamedTuple):
 
 _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
+# Host-aware allreduce (several hosts of L ranks each): up to this many bytes
+# the leaders' path (3 hops, (H-1) x S per host link), above it the slices
+# (2(H-1)/H x S per host link, more hops). Measured on 1 Gbit/s host links
+# (docs/benchmarks.md, "Emulated clusters").
+HOST_LEADERS_MAX_BYTES = 256 << 10
 
-def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = False) -> Choice:
+
+def host_aware(topology: Topology | None, options: Options) -> bool:
+    """Whether the host-aware algorithms may run (collectives/hierarchical.py):
+    ``topology="auto"``, at least two hosts of the same number (at least two)
+    of ranks; deterministic, also the canonical tree's order kept: every
+    host's ranks consecutive and one subtree (else the flat algorithms keep
+    the bits)."""
+    if topology is None or options.topology != "auto":
+        return False
+    shape = topology.shape
+    if shape is None or shape[0] < 2 or shape[1] < 2:
+        return False
+    if options.deterministic:
+        return topology.is_contiguous and tree_has_blocks(topology.world, shape[1])
+    return True
+
+
+def choose(
+    op: OpCode,
+    nbytes: int,
+    world: int,
+    options: Options,
+    local: bool = False,
+    topology: Topology | None = None,
+) -> Choice:
     """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks;
     ``local``: every rank is on this host with shared memory between all
-    (``Mesh.all_local``: its slot areas exist; the same on every rank)."""
+    (``Mesh.all_local``: its slot areas exist; the same on every rank);
+    ``topology``: which ranks share a host (``Mesh.topology``, the same on every rank)."""
     tree = options.deterministic
     if world == 1:
         algo = Algo.NONE
@@ -72,6 +104,8 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = 
             algo = _NAMED[name]
         elif local:
             algo = Algo.SHM
+        elif host_aware(topology, options):
+            algo = Algo.HOST_LEADERS if nbytes <= HOST_LEADERS_MAX_BYTES else Algo.HOST_SLICES
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
         else:

@@ -121,7 +121,7 @@ def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
     the bandwidth optimum. Latency: 2(N-1) hops.
     """
     n = call.world
-    plan = Plan(call.rank)
+    plan = call.plan()
     header = call.header(
         OpCode.ALLREDUCE, Algo.RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
     )
@@ -147,7 +147,7 @@ def allgather_ring(
     Steps: N-1; at step s rank r forwards chunk (r-s) and receives chunk
     (r-s-1). Bytes on the wire per rank: (N-1) x chunk bytes each way.
     """
-    plan = Plan(call.rank)
+    plan = call.plan()
     numel = sum(c.numel() for c in chunks)
     open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel), chunks)
     ring_pass(call, plan, chunks, reduce_steps=0, gather_steps=call.world - 1)
@@ -169,7 +169,7 @@ def reduce_scatter_ring(
     ``aux`` goes into the header (reduce's root).
     """
     n = call.world
-    plan = Plan(call.rank)
+    plan = call.plan()
     numel = sum(c.numel() for c in chunks)
     header = call.header(
         op, Algo.RING, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux

@@ -268,7 +268,7 @@ class Runtime:
             if len(self._choices) >= _MAX_CACHED_CHOICES:
                 self._choices.clear()
             mesh = self.mesh
-            choice = choose(op, nbytes, mesh.world, self.options, mesh.all_local)
+            choice = choose(op, nbytes, mesh.world, self.options, mesh.all_local, mesh.topology)
             self._choices[key] = choice
         return Call(self.mesh, seq, choice, self.scratch)
 

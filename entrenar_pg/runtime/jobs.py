@@ -32,6 +32,8 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
     Algo.RING: alg.allreduce_ring,
     Algo.TREE_RING: alg.allreduce_tree_ring,
     Algo.SHM: alg.allreduce_shm,  # ranks all on one host: through the slot areas
+    Algo.HOST_SLICES: alg.allreduce_host_slices,  # several hosts: collectives/hierarchical.py
+    Algo.HOST_LEADERS: alg.allreduce_host_leaders,
 }
 _REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
 

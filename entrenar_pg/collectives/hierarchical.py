@@ -1,0 +1,146 @@
+"""Host-aware allreduce: the work inside each host over its local links, across hosts the least.
+
+A group spanning H hosts of L ranks each (``Mesh.topology``, uniform; the
+policy falls back to the flat algorithms for uneven hosts, one host or one
+rank per host) has two kinds of link: between ranks of a host (shared
+memory, or loopback) and between hosts, which is 10-100x slower per byte
+and shared by the host's L ranks. The flat ring sends 2(N-1)/N x S through
+every host link and crosses hosts at every host boundary of the ring; the
+star and the direct exchange send several copies of S through rank 0's
+host link. The two algorithms here are compositions of the flat building
+blocks run by a *team* (``Call.on``: an ordered subset of the ranks; a
+team's plan names peers by position, so ring, tree and direct code runs on
+a team unchanged):
+
+- ``allreduce_host_slices`` (large messages; Horovod's hierarchical
+  allreduce, NCCL's ring over nodes): the buffer is cut into L slices; (1)
+  reduce-scatter inside each host (local rank i ends with its host's sum of
+  slice i), (2) L allreduces across hosts at once, local rank i with its
+  counterparts (the ranks at position i on every host) on slice i, (3)
+  all-gather inside the host. Each host link carries 2(H-1)/H x S each way,
+  the bound (the flat ring: 2(N-1)/N x S), in L parallel streams.
+- ``allreduce_host_leaders`` (small messages, where hops and copies cost
+  more than bytes): (1) every rank's buffer to its host's leader (its lowest
+  rank), which combines them, (2) the leaders' direct exchange (each leader
+  sends its host's sum to every other leader: one cross-host hop, (H-1) x S
+  per host link), (3) the leader's result back to its host's ranks.
+
+Reductions. The phases combine only (``Reduction(red.combine_kind)``: AVG
+and PREMUL_SUM sum; PREMUL_SUM's factor was applied before, by the job);
+AVG's division by the group's size happens once, on the reduced values,
+before the last phase copies them out, so every rank holds the same bits.
+
+Order. Rank order inside a host, then host order; deterministic
+(``choice.tree``): the canonical tree over the host's ranks, then over the
+hosts. That is the canonical tree over all ranks exactly when every host's
+ranks are consecutive and each host is one subtree of it
+(``reduce_ops.tree_has_blocks``: 2 x 2, 4 x 2, 2 x 3 yes; 3 x 2 no); the
+policy picks these algorithms in deterministic mode only then, and the flat
+ones (the same bits, more cross-host bytes) otherwise.
+
+Headers. Phase 1's frames carry this algorithm's own code (``HOST_SLICES``
+or ``HOST_LEADERS``), so a rank running another algorithm for the same call
+(a rank whose options say ``topology="flat"``) meets a header unlike its own
+on its host's links; phases 2 and 3 carry the building blocks' headers with
+the same sequence number. Each phase is one plan run to completion before
+the next starts, and a rank starts phase k+1 only after its phase k checked
+its headers, so every rank's result depends on data sent after every other
+rank's checks (the ring's argument, phase by phase).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reduce_ops import Reduction, finish_
+from ..wire import Algo, OpCode
+from .broadcast import broadcast
+from .common import Call, bytes_of, chunk_bounds
+from .direct import allreduce_direct
+from .ring import allgather_ring, allreduce_ring, open_ring, ring_pass
+from .star import gather_reduce
+from .tree import allreduce_tree_ring, exchange
+
+LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
+
+
+def allreduce_host_slices(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Host-aware allreduce of the flat CPU tensor ``buf``, in place (large messages).
+
+    Steps: a reduce-scatter of L slices inside the host (ring; the direct
+    exchange in tree order when deterministic), then local rank i allreduces
+    slice i with its counterparts on the other hosts (ring; tree ring when
+    deterministic), then a ring all-gather inside the host. Bytes per host
+    link, each way: 2(H-1)/H x nbytes (the bound). Bytes per rank over the
+    local links: 2(L-1)/L x nbytes each way. Latency: 2(L-1) local hops (L
+    when deterministic) + 2(H-1) cross-host hops (H when deterministic).
+    """
+    topology = call.mesh.topology
+    me = call.mesh.rank
+    host = call.on(topology.local_peers(me))
+    across = call.on(topology.counterparts(me))
+    part = Reduction(red.combine_kind)
+    chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), host.world)]
+    header = call.header(
+        op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
+    )
+    # 1. Reduce-scatter inside the host: afterwards chunks[i] holds the host's sum of slice i.
+    plan = host.plan()
+    if call.choice.tree:
+        exchange(host, plan, chunks, part, header)
+    else:
+        open_ring(host, plan, header, chunks)
+        last = host.world - 1
+        ring_pass(host, plan, chunks, reduce_steps=last, gather_steps=0, shift=-1, kind=part.kind)
+    call.mesh.run(plan, call.what(op))
+    # 2. Slice i across hosts, among the ranks at position i on every host.
+    mine = chunks[host.rank]
+    if across.world > 1:
+        if call.choice.tree:
+            allreduce_tree_ring(across, mine, part, op)
+        else:
+            allreduce_ring(across, mine, part)
+    finish_(mine, red, call.world)
+    # 3. All-gather inside the host.
+    allgather_ring(host, chunks, op)
+
+
+def allreduce_host_leaders(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Host-aware allreduce of the flat CPU tensor ``buf``, in place (small messages).
+
+    Steps: every rank sends ``buf`` to its host's leader, which combines
+    segment by segment as they arrive (the star's ``gather_reduce``: host
+    order, the canonical tree when deterministic); the leaders' direct
+    exchange (rank order of the hosts, or the tree); the leader sends the
+    result to its host's ranks. Bytes per host link, each way: (H-1) x
+    nbytes (one copy per other host). Latency: 1 local hop, 1 cross-host
+    hop, 1 local hop.
+    """
+    topology = call.mesh.topology
+    host = call.on(topology.local_peers(call.mesh.rank))
+    leaders = topology.leaders()
+    part = Reduction(red.combine_kind)
+    header = call.header(
+        op, Algo.HOST_LEADERS, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
+    )
+    # 1. Reduce to the host's leader.
+    plan = host.plan()
+    leading = host.rank == LEADER
+    if leading:
+        gather_reduce(host, plan, buf, part, LEADER, header, replies=False)
+    else:
+        plan.open(LEADER, header, recv=False)
+        plan.send(LEADER, bytes_of(buf))
+    plan.confirm_peers(host.world, header)
+    call.mesh.run(plan, call.what(op))
+    # 2. The leaders' exchange; AVG's division once, at the leader.
+    if leading:
+        if len(leaders) > 1:
+            allreduce_direct(call.on(leaders), buf, part, op)
+        finish_(buf, red, call.world)
+    # 3. Back to the host's ranks.
+    broadcast(host, buf, LEADER, op)
