@@ -31,6 +31,7 @@ ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
 ENV_LEDGER = "ENTRENAR_LEDGER"
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_TOPOLOGY = "ENTRENAR_TOPOLOGY"
+ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
 ENV_HOST_ID = "ENTRENAR_HOST_ID"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
@@ -179,6 +180,12 @@ class Options:
             the host over its local links, across hosts one rank per host
             or per slice); ``"flat"``: every rank is treated alike, as on
             one host (the flat ring, star and direct). Env ``ENTRENAR_TOPOLOGY``.
+        host_leaders_max_bytes: host-aware allreduce (``topology``): messages
+            up to this many bytes go through one leader per host (3 hops,
+            (H-1) x the bytes on each host link), larger ones in slices, one
+            per rank of the host (2(H-1)/H x the bytes, more hops). Measured
+            crossover: docs/benchmarks.md, "Emulated clusters".
+            Env ``ENTRENAR_HOST_LEADERS_MAX_BYTES``.
         host_id: a label added to this rank's host identity: ranks with
             different labels are never one host (no shared memory between
             them, different hosts for the topology), even on one machine.
@@ -222,6 +229,7 @@ class Options:
     inline_max_bytes: int = 0
     transport: str = "auto"
     topology: str = "auto"
+    host_leaders_max_bytes: int = 256 << 10
     host_id: str = ""
     fr_buffer_size: int = 0
     fr_dump_on_timeout: bool = False
@@ -253,6 +261,7 @@ class Options:
             "spin_us",
             "caller_spin_us",
             "inline_max_bytes",
+            "host_leaders_max_bytes",
             "fr_buffer_size",
         ):
             if getattr(self, name) < 0:
@@ -281,6 +290,7 @@ class Options:
             (ENV_SPIN_US, "spin_us"),
             (ENV_CALLER_SPIN_US, "caller_spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
+            (ENV_HOST_LEADERS_MAX_BYTES, "host_leaders_max_bytes"),
         ):
             if var in env:
                 kw[name] = _parse_int(var, env[var])

@@ -38,7 +38,6 @@ import torch
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
-from entrenar_pg.collectives.policy import HOST_LEADERS_MAX_BYTES
 from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
 from entrenar_pg.transport.topology import Topology
@@ -48,7 +47,7 @@ c10d = torch._C._distributed_c10d
 R = c10d.ReduceOp
 SMALL = 1000  # float32 elements: the leaders' path
 # The slices' path, and the flat ring's (not a multiple of 2 or 4).
-LARGE = max(HOST_LEADERS_MAX_BYTES, Options().star_max_bytes) // 4 + 12_345
+LARGE = max(Options().host_leaders_max_bytes, Options().star_max_bytes) // 4 + 12_345
 JOB = REPO / "tests" / "scripts" / "hosts_job.py"
 
 

@@ -60,12 +60,6 @@ class Choice(NamedTuple):
 
 _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
-# Host-aware allreduce (several hosts of L ranks each): up to this many bytes
-# the leaders' path (3 hops, (H-1) x S per host link), above it the slices
-# (2(H-1)/H x S per host link, more hops). Measured on 1 Gbit/s host links
-# (docs/benchmarks.md, "Emulated clusters").
-HOST_LEADERS_MAX_BYTES = 256 << 10
-
 
 def host_aware(topology: Topology | None, options: Options) -> bool:
     """Whether the host-aware algorithms may run (collectives/hierarchical.py):
@@ -105,7 +99,8 @@ def choose(
         elif local:
             algo = Algo.SHM
         elif host_aware(topology, options):
-            algo = Algo.HOST_LEADERS if nbytes <= HOST_LEADERS_MAX_BYTES else Algo.HOST_SLICES
+            small = nbytes <= options.host_leaders_max_bytes
+            algo = Algo.HOST_LEADERS if small else Algo.HOST_SLICES
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
         else:

@@ -282,7 +282,7 @@ class ShmLink:
 # ---------------------------------------------------------------------- set-up
 
 
-def host_key(host_id: str = "") -> str:
+def host_key() -> str:
     """What two ranks must share to be on one host for shared memory.
 
     The kernel instance (boot id), the IPC and network namespaces and the user:
@@ -291,8 +291,7 @@ def host_key(host_id: str = "") -> str:
     then treated as different hosts (they reach each other over the network
     like ones); another user never shares. A hostname says none of this
     (containers share or fake it). Equal keys are then confirmed by mapping
-    the peer's segment and reading its nonce (``connect``). ``host_id``
-    (``Options.host_id``) is appended: it can split a host, never join two.
+    the peer's segment and reading its nonce (``connect``).
     """
     parts = []
     try:
@@ -306,8 +305,6 @@ def host_key(host_id: str = "") -> str:
         except OSError:
             parts.append(f"no-{ns}-ns")
     parts.append(f"uid:{os.getuid()}")
-    if host_id:
-        parts.append(f"id:{host_id}")
     return "|".join(parts)
 
 
@@ -489,7 +486,9 @@ def connect(
     peers = sorted(data)
     # The rings rely on x86-64's memory order (stores seen in program order,
     # _Fence a full barrier); elsewhere no rank offers shared memory.
-    key = host_key(host_id) if platform.machine().lower() in _ORDERED_MACHINES else ""
+    key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
+    if key and host_id:  # Options.host_id: it can split a host, never join two
+        key += f"|id:{host_id}"
     keys = ex.all(peers, {p: {"key": key} for p in peers})
     every = {p: str(keys[p].get("key", "")) for p in peers} | {rank: key}
     if mode == "tcp":

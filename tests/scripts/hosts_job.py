@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 
 from entrenar_pg import Options, tree_sum
-from entrenar_pg.collectives.policy import HOST_LEADERS_MAX_BYTES
 from entrenar_pg.wire import Algo, OpCode
 
-SIZES = (1000, HOST_LEADERS_MAX_BYTES // 4 + 4321)  # float32 elements: small, large
+SIZES = (1000, Options().host_leaders_max_bytes // 4 + 4321)  # float32 elements: small, large
 
 timeout = timedelta(seconds=60)
 dist.init_process_group("gloo", timeout=timeout)
