@@ -229,7 +229,7 @@ class Options:
     inline_max_bytes: int = 0
     transport: str = "auto"
     topology: str = "auto"
-    host_leaders_max_bytes: int = 256 << 10
+    host_leaders_max_bytes: int = 64 << 10
     host_id: str = ""
     fr_buffer_size: int = 0
     fr_dump_on_timeout: bool = False

@@ -38,6 +38,7 @@ import torch
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
+from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
 from entrenar_pg.transport.topology import Topology
@@ -57,7 +58,11 @@ def _groups(layout: str, **opts: Any) -> list[EntrenarProcessGroup]:
 
 
 def _algo(pg: EntrenarProcessGroup, nbytes: int) -> Algo:
-    return pg._runtime.call(0, OpCode.ALLREDUCE, nbytes).choice.algo
+    return _algo_of(pg, OpCode.ALLREDUCE, nbytes)
+
+
+def _algo_of(pg: EntrenarProcessGroup, op: OpCode, nbytes: int) -> Algo:
+    return pg._runtime.call(0, op, nbytes).choice.algo
 
 
 # ---------------------------------------------------------------------- topology
@@ -173,6 +178,43 @@ def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatc
                     assert torch.equal(got[r][i], want[r][i]), (dtype, op, n, r)
     finally:
         for g in hosts + flat:
+            g.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["aabb", "abab", "aabbcc"])
+def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
+    """Host-aware reduce-scatter and all-gather (HOST_SLICES), hosts contiguous
+    or not, chunks smaller than a host and larger than a segment: exact results."""
+    n = len(layout)
+    gs = _groups(layout)
+    try:
+        for op in (OpCode.REDUCE_SCATTER, OpCode.ALLGATHER):
+            assert _algo_of(gs[0], op, 4000) is Algo.HOST_SLICES
+        # Deterministic, the reduce-scatter keeps the tree exchange (its order).
+        det, topo = Options(deterministic=True), gs[0]._runtime.mesh.topology
+        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is Algo.DIRECT
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
+            oks = []
+            for m in (1, 5, 300_001):
+                base = torch.arange(m * n, dtype=torch.float64)
+                out = torch.empty(m, dtype=torch.float64)
+                opts = c10d.ReduceScatterOptions()
+                opts.reduceOp = R.AVG
+                pg._reduce_scatter_base(out, base * (rank + 1), opts).wait()
+                want = base[rank * m : (rank + 1) * m] * (n + 1) / 2
+                oks.append(torch.equal(out, want))
+                dst = torch.empty(m * n, dtype=torch.int32)
+                pg._allgather_base(dst, torch.full((m,), rank, dtype=torch.int32)).wait()
+                oks.append(
+                    torch.equal(dst, torch.arange(n, dtype=torch.int32).repeat_interleave(m))
+                )
+            return oks
+
+        assert run_ranks(n, fn, groups=gs) == [[True] * 6] * n
+    finally:
+        for g in gs:
             g.shutdown()
 
 

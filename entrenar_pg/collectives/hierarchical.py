@@ -19,6 +19,12 @@ a team unchanged):
   counterparts (the ranks at position i on every host) on slice i, (3)
   all-gather inside the host. Each host link carries 2(H-1)/H x S each way,
   the bound (the flat ring: 2(N-1)/N x S), in L parallel streams.
+- ``reduce_scatter_hosts`` / ``allgather_hosts`` (FSDP across hosts): the
+  reduce-scatter reduces inside the host first (local rank i ends with its
+  host's sum of the chunks of the ranks at position i on every host), then
+  reduce-scatters those across hosts among the counterparts; the all-gather
+  is the reverse. Each host link carries (H-1)/H of the whole buffer each
+  way, the bound (the flat ring: (N-1)/N).
 - ``allreduce_host_leaders`` (small messages, where hops and copies cost
   more than bytes): (1) every rank's buffer to its host's leader (its lowest
   rank), which combines them, (2) the leaders' direct exchange (each leader
@@ -50,14 +56,16 @@ rank's checks (the ring's argument, phase by phase).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ..reduce_ops import Reduction, finish_
-from ..wire import Algo, OpCode
+from ..reduce_ops import Kind, Reduction, finish_
+from ..wire import Algo, Header, OpCode
 from .broadcast import broadcast
 from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
-from .ring import allgather_ring, allreduce_ring, open_ring, ring_pass
+from .ring import allgather_ring, allreduce_ring, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
 from .tree import allreduce_tree_ring, exchange
 
@@ -144,3 +152,79 @@ def allreduce_host_leaders(
         finish_(buf, red, call.world)
     # 3. Back to the host's ranks.
     broadcast(host, buf, LEADER, op)
+
+
+def _host_rings(
+    call: Call, chunks: Sequence[torch.Tensor], header: Header, *, reduce: Kind | None
+) -> None:
+    """One plan inside the host: a ring pass over each host's ranks' chunks.
+
+    For every host h (topology order), the chunks of h's ranks, indexed by
+    position, make one ring pass among this host's ranks: position j's
+    chunk is the one of h's rank at position j, which this host's rank at
+    position j holds (all-gather: ``reduce`` None) or ends with, combined by
+    ``reduce`` (reduce-scatter).
+    """
+    topology = call.mesh.topology
+    host = call.on(topology.local_peers(call.mesh.rank))
+    steps = host.world - 1
+    plan = host.plan()
+    open_ring(host, plan, header, chunks)
+    for members in topology.hosts:
+        group = [chunks[r] for r in members]
+        if reduce is None:
+            ring_pass(host, plan, group, reduce_steps=0, gather_steps=steps)
+        else:
+            ring_pass(host, plan, group, reduce_steps=steps, gather_steps=0, shift=-1, kind=reduce)
+    call.mesh.run(plan, call.what(header.op))
+
+
+def reduce_scatter_hosts(
+    call: Call,
+    chunks: Sequence[torch.Tensor],
+    red: Reduction,
+    op: OpCode = OpCode.REDUCE_SCATTER,
+    *,
+    aux: int = 0,
+) -> None:
+    """Host-aware reduce-scatter, in place: afterwards ``chunks[rank]`` holds the reduced chunk.
+
+    ``chunks``: N contiguous 1-D tensors, one per rank of the group (rank
+    order). Steps: inside the host, one ring reduce-scatter pass per host's
+    chunks (local rank i ends with its host's sum of the chunk of the rank
+    at position i on every host); then a ring reduce-scatter of those among
+    the counterparts. Bytes per host link, each way: (H-1)/H x the whole
+    buffer (the bound). Latency: H x (L-1) local hops + H-1 cross-host hops.
+    Rank and ring order: not the canonical tree (the policy keeps the flat
+    direct exchange when deterministic). ``aux`` goes into the headers.
+    """
+    me = call.mesh.rank
+    numel = sum(c.numel() for c in chunks)
+    kind = red.combine_kind
+    header = call.header(
+        op, Algo.HOST_SLICES, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
+    )
+    _host_rings(call, chunks, header, reduce=kind)
+    team = call.mesh.topology.counterparts(me)
+    if len(team) > 1:
+        theirs = [chunks[r] for r in team]
+        reduce_scatter_ring(call.on(team), theirs, Reduction(kind), op, aux=aux)
+    finish_(chunks[me], red, call.world)
+
+
+def allgather_hosts(
+    call: Call, chunks: Sequence[torch.Tensor], op: OpCode = OpCode.ALLGATHER
+) -> None:
+    """Host-aware all-gather: ``chunks[rank]`` holds this rank's input; fills the others.
+
+    Steps: a ring all-gather among the counterparts (the ranks at this
+    rank's position on every host), then inside the host one ring pass per
+    host's chunks. Bytes per host link, each way: (H-1)/H x the whole buffer
+    (the bound). Latency: H-1 cross-host hops + H x (L-1) local hops.
+    """
+    team = call.mesh.topology.counterparts(call.mesh.rank)
+    if len(team) > 1:
+        allgather_ring(call.on(team), [chunks[r] for r in team], op)
+    numel = sum(c.numel() for c in chunks)
+    header = call.header(op, Algo.HOST_SLICES, chunks[0].dtype, numel=numel)
+    _host_rings(call, chunks, header, reduce=None)

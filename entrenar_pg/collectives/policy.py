@@ -67,14 +67,20 @@ def host_aware(topology: Topology | None, options: Options) -> bool:
     of ranks; deterministic, also the canonical tree's order kept: every
     host's ranks consecutive and one subtree (else the flat algorithms keep
     the bits)."""
+    if not several_hosts(topology, options):
+        return False
+    if options.deterministic:
+        assert topology is not None and topology.shape is not None
+        return topology.is_contiguous and tree_has_blocks(topology.world, topology.shape[1])
+    return True
+
+
+def several_hosts(topology: Topology | None, options: Options) -> bool:
+    """``topology="auto"`` and at least two hosts of the same number (>= 2) of ranks."""
     if topology is None or options.topology != "auto":
         return False
     shape = topology.shape
-    if shape is None or shape[0] < 2 or shape[1] < 2:
-        return False
-    if options.deterministic:
-        return topology.is_contiguous and tree_has_blocks(topology.world, shape[1])
-    return True
+    return shape is not None and shape[0] >= 2 and shape[1] >= 2
 
 
 def choose(
@@ -115,9 +121,12 @@ def choose(
         else:
             algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.REDUCE_SCATTER:
-        algo = Algo.DIRECT if tree else Algo.RING
+        if tree:
+            algo = Algo.DIRECT  # the host-aware one's order is not the tree's
+        else:
+            algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.ALLGATHER:
-        algo = Algo.RING
+        algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:
         algo = Algo.STAR
     else:

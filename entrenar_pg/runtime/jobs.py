@@ -35,7 +35,12 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
     Algo.HOST_SLICES: alg.allreduce_host_slices,  # several hosts: collectives/hierarchical.py
     Algo.HOST_LEADERS: alg.allreduce_host_leaders,
 }
-_REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
+_REDUCE_SCATTER = {
+    Algo.RING: alg.reduce_scatter_ring,
+    Algo.DIRECT: alg.reduce_scatter_tree,
+    Algo.HOST_SLICES: alg.reduce_scatter_hosts,  # several hosts: collectives/hierarchical.py
+}
+_ALLGATHER = {Algo.RING: alg.allgather_ring, Algo.HOST_SLICES: alg.allgather_hosts}
 
 
 # ---------------------------------------------------------------------- layouts
@@ -181,7 +186,7 @@ def allgather(rt: Runtime, seq: int, req: rq.Allgather, hosts: Hosts) -> None:
     call = rt.call(seq, OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
     chunks[call.rank].copy_(src)
     if call.choice.algo is not Algo.NONE:
-        alg.allgather_ring(call, chunks)
+        _ALLGATHER[call.choice.algo](call, chunks)
 
 
 def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Hosts) -> None:
@@ -201,7 +206,7 @@ def allgather_packed(rt: Runtime, seq: int, req: rq.AllgatherPacked, hosts: Host
     if size:
         torch.cat([t.view(-1) for t in pieces], out=chunks[call.rank])
     if call.choice.algo is not Algo.NONE:
-        alg.allgather_ring(call, chunks)
+        _ALLGATHER[call.choice.algo](call, chunks)
     for p in range(n):
         at = 0
         for d in dests[p]:
