@@ -16,8 +16,11 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
   the wire say so), results equal the flat groups' for SUM, AVG, MAX,
   PRODUCT on floats and ints and for messages smaller than the host;
   ``topology="flat"`` turns it off.
+- Reduce-scatter and all-gather across hosts (contiguous hosts or not):
+  exact results; deterministic reduce-scatter keeps the tree exchange.
 - Deterministic: 1 x 4, 2 x 2 and 4 x 1 give the bits of the canonical tree
-  sum (``tree_sum``) and of the flat algorithms, small and large; 3 x 2 keeps
+  sum (``tree_sum``) and of the flat algorithms, small and large; so does
+  4 x 2 (host-aware); 3 x 2 keeps
   the bits by falling back to the flat algorithms (the host-aware order is
   not the canonical one there), while non-deterministic 3 x 2 runs host-aware.
 - Uneven hosts (3 + 1): flat, correct.
@@ -38,6 +41,7 @@ import torch
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
+from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
@@ -49,6 +53,8 @@ R = c10d.ReduceOp
 SMALL = 1000  # float32 elements: the leaders' path
 # The slices' path, and the flat ring's (not a multiple of 2 or 4).
 LARGE = max(Options().host_leaders_max_bytes, Options().star_max_bytes) // 4 + 12_345
+# Three pieces of the host slices' pipeline, and some.
+PIPELINED = 3 * hierarchical.PIECE_BYTES // 4 + 777
 JOB = REPO / "tests" / "scripts" / "hosts_job.py"
 
 
@@ -150,7 +156,7 @@ def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatc
             for op in (R.SUM, R.AVG, R.MAX, R.PRODUCT)
             for n in (1, 3, SMALL, LARGE)
             if not (op == R.PRODUCT and n == LARGE)
-        ]
+        ] + [(torch.float32, R.AVG, PIPELINED), (torch.int64, R.SUM, PIPELINED)]
 
         def fn(rank: int, pg: EntrenarProcessGroup, groups: str) -> list[torch.Tensor]:
             out = []
@@ -264,6 +270,18 @@ def test_deterministic_bits_in_every_layout_of_four() -> None:
         for r, per_size in enumerate(results):
             for ref, t in zip(refs, per_size, strict=True):
                 assert torch.equal(t, ref), (name, r, t.numel())
+
+
+@pytest.mark.timeout(180)
+def test_deterministic_bits_four_hosts_of_two() -> None:
+    """8 = 4 hosts x 2 (the trainer's largest world): host-aware, the tree's bits."""
+    sizes = (SMALL, LARGE)
+    results, algos = _det_allreduce("aabbccdd", sizes)
+    assert algos == {Algo.HOST_LEADERS, Algo.HOST_SLICES}
+    refs = [tree_sum(_inputs(8, n)) for n in sizes]
+    for per_size in results:
+        for ref, t in zip(refs, per_size, strict=True):
+            assert torch.equal(t, ref), t.numel()
 
 
 @pytest.mark.timeout(180)

@@ -57,6 +57,7 @@ rank's checks (the ring's argument, phase by phase).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -65,11 +66,16 @@ from ..wire import Algo, Header, OpCode
 from .broadcast import broadcast
 from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
-from .ring import allgather_ring, allreduce_ring, open_ring, reduce_scatter_ring, ring_pass
+from .ring import allgather_ring, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
 from .tree import allreduce_tree_ring, exchange
 
 LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
+# The host slices' pipeline: pieces of at least this many bytes, at most this
+# many pieces (each piece's plan is a round trip of every phase: fewer,
+# larger pieces cost less Python; more hide the local phases better).
+PIECE_BYTES = 4 << 20
+MAX_PIECES = 8
 
 
 def allreduce_host_slices(
@@ -77,13 +83,73 @@ def allreduce_host_slices(
 ) -> None:
     """Host-aware allreduce of the flat CPU tensor ``buf``, in place (large messages).
 
-    Steps: a reduce-scatter of L slices inside the host (ring; the direct
-    exchange in tree order when deterministic), then local rank i allreduces
-    slice i with its counterparts on the other hosts (ring; tree ring when
-    deterministic), then a ring all-gather inside the host. Bytes per host
-    link, each way: 2(H-1)/H x nbytes (the bound). Bytes per rank over the
-    local links: 2(L-1)/L x nbytes each way. Latency: 2(L-1) local hops (L
-    when deterministic) + 2(H-1) cross-host hops (H when deterministic).
+    Steps: a reduce-scatter of L slices inside the host, then local rank i
+    allreduces slice i with its counterparts on the other hosts, then an
+    all-gather inside the host. Bytes per host link, each way: 2(H-1)/H x
+    nbytes (the bound); per rank over the local links: 2(L-1)/L x nbytes.
+
+    The buffer is cut into pieces of about ``PIECE_BYTES`` (at most
+    ``MAX_PIECES``), pipelined: plan t holds piece t's reduce-scatter, piece
+    t-1's cross-host allreduce and piece t-2's all-gather (on different
+    links, so they overlap), and the slower local phases hide behind the
+    network's. Rings everywhere (2(L-1) local hops, 2(H-1) cross-host hops
+    per piece). Deterministic: ``_slices_in_tree_order``.
+    """
+    if call.choice.tree:
+        _slices_in_tree_order(call, buf, red, op)
+        return
+    topology = call.mesh.topology
+    me = call.mesh.rank
+    host = call.on(topology.local_peers(me))
+    across = call.on(topology.counterparts(me))
+    kind = red.combine_kind
+    nbytes = buf.numel() * buf.element_size()
+    count = max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
+    pieces = [buf[a:b] for a, b in chunk_bounds(buf.numel(), count)]
+    slices = [[p[a:b] for a, b in chunk_bounds(p.numel(), host.world)] for p in pieces]
+    mine = [s[host.rank] for s in slices]
+    n = call.world
+    for t in range(count + 2):
+        header = call.header(
+            op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel(), aux=t
+        )
+        plan = call.plan()
+        inside = plan.on(host.team)
+        local = [slices[k] for k in (t, t - 2) if 0 <= k < count]
+        if local:
+            open_ring(host, inside, header, [c for s in local for c in s])
+        if t < count:  # 1. piece t: reduce-scatter inside the host
+            last = host.world - 1
+            ring_pass(
+                host, inside, slices[t], reduce_steps=last, gather_steps=0, shift=-1, kind=kind
+            )
+        if 0 <= t - 1 < count:  # 2. piece t-1: this rank's slice across hosts
+            outside = plan.on(across.team)
+            chunks = [mine[t - 1][a:b] for a, b in chunk_bounds(mine[t - 1].numel(), across.world)]
+            open_ring(across, outside, header, chunks)
+            steps = across.world - 1
+            ring_pass(
+                across,
+                outside,
+                chunks,
+                reduce_steps=steps,
+                gather_steps=steps,
+                kind=kind,
+                on_reduced=partial(finish_, red=red, world=n),
+                scratch_name="across",
+            )
+        if 0 <= t - 2 < count:  # 3. piece t-2: all-gather inside the host
+            ring_pass(host, inside, slices[t - 2], reduce_steps=0, gather_steps=host.world - 1)
+        call.mesh.run(plan, call.what(op))
+
+
+def _slices_in_tree_order(call: Call, buf: torch.Tensor, red: Reduction, op: OpCode) -> None:
+    """``allreduce_host_slices`` in the canonical tree order (not pipelined).
+
+    The reduce-scatter inside the host is the direct exchange (tree order
+    over the host's ranks), the cross-host allreduce the tree ring (tree
+    order over the hosts), then a ring all-gather inside the host: three
+    plans. Latency: L-1 + H local and cross-host hops.
     """
     topology = call.mesh.topology
     me = call.mesh.rank
@@ -94,24 +160,13 @@ def allreduce_host_slices(
     header = call.header(
         op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
     )
-    # 1. Reduce-scatter inside the host: afterwards chunks[i] holds the host's sum of slice i.
     plan = host.plan()
-    if call.choice.tree:
-        exchange(host, plan, chunks, part, header)
-    else:
-        open_ring(host, plan, header, chunks)
-        last = host.world - 1
-        ring_pass(host, plan, chunks, reduce_steps=last, gather_steps=0, shift=-1, kind=part.kind)
+    exchange(host, plan, chunks, part, header)
     call.mesh.run(plan, call.what(op))
-    # 2. Slice i across hosts, among the ranks at position i on every host.
     mine = chunks[host.rank]
     if across.world > 1:
-        if call.choice.tree:
-            allreduce_tree_ring(across, mine, part, op)
-        else:
-            allreduce_ring(across, mine, part)
+        allreduce_tree_ring(across, mine, part, op)
     finish_(mine, red, call.world)
-    # 3. All-gather inside the host.
     allgather_ring(host, chunks, op)
 
 

@@ -16,6 +16,7 @@ byte, and carries the header rule (see ``Plan``).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,12 @@ class Plan:
     _tally: _Tally = field(default_factory=_Tally)
     _links: tuple[list[LinkPlan], list[LinkPlan]] | None = None
     members: tuple[int, ...] | None = None  # a team's ranks; peers are then positions in it
+
+    def on(self, members: tuple[int, ...] | None) -> Plan:
+        """This plan, with peers named by position in ``members`` (None: by rank):
+        one plan over several teams, each team's algorithm adding to its own
+        view (the pieces, headers and links are shared)."""
+        return dataclasses.replace(self, members=members)
 
     def _rank_of(self, peer: int) -> int:
         return peer if self.members is None else self.members[peer]
