@@ -112,6 +112,39 @@ def test_tree_has_blocks_is_exactly_when_block_trees_compose(n: int) -> None:
         assert tree_has_blocks(n, size) == (composed == _canonical(list(range(n)))), (n, size)
 
 
+def test_policy_rows_for_hosts() -> None:
+    """The host-aware rows of policy.choose, from a Topology (no sockets)."""
+    two = Topology.from_keys(["a", "a", "b", "b"])
+    mixed = Topology.from_keys(["a", "b", "a", "b"])
+    three = Topology.from_keys(list("aabbcc"))
+    o, det = Options(), Options(deterministic=True)
+    limit = o.host_leaders_max_bytes
+    A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
+    rows = [
+        (A, limit, two, o, Algo.HOST_LEADERS),
+        (A, limit + 4, two, o, Algo.HOST_SLICES),
+        (A, limit + 4, mixed, o, Algo.HOST_SLICES),  # any uniform layout
+        (A, 64, mixed, det, Algo.STAR),  # deterministic: hosts not consecutive
+        (A, 64, three, det, Algo.STAR),  # deterministic: 3 x 2 splits a host
+        (A, 8 << 20, three, det, Algo.TREE_RING),
+        (A, 8 << 20, two, det, Algo.HOST_SLICES),
+        (A, 64, two, Options(topology="flat"), Algo.STAR),
+        (A, 64, two, Options(algorithm="ring"), Algo.RING),  # an explicit algorithm wins
+        (A, 64, Topology.from_keys(list("aaab")), o, Algo.STAR),  # uneven
+        (A, 64, Topology.from_keys(list("abcd")), o, Algo.STAR),  # one rank per host
+        (A, 64, Topology.flat(4), o, Algo.STAR),  # one host, no slot areas
+        (RS, 64, two, o, Algo.HOST_SLICES),
+        (RS, 64, two, det, Algo.DIRECT),
+        (AG, 64, mixed, o, Algo.HOST_SLICES),
+        (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
+        (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
+    ]
+    for op, nbytes, topo, opts, want in rows:
+        got = choose(op, nbytes, topo.world, opts, False, topo).algo
+        assert got is want, (op, nbytes, topo.describe(), opts, got)
+    assert choose(A, 64, 4, o, True, two).algo is Algo.SHM  # all local wins (one host)
+
+
 def test_options_topology_and_host_id_from_env() -> None:
     assert Options.from_env({}).topology == "auto"
     assert Options.from_env({ENV_TOPOLOGY: " FLAT "}).topology == "flat"

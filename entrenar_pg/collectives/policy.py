@@ -14,7 +14,14 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``ALLREDUCE``: ``algorithm="auto"``: every rank on one host with shared
   memory between all (``local``: the slot areas exist): ``SHM`` at any size
   and world (collectives/shm_allreduce.py: reduced straight from each
-  other's memory); else with two ranks ``DIRECT`` up to
+  other's memory); else, several hosts (``host_aware``: ``topology="auto"``,
+  ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
+  deterministic also each host's ranks consecutive and one subtree of the
+  canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
+  ``host_leaders_max_bytes``, ``HOST_SLICES`` above
+  (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
+  docs/benchmarks.md); uneven hosts, one host without shared memory
+  between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
   ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
   ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
   docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
@@ -26,9 +33,11 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
   deterministic), then each rank's chunk straight to the root.
-- ``REDUCE_SCATTER``: ``RING``; ``DIRECT`` (the tree exchange) when deterministic.
-- ``ALLGATHER``: ``RING``. Everything else (gather, scatter, all-to-all,
-  sparse allreduce, the checker's exchange): ``DIRECT``.
+- ``REDUCE_SCATTER``: ``RING``; several hosts (``several_hosts``, as above
+  without the order condition) ``HOST_SLICES``; ``DIRECT`` (the tree
+  exchange) when deterministic, on any layout.
+- ``ALLGATHER``: ``RING``; several hosts ``HOST_SLICES``. Everything else
+  (gather, scatter, all-to-all, sparse allreduce, the checker's exchange): ``DIRECT``.
 - Every row: ``tree`` and the header's ``DETERMINISTIC`` flag follow
   ``deterministic``; the segment is ``segment_bytes``.
 """
