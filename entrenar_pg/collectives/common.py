@@ -99,9 +99,13 @@ class Call:
         """An empty plan whose peers are named by their position in the team."""
         return Plan(self.mesh.rank, members=self.team)
 
-    def on(self, team: tuple[int, ...]) -> Call:
-        """This call, run by ``team`` (ranks of the group, this one among them)."""
-        return Call(self.mesh, self.seq, self.choice, self.scratch, team)
+    def on(self, team: tuple[int, ...], segment_bytes: int = 0) -> Call:
+        """This call, run by ``team`` (ranks of the group, this one among them);
+        ``segment_bytes``: a pipelining segment of its own (0: the choice's)."""
+        choice = self.choice
+        if segment_bytes:
+            choice = choice._replace(segment_bytes=segment_bytes)
+        return Call(self.mesh, self.seq, choice, self.scratch, team)
 
     def header(
         self,

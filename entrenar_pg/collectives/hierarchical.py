@@ -76,6 +76,8 @@ LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
 # larger pieces cost less Python; more hide the local phases better).
 PIECE_BYTES = 4 << 20
 MAX_PIECES = 8
+SEGMENTS_PER_CHUNK = 4
+MIN_SEGMENT_BYTES = 64 << 10
 
 
 def allreduce_host_slices(
@@ -101,12 +103,20 @@ def allreduce_host_slices(
     topology = call.mesh.topology
     me = call.mesh.rank
     host = call.on(topology.local_peers(me))
-    across = call.on(topology.counterparts(me))
     kind = red.combine_kind
     nbytes = buf.numel() * buf.element_size()
     count = max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
     pieces = [buf[a:b] for a, b in chunk_bounds(buf.numel(), count)]
     slices = [[p[a:b] for a, b in chunk_bounds(p.numel(), host.world)] for p in pieces]
+    # The cross-host ring forwards a chunk while it still arrives: segments
+    # of at most 1/SEGMENTS_PER_CHUNK of a chunk (else every ring step
+    # leaves the link idle while the last segment is reduced, on all hosts at once).
+    team = topology.counterparts(me)
+    chunk_bytes = nbytes // (count * host.world * len(team))
+    segment = max(
+        MIN_SEGMENT_BYTES, min(call.choice.segment_bytes, chunk_bytes // SEGMENTS_PER_CHUNK)
+    )
+    across = call.on(team, segment)
     mine = [s[host.rank] for s in slices]
     n = call.world
     for t in range(count + 2):
