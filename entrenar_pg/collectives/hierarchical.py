@@ -1,4 +1,4 @@
-"""Host-aware allreduce: the work inside each host over its local links, across hosts the least.
+"""Host-aware collectives: the work inside each host over its local links, across hosts the least.
 
 A group spanning H hosts of L ranks each (``Mesh.topology``, uniform; the
 policy falls back to the flat algorithms for uneven hosts, one host or one
@@ -18,7 +18,9 @@ a team unchanged):
   slice i), (2) L allreduces across hosts at once, local rank i with its
   counterparts (the ranks at position i on every host) on slice i, (3)
   all-gather inside the host. Each host link carries 2(H-1)/H x S each way,
-  the bound (the flat ring: 2(N-1)/N x S), in L parallel streams.
+  the bound (the flat ring: 2(N-1)/N x S), in L parallel streams. Large
+  buffers go in pieces, pipelined so the local phases hide behind the
+  cross-host one.
 - ``reduce_scatter_hosts`` / ``allgather_hosts`` (FSDP across hosts): the
   reduce-scatter reduces inside the host first (local rank i ends with its
   host's sum of the chunks of the ranks at position i on every host), then
@@ -44,14 +46,16 @@ ranks are consecutive and each host is one subtree of it
 policy picks these algorithms in deterministic mode only then, and the flat
 ones (the same bits, more cross-host bytes) otherwise.
 
-Headers. Phase 1's frames carry this algorithm's own code (``HOST_SLICES``
-or ``HOST_LEADERS``), so a rank running another algorithm for the same call
-(a rank whose options say ``topology="flat"``) meets a header unlike its own
-on its host's links; phases 2 and 3 carry the building blocks' headers with
-the same sequence number. Each phase is one plan run to completion before
-the next starts, and a rank starts phase k+1 only after its phase k checked
-its headers, so every rank's result depends on data sent after every other
-rank's checks (the ring's argument, phase by phase).
+Headers. Every plan of the pipelined slices carries ``HOST_SLICES`` with
+the step in ``aux``; the leaders' first plan carries ``HOST_LEADERS`` and
+the deterministic slices' first plan ``HOST_SLICES``, their later plans the
+building blocks' headers (direct, broadcast, tree ring, ring) with the same
+sequence number. So a rank running another algorithm for the same call (a
+rank whose options say ``topology="flat"``) meets a header unlike its own
+on its host's links. Each plan runs to completion before the next starts,
+and a rank starts plan k+1 only after its plan k checked its headers, so
+every rank's result depends on data sent after every other rank's checks
+(the ring's argument, plan by plan).
 """
 
 from __future__ import annotations
