@@ -25,7 +25,8 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
   not the canonical one there), while non-deterministic 3 x 2 runs host-aware.
 - Uneven hosts (3 + 1): flat, correct.
 - A rank whose options say ``topology="flat"`` beside host-aware ones: every
-  rank raises, none hangs.
+  rank raises, none hangs; a rank that aborts during a host-aware
+  allreduce is named on every host at once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +386,35 @@ def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
         for g in gs:
             g.shutdown()
     assert sorted(errors) == [0, 1, 2, 3], errors
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_aborts_is_named_on_every_host() -> None:
+    """2 x 2, a large host-aware allreduce (ranks 0-2 inside it, in every
+    phase's links), rank 3 aborts instead of joining: every other rank
+    fails naming rank 3, well before the group's 20 s timeout."""
+    gs = _groups("aabb")
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[str, Any, float]:
+        t0 = time.monotonic()
+        if rank == 3:
+            time.sleep(0.5)
+            pg.abort()
+            return ("aborted", None, 0.0)
+        try:
+            pg.allreduce([torch.ones(PIPELINED)]).wait()
+        except EntrenarError as e:
+            return (type(e).__name__, getattr(e, "culprit", None), time.monotonic() - t0)
+        return ("returned", None, 0.0)
+
+    try:
+        got = run_ranks(4, fn, groups=gs, timeout_s=30)
+    finally:
+        for g in gs:
+            g.shutdown()
+    for rank, (what, culprit, took) in enumerate(got[:3]):
+        assert what == "PeerConnectionError" and culprit == 3, (rank, what, culprit)
+        assert took < 10, (rank, took)
 
 
 # ---------------------------------------------------------------------- netns
