@@ -40,7 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netns, netns_job
-from benchmarks.cluster_config import CLUSTER_VARIANTS, DEFAULT_SIZES, ClusterConfig
+from benchmarks.cluster_config import (
+    CLUSTER_VARIANTS,
+    DEFAULT_SIZES,
+    DEFAULT_VARIANTS,
+    ClusterConfig,
+)
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
@@ -184,7 +189,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ClusterConfig, Path]:
     p.add_argument("--rate", default=None, help="every host link's rate, both ways (e.g. 1gbit)")
     p.add_argument("--delay", default=None, help="netem delay on every host link (e.g. 1ms)")
     names = [v.name for v in CLUSTER_VARIANTS]
-    p.add_argument("--variants", default=",".join(names), help=f"from {names} (default all)")
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"from {names} (default {','.join(DEFAULT_VARIANTS)})",
+    )
     p.add_argument("--repeats", type=int, default=20, help="most timed samples per variant, size")
     p.add_argument("--min-repeats", type=int, default=4, help="fewest timed samples")
     p.add_argument("--rounds", type=int, default=4, help="interleaving rounds (default 4)")

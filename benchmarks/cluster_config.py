@@ -11,18 +11,27 @@ from benchmarks.config import GLOO, BenchConfig, MiB, Variant
 ENTRENAR = "entrenar"
 ENTRENAR_FLAT = "entrenar-flat"
 
+ENTRENAR_LEADERS = "entrenar-leaders"
+ENTRENAR_SLICES = "entrenar-slices"
+
 # entrenar with host-awareness forced off. The one place that says how: the
-# Options override. Options has no such field yet (issue 26 adds it); until it
-# does, resolve_variants() drops the override and entrenar-flat runs the same
-# code as entrenar, and the run's notes say so.
+# Options override. Where Options has no such field (an entrenar_pg before
+# issue 26), resolve_variants() drops the override and entrenar-flat runs the
+# same code as entrenar, and the run's notes say so.
 FLAT_OVERRIDES: dict[str, Any] = {"topology": "flat"}
 
 # The contestants, in the order of the first round (later rounds rotate it).
+# The last two pin one host-aware allreduce at every size (the policy's
+# crossover between them, Options.host_leaders_max_bytes, is measured with
+# them); they run only when named in --variants.
 CLUSTER_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant(ENTRENAR, "entrenar"),
     Variant(ENTRENAR_FLAT, "entrenar", FLAT_OVERRIDES),
+    Variant(ENTRENAR_LEADERS, "entrenar", {"host_leaders_max_bytes": 1 << 40}),
+    Variant(ENTRENAR_SLICES, "entrenar", {"host_leaders_max_bytes": 0}),
 )
+DEFAULT_VARIANTS: tuple[str, ...] = (GLOO, ENTRENAR, ENTRENAR_FLAT)
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
@@ -36,7 +45,7 @@ class ClusterConfig:
     sizes: tuple[int, ...] = ()
     rate: str | None = None  # tbf rate of every host link, both ways (tc units)
     delay: str | None = None  # netem delay on every host's egress (needs sch_netem)
-    variants: tuple[str, ...] = tuple(v.name for v in CLUSTER_VARIANTS)
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     repeats: int = 20
     min_repeats: int = 4
     rounds: int = 4

@@ -30,6 +30,9 @@ ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
 ENV_LEDGER = "ENTRENAR_LEDGER"
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
+ENV_TOPOLOGY = "ENTRENAR_TOPOLOGY"
+ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
+ENV_HOST_ID = "ENTRENAR_HOST_ID"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -48,6 +51,7 @@ FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
 TRANSPORTS = ("auto", "tcp", "shm")
+TOPOLOGIES = ("auto", "flat")
 
 # Time bounds: every fixed wait of the package, in seconds (a group's own
 # timeout is the caller's: ``GroupTimeout``).
@@ -169,6 +173,26 @@ class Options:
             ranks, if some peer is not on this host). The control channel,
             p2p and set-up stay on TCP in every mode (docs/architecture.md,
             "Shared-memory transport"). Env ``ENTRENAR_TRANSPORT``.
+        topology: ``"auto"``: the group learns which ranks share a host
+            (``transport/topology.py``) and, when every host holds the same
+            number of ranks (at least two hosts of at least two ranks),
+            allreduce runs host-aware (``collectives/hierarchical.py``: in
+            the host over its local links, across hosts one rank per host
+            or per slice); ``"flat"``: every rank is treated alike, as on
+            one host (the flat ring, star and direct). Env ``ENTRENAR_TOPOLOGY``.
+        host_leaders_max_bytes: host-aware allreduce (``topology``): messages
+            up to this many bytes go through one leader per host (3 hops,
+            (H-1) x the bytes on each host link), larger ones in slices, one
+            per rank of the host (2(H-1)/H x the bytes, more hops). Measured
+            crossover: docs/benchmarks.md, "Emulated clusters".
+            Env ``ENTRENAR_HOST_LEADERS_MAX_BYTES``.
+        host_id: a label added to this rank's host identity: ranks with
+            different labels are never one host (no shared memory between
+            them, different hosts for the topology), even on one machine.
+            For tests and for containers that share a kernel and IPC
+            namespace but should count as separate hosts; it can only
+            split hosts, never join ranks the kernel keeps apart. Empty:
+            the identity alone. Env ``ENTRENAR_HOST_ID``.
         master_addr: torch's ``MASTER_ADDR``, only used to choose ``host``.
         fr_buffer_size: how many of its latest collectives and p2p ops each
             group keeps for the flight recorder (0: none, nothing recorded).
@@ -204,6 +228,9 @@ class Options:
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
     transport: str = "auto"
+    topology: str = "auto"
+    host_leaders_max_bytes: int = 64 << 10
+    host_id: str = ""
     fr_buffer_size: int = 0
     fr_dump_on_timeout: bool = False
     fr_dump_prefix: str = ""
@@ -219,6 +246,10 @@ class Options:
             raise ValueError(
                 f"{ENV_TRANSPORT}/transport must be one of {TRANSPORTS}, got {self.transport!r}"
             )
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(
+                f"{ENV_TOPOLOGY}/topology must be one of {TOPOLOGIES}, got {self.topology!r}"
+            )
         if self.segment_bytes < 1:
             raise ValueError(
                 f"{ENV_SEGMENT_BYTES}/segment_bytes must be >= 1, got {self.segment_bytes}"
@@ -230,6 +261,7 @@ class Options:
             "spin_us",
             "caller_spin_us",
             "inline_max_bytes",
+            "host_leaders_max_bytes",
             "fr_buffer_size",
         ):
             if getattr(self, name) < 0:
@@ -246,6 +278,10 @@ class Options:
             kw["algorithm"] = env[ENV_ALGORITHM].strip().lower()
         if ENV_TRANSPORT in env:
             kw["transport"] = env[ENV_TRANSPORT].strip().lower()
+        if ENV_TOPOLOGY in env:
+            kw["topology"] = env[ENV_TOPOLOGY].strip().lower()
+        if ENV_HOST_ID in env:
+            kw["host_id"] = env[ENV_HOST_ID].strip()
         for var, name in (
             (ENV_SEGMENT_BYTES, "segment_bytes"),
             (ENV_STAR_MAX_BYTES, "star_max_bytes"),
@@ -254,6 +290,7 @@ class Options:
             (ENV_SPIN_US, "spin_us"),
             (ENV_CALLER_SPIN_US, "caller_spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
+            (ENV_HOST_LEADERS_MAX_BYTES, "host_leaders_max_bytes"),
         ):
             if var in env:
                 kw[name] = _parse_int(var, env[var])

@@ -187,6 +187,31 @@ def tree_reduce_(parts: Sequence[torch.Tensor], kind: Kind) -> torch.Tensor:
     return left
 
 
+def tree_has_blocks(n: int, size: int) -> bool:
+    """Whether the canonical tree over ``n`` contributions has every run of
+    ``size`` consecutive ones (0..size-1, size..2 size-1, ...) as a subtree.
+
+    Then reducing each run in tree order, and the runs' results in tree
+    order, is the canonical order itself (the host-aware allreduce, hosts of
+    ``size`` consecutive ranks, collectives/hierarchical.py): true for
+    powers of two, and e.g. 2 runs of 3; false for 3 runs of 2 (the root
+    splits 6 at 3, inside the second run).
+    """
+    if size < 1 or n % size:
+        return False
+
+    def aligned(start: int, count: int) -> bool:
+        if count <= size:
+            # Inside one run: fine if it lies within a single run.
+            return start // size == (start + count - 1) // size
+        if start % size or count % size:
+            return False  # a subtree larger than a run must be whole runs
+        m = (count + 1) // 2
+        return aligned(start, m) and aligned(start + m, count - m)
+
+    return aligned(0, n)
+
+
 def tree_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum ``tensors`` in the canonical tree order (the inputs are left untouched)."""
     if not tensors:

@@ -69,6 +69,8 @@ class Algo(enum.IntEnum):
     CHAIN = 4  # pipelined chain (large broadcast)
     TREE_RING = 5  # deterministic allreduce: direct-exchange reduce-scatter + ring all-gather
     SHM = 6  # allreduce through the slot areas of ranks all on one host (transport/shm/slots.py)
+    HOST_SLICES = 7  # host-aware: reduce-scatter in the host, a slice per rank across, all-gather
+    HOST_LEADERS = 8  # host-aware: reduce to the host's leader, leaders exchange, broadcast
 
 
 class Flags(enum.IntFlag):

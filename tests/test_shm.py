@@ -15,8 +15,9 @@
 - Safety: the segment is 0600 and another user cannot open it.
 - ``ENTRENAR_TRANSPORT``: parsing; ``shm`` with a peer on another "host"
   fails at group creation naming it; four ranks on two cores stay fast.
-- The netns cluster: 2 "hosts" x 2 ranks: shared memory within a
-  namespace, TCP across (skipped where namespaces cannot be made).
+- The netns cluster (2 "hosts" x 2 ranks: shared memory within a
+  namespace, TCP across) is tests/test_hosts.py's, with the host-aware
+  collectives.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, free_port, make_groups, netns_allowed, rank_env, run_ranks
+from conftest import REPO, free_port, make_groups, rank_env, run_ranks
 
 from entrenar_pg import (
     CollectiveMismatchError,
@@ -664,47 +665,3 @@ def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatc
     finally:
         for g in groups.values():
             g.shutdown()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_netns_two_hosts_of_two_ranks(tmp_path: Path) -> None:
-    """launch/netns_cluster.sh: 2 network-namespace hosts x 2 ranks. Within a
-    namespace the pair uses shared memory, across namespaces TCP (a network
-    namespace is a host's network identity: its ranks are reached by its own
-    address, like a container's)."""
-    if not netns_allowed():
-        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
-    prefix = f"enrs{os.getpid() % 100000}"
-    node_cmd = (
-        f"ENTRENAR_IFNAME=eth0 PYTHONPATH={REPO} OMP_NUM_THREADS=1 {sys.executable} "
-        "-m torch.distributed.run --nnodes=2 --nproc_per_node=2 --node_rank=$NODE "
-        f"--master_addr=$HEAD_ADDR --master_port={free_port()} {JOB} where"
-    )
-    env = dict(
-        os.environ,
-        NODES="2",
-        NETNS_PREFIX=prefix,
-        LOG_DIR=str(tmp_path / "logs"),
-        TIMEOUT_S="90",
-        NODE_CMD=node_cmd,
-    )
-    proc = subprocess.run(
-        [str(REPO / "launch" / "netns_cluster.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        cwd=REPO,
-    )
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in left, f"namespaces not torn down: {left}"
-    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in (0, 1))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
-    where = {}
-    for line in logs.splitlines():
-        if line.startswith("WHERE "):
-            _, rank, peers = (line.split(" ") + [""])[:3]
-            where[int(rank)] = peers.strip()
-    assert where == {0: "1", 1: "0", 2: "3", 3: "2"}, logs[-3000:]
-    assert sum(line.startswith("OK ") for line in logs.splitlines()) == 4

@@ -8,6 +8,12 @@ from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .direct import allreduce_direct
+from .hierarchical import (
+    allgather_hosts,
+    allreduce_host_leaders,
+    allreduce_host_slices,
+    reduce_scatter_hosts,
+)
 from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
@@ -19,8 +25,11 @@ __all__ = [
     "Call",
     "Choice",
     "ScratchPool",
+    "allgather_hosts",
     "allgather_ring",
     "allreduce_direct",
+    "allreduce_host_leaders",
+    "allreduce_host_slices",
     "allreduce_ring",
     "allreduce_shm",
     "allreduce_star",
@@ -34,6 +43,7 @@ __all__ = [
     "gather",
     "op_name",
     "reduce",
+    "reduce_scatter_hosts",
     "reduce_scatter_ring",
     "reduce_scatter_tree",
     "reduce_star",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..transport import Plan
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
 
@@ -28,7 +27,7 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     algo = Algo.CHAIN if call.choice.algo is Algo.CHAIN else Algo.DIRECT
     header = call.header(op, algo, buf.dtype, numel=buf.numel(), aux=root)
     raw = bytes_of(buf)
-    plan = Plan(r)
+    plan = call.plan()
     if algo is Algo.DIRECT:
         if r == root:
             for p in range(n):

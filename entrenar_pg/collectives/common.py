@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..transport import Mesh
+from ..transport import Mesh, Plan
 from ..transport import bytes_of as bytes_of  # re-exported: the algorithms take it from here
 from ..wire import Algo, Header, OpCode
 from .policy import Choice
@@ -72,7 +72,14 @@ class ScratchPool:
 class Call:
     """One collective as seen by one rank: where it runs and how (the policy's
     ``Choice``), and its job's pace (``transport.loop.Pace``: how long the
-    loop spins in this thread, how long nothing may move)."""
+    loop spins in this thread, how long nothing may move).
+
+    ``team``: the ranks taking part, in order (None: the whole group). An
+    algorithm sees ``rank`` and ``world`` as its position in the team and
+    the team's size, and builds its plan with ``plan()``, which maps those
+    positions to the group's ranks; so ring, direct and tree code runs on a
+    host's ranks or on one rank per host unchanged (collectives/hierarchical.py).
+    """
 
     mesh: Mesh
     seq: int
@@ -80,14 +87,29 @@ class Call:
     scratch: ScratchPool
     spin_s: float
     timeout_s: float
+    team: tuple[int, ...] | None = None
 
     @property
     def rank(self) -> int:
-        return self.mesh.rank
+        """This rank's position in the team (its rank when the team is the group)."""
+        return self.mesh.rank if self.team is None else self.team.index(self.mesh.rank)
 
     @property
     def world(self) -> int:
-        return self.mesh.world
+        """The team's size."""
+        return self.mesh.world if self.team is None else len(self.team)
+
+    def plan(self) -> Plan:
+        """An empty plan whose peers are named by their position in the team."""
+        return Plan(self.mesh.rank, members=self.team)
+
+    def on(self, team: tuple[int, ...], segment_bytes: int = 0) -> Call:
+        """This call, run by ``team`` (ranks of the group, this one among them);
+        ``segment_bytes``: a pipelining segment of its own (0: the choice's)."""
+        choice = self.choice
+        if segment_bytes:
+            choice = choice._replace(segment_bytes=segment_bytes)
+        return Call(self.mesh, self.seq, choice, self.scratch, self.spin_s, self.timeout_s, team)
 
     def header(
         self,

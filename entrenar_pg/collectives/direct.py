@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..reduce_ops import Reduction, combine_into, finish_, tree_reduce_
-from ..transport import Plan
 from ..wire import Algo, OpCode
 from .common import PLAN_CACHE_MAX_BYTES, Call, bytes_of
 
@@ -29,7 +28,7 @@ def allreduce_direct(
     # address and shape (DDP's buckets and a training loop's tensors reuse
     # theirs) and per everything its header says (the flags depend on the
     # group's options only), so a reuse only has to restamp the sequence number.
-    key = (op, buf.data_ptr(), numel, buf.dtype, n, red.kind)
+    key = (op, buf.data_ptr(), numel, buf.dtype, n, red.kind, call.team)
     cacheable = numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES
     cached = call.scratch.plan(key) if cacheable else None
     if cached is not None:
@@ -37,7 +36,7 @@ def allreduce_direct(
         plan.restamp(call.seq)
     else:
         header = call.header(op, Algo.DIRECT, buf.dtype, reduce_op=int(red.kind), numel=numel)
-        plan = Plan(r)
+        plan = call.plan()
         scratch = call.scratch.get("direct", numel * (n - 1), buf.dtype)
         raw = bytes_of(buf)
         parts = []

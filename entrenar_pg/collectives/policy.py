@@ -14,7 +14,14 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``ALLREDUCE``: ``algorithm="auto"``: every rank on one host with shared
   memory between all (``local``: the slot areas exist): ``SHM`` at any size
   and world (collectives/shm_allreduce.py: reduced straight from each
-  other's memory); else with two ranks ``DIRECT`` up to
+  other's memory); else, several hosts (``host_aware``: ``topology="auto"``,
+  ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
+  deterministic also each host's ranks consecutive and one subtree of the
+  canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
+  ``host_leaders_max_bytes``, ``HOST_SLICES`` above
+  (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
+  docs/benchmarks.md); uneven hosts, one host without shared memory
+  between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
   ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
   ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
   docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
@@ -26,9 +33,11 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
   deterministic), then each rank's chunk straight to the root.
-- ``REDUCE_SCATTER``: ``RING``; ``DIRECT`` (the tree exchange) when deterministic.
-- ``ALLGATHER``: ``RING``. Everything else (gather, scatter, all-to-all,
-  sparse allreduce, the checker's exchange): ``DIRECT``.
+- ``REDUCE_SCATTER``: ``RING``; several hosts (``several_hosts``, as above
+  without the order condition) ``HOST_SLICES``; ``DIRECT`` (the tree
+  exchange) when deterministic, on any layout.
+- ``ALLGATHER``: ``RING``; several hosts ``HOST_SLICES``. Everything else
+  (gather, scatter, all-to-all, sparse allreduce, the checker's exchange): ``DIRECT``.
 - Every row: ``tree`` and the header's ``DETERMINISTIC`` flag follow
   ``deterministic``; the segment is ``segment_bytes``.
 """
@@ -40,6 +49,8 @@ from typing import NamedTuple
 import torch
 
 from ..config import Options
+from ..reduce_ops import tree_has_blocks
+from ..transport.topology import Topology
 from ..wire import Algo, Flags, OpCode
 
 
@@ -59,10 +70,40 @@ class Choice(NamedTuple):
 _NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
 
 
-def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = False) -> Choice:
+def host_aware(topology: Topology | None, options: Options) -> bool:
+    """Whether the host-aware algorithms may run (collectives/hierarchical.py):
+    ``topology="auto"``, at least two hosts of the same number (at least two)
+    of ranks; deterministic, also the canonical tree's order kept: every
+    host's ranks consecutive and one subtree (else the flat algorithms keep
+    the bits)."""
+    if not several_hosts(topology, options):
+        return False
+    if options.deterministic:
+        assert topology is not None and topology.shape is not None
+        return topology.is_contiguous and tree_has_blocks(topology.world, topology.shape[1])
+    return True
+
+
+def several_hosts(topology: Topology | None, options: Options) -> bool:
+    """``topology="auto"`` and at least two hosts of the same number (>= 2) of ranks."""
+    if topology is None or options.topology != "auto":
+        return False
+    shape = topology.shape
+    return shape is not None and shape[0] >= 2 and shape[1] >= 2
+
+
+def choose(
+    op: OpCode,
+    nbytes: int,
+    world: int,
+    options: Options,
+    local: bool = False,
+    topology: Topology | None = None,
+) -> Choice:
     """The ``Choice`` for collective ``op`` of ``nbytes`` payload bytes on ``world`` ranks;
     ``local``: every rank is on this host with shared memory between all
-    (``Mesh.all_local``: its slot areas exist; the same on every rank)."""
+    (``Mesh.all_local``: its slot areas exist; the same on every rank);
+    ``topology``: which ranks share a host (``Mesh.topology``, the same on every rank)."""
     tree = options.deterministic
     if world == 1:
         algo = Algo.NONE
@@ -72,6 +113,9 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = 
             algo = _NAMED[name]
         elif local:
             algo = Algo.SHM
+        elif host_aware(topology, options):
+            small = nbytes <= options.host_leaders_max_bytes
+            algo = Algo.HOST_LEADERS if small else Algo.HOST_SLICES
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
         else:
@@ -86,9 +130,12 @@ def choose(op: OpCode, nbytes: int, world: int, options: Options, local: bool = 
         else:
             algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.REDUCE_SCATTER:
-        algo = Algo.DIRECT if tree else Algo.RING
+        if tree:
+            algo = Algo.DIRECT  # the host-aware one's order is not the tree's
+        else:
+            algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.ALLGATHER:
-        algo = Algo.RING
+        algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:
         algo = Algo.STAR
     else:

@@ -29,6 +29,7 @@ def ring_pass(
     shift: int = 0,
     kind: Kind = Kind.SUM,
     on_reduced: Callable[[torch.Tensor], None] | None = None,
+    scratch_name: str = "ring",
 ) -> None:
     """Add one ring pass over ``chunks`` (N contiguous 1-D tensors) to ``plan``.
 
@@ -38,7 +39,9 @@ def ring_pass(
     a one-segment scratch buffer); the next ``gather_steps`` store it in place.
     ``on_reduced`` runs on each segment of the chunk finished by the last
     reduce step. Segment k of step s is sent once segment k of step s-1 has
-    arrived, which is exactly the segment it forwards.
+    arrived, which is exactly the segment it forwards. Passes that reduce at
+    the same time in one plan (on other links) need scratch of their own
+    (``scratch_name``).
     """
     n, r = call.world, call.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -46,7 +49,7 @@ def ring_pass(
     seg_elems = call.segment_elems(chunks[0].dtype)
     views = [bytes_of(c) for c in chunks]
     size = chunks[0].element_size()
-    scratch = call.scratch.get("ring", seg_elems, chunks[0].dtype)
+    scratch = call.scratch.get(scratch_name, seg_elems, chunks[0].dtype)
     scratch_bytes = bytes_of(scratch)
     arrived: list[bool] = []
     first_recv: list[int] = []  # index into `arrived` of each step's first segment
@@ -121,7 +124,7 @@ def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:
     the bandwidth optimum. Latency: 2(N-1) hops.
     """
     n = call.world
-    plan = Plan(call.rank)
+    plan = call.plan()
     header = call.header(
         OpCode.ALLREDUCE, Algo.RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
     )
@@ -147,7 +150,7 @@ def allgather_ring(
     Steps: N-1; at step s rank r forwards chunk (r-s) and receives chunk
     (r-s-1). Bytes on the wire per rank: (N-1) x chunk bytes each way.
     """
-    plan = Plan(call.rank)
+    plan = call.plan()
     numel = sum(c.numel() for c in chunks)
     open_ring(call, plan, call.header(op, Algo.RING, chunks[0].dtype, numel=numel), chunks)
     ring_pass(call, plan, chunks, reduce_steps=0, gather_steps=call.world - 1)
@@ -169,7 +172,7 @@ def reduce_scatter_ring(
     ``aux`` goes into the header (reduce's root).
     """
     n = call.world
-    plan = Plan(call.rank)
+    plan = call.plan()
     numel = sum(c.numel() for c in chunks)
     header = call.header(
         op, Algo.RING, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux

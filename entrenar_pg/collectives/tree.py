@@ -49,7 +49,7 @@ def tree_reduce_into(dst: torch.Tensor, parts: Sequence[torch.Tensor], kind: Kin
     combine_into(dst, tree_reduce_(parts[:m], kind), tree_reduce_(parts[m:], kind), kind)
 
 
-def _exchange(
+def exchange(
     call: Call, plan: Plan, chunks: Sequence[torch.Tensor], red: Reduction, header: Header
 ) -> list[bool]:
     """Add the direct-exchange reduce-scatter to ``plan``; opens every link.
@@ -153,11 +153,11 @@ def reduce_scatter_tree(
         finish_(chunks[0], red, 1)
         return
     numel = sum(c.numel() for c in chunks)
-    plan = Plan(call.rank)
+    plan = call.plan()
     header = call.header(
         op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
     )
-    _exchange(call, plan, chunks, red, header)
+    exchange(call, plan, chunks, red, header)
     call.mesh.run(plan, call.what(op), call)
 
 
@@ -180,8 +180,8 @@ def allreduce_tree_ring(
         return
     header = call.header(op, Algo.TREE_RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
-    plan = Plan(r)
-    reduced = _exchange(call, plan, chunks, red, header)
+    plan = call.plan()
+    reduced = exchange(call, plan, chunks, red, header)
     # Ring all-gather over the same (already open) links. A received segment
     # lands in its final place; chunk c's segment k can only arrive after its
     # owner had this rank's segment k, so overwriting it never races the

@@ -51,6 +51,6 @@ def _choose(ctx: JobContext, op: OpCode, nbytes: int) -> Choice:
     choices = ctx.choices
     if len(choices) >= _MAX_CACHED_CHOICES:
         choices.clear()
-    choice = choose(op, nbytes, ctx.world, ctx.options, ctx.mesh.all_local)
+    choice = choose(op, nbytes, ctx.world, ctx.options, ctx.mesh.all_local, ctx.mesh.topology)
     choices[(op, nbytes)] = choice
     return choice

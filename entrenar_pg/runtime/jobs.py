@@ -31,8 +31,15 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
     Algo.RING: alg.allreduce_ring,
     Algo.TREE_RING: alg.allreduce_tree_ring,
     Algo.SHM: alg.allreduce_shm,  # ranks all on one host: through the slot areas
+    Algo.HOST_SLICES: alg.allreduce_host_slices,  # several hosts: collectives/hierarchical.py
+    Algo.HOST_LEADERS: alg.allreduce_host_leaders,
 }
-_REDUCE_SCATTER = {Algo.RING: alg.reduce_scatter_ring, Algo.DIRECT: alg.reduce_scatter_tree}
+_REDUCE_SCATTER = {
+    Algo.RING: alg.reduce_scatter_ring,
+    Algo.DIRECT: alg.reduce_scatter_tree,
+    Algo.HOST_SLICES: alg.reduce_scatter_hosts,  # several hosts: collectives/hierarchical.py
+}
+_ALLGATHER = {Algo.RING: alg.allgather_ring, Algo.HOST_SLICES: alg.allgather_hosts}
 
 
 # ---------------------------------------------------------------------- layouts
@@ -178,7 +185,7 @@ def allgather(ctx: JobContext, req: rq.Allgather, hosts: Hosts) -> None:
     call = ctx.call(OpCode.ALLGATHER, src.numel() * src.element_size() * len(chunks))
     chunks[call.rank].copy_(src)
     if call.choice.algo is not Algo.NONE:
-        alg.allgather_ring(call, chunks)
+        _ALLGATHER[call.choice.algo](call, chunks)
 
 
 def allgather_packed(ctx: JobContext, req: rq.AllgatherPacked, hosts: Hosts) -> None:
@@ -198,7 +205,7 @@ def allgather_packed(ctx: JobContext, req: rq.AllgatherPacked, hosts: Hosts) -> 
     if size:
         torch.cat([t.view(-1) for t in pieces], out=chunks[call.rank])
     if call.choice.algo is not Algo.NONE:
-        alg.allgather_ring(call, chunks)
+        _ALLGATHER[call.choice.algo](call, chunks)
     for p in range(n):
         at = 0
         for d in dests[p]:

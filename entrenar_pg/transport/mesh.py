@@ -27,6 +27,7 @@ from .rendezvous import CONTROL, DATA, P2P, Rendezvous
 from .shm.ring import ShmLink
 from .shm.setup import connect as connect_shm
 from .shm.slots import SlotArea
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,15 @@ class Mesh:
         # policy may depend on it: the shm-native allreduce).
         self.all_local = False
         self.slots: SlotArea | None = None
-        if options.transport != "tcp" and data:
+        # Which ranks share a host (identical on every rank: built from every
+        # rank's host key, exchanged in the shared-memory set-up).
+        self.topology = Topology.flat(world)
+        if data:
             try:
-                found = connect_shm(rank, data, options.transport, timeout_s)
+                found = connect_shm(rank, data, options.transport, timeout_s, options.host_id)
                 self.shm, self.slots = found.links, found.slots
+                if found.keys is not None:
+                    self.topology = Topology.from_keys([found.keys[r] for r in range(world)])
                 self.all_local = found.slots is not None
                 log.info(
                     "rank %d: collective data over shared memory with rank(s) %s, TCP with %s",

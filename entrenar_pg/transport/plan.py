@@ -16,6 +16,7 @@ byte, and carries the header rule (see ``Plan``).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,12 @@ class Plan:
     plans for one call always meet (a large reduce's final move to the root
     is the exception: every rank agreed in the reduce-scatter before it).
     docs/architecture.md, "The header rule", says which algorithm does what.
+
+    A team's plan (``members``: an ordered subset of the group's ranks, this
+    rank among them) names peers by their position in ``members``, so an
+    algorithm written for ranks 0..n-1 runs unchanged on any subset (the
+    host-aware collectives run rings inside a host and across hosts); the
+    links, and every message, carry the group's ranks.
     """
 
     rank: int
@@ -116,6 +123,16 @@ class Plan:
     _stamps: list[_Stamp] = field(default_factory=list)
     _tally: _Tally = field(default_factory=_Tally)
     _links: tuple[list[LinkPlan], list[LinkPlan]] | None = None
+    members: tuple[int, ...] | None = None  # a team's ranks; peers are then positions in it
+
+    def on(self, members: tuple[int, ...] | None) -> Plan:
+        """This plan, with peers named by position in ``members`` (None: by rank):
+        one plan over several teams, each team's algorithm adding to its own
+        view (the pieces, headers and links are shared)."""
+        return dataclasses.replace(self, members=members)
+
+    def _rank_of(self, peer: int) -> int:
+        return peer if self.members is None else self.members[peer]
 
     def open(self, peer: int, header: Header, *, send: bool = True, recv: bool = True) -> None:
         """Start this collective's frame on the link(s) with ``peer``.
@@ -124,11 +141,12 @@ class Plan:
         equal ``header`` (same collective, seq, dtype, size, algorithm), else
         CollectiveMismatchError. A direction opens once, before its pieces.
         """
+        peer = self._rank_of(peer)
         assert peer != self.rank
         stamp = self._stamp(header)
         if send:
             assert peer not in self.sends, "internal: a link direction opens once, first"
-            self.send(peer, memoryview(stamp.packed))
+            self._send(peer, memoryview(stamp.packed))
         if recv:
             assert peer not in self.recvs, "internal: a link direction opens once, first"
             self._expect(peer, stamp, self._tally)
@@ -143,9 +161,10 @@ class Plan:
         Costs one 32-byte frame per unused direction, sent at the start (no
         extra round trip).
         """
-        for peer in range(world):
+        for i in range(world):
+            peer = self._rank_of(i)
             if peer != self.rank and (peer not in self.sends or peer not in self.recvs):
-                self.open(peer, header, send=peer not in self.sends, recv=peer not in self.recvs)
+                self.open(i, header, send=peer not in self.sends, recv=peer not in self.recvs)
 
     def confirm_neighbours(self, world: int, header: Header) -> None:
         """Send ``header`` to the next rank and receive the previous rank's, if the
@@ -157,10 +176,11 @@ class Plan:
         a header from a rank whose plan differs, instead of all waiting for
         messages that go elsewhere until the timeout.
         """
-        right, left = (self.rank + 1) % world, (self.rank - 1) % world
-        if right not in self.sends:
+        me = self.rank if self.members is None else self.members.index(self.rank)
+        right, left = (me + 1) % world, (me - 1) % world
+        if self._rank_of(right) not in self.sends:
             self.open(right, header, recv=False)
-        if left not in self.recvs:
+        if self._rank_of(left) not in self.recvs:
             self.open(left, header, send=False)
 
     def acknowledge(self, peer: int, header: Header) -> None:
@@ -175,8 +195,9 @@ class Plan:
         completes only after every peer found all of its own links in
         agreement. One more hop; 32 bytes per direction.
         """
+        peer = self._rank_of(peer)
         stamp = self._stamp(header)
-        self.send(peer, memoryview(stamp.packed), self._tally.all_passed)
+        self._send(peer, memoryview(stamp.packed), self._tally.all_passed)
         self._expect(peer, stamp, None)
 
     def restamp(self, seq: int) -> None:
@@ -201,6 +222,9 @@ class Plan:
         return self._links
 
     def send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
+        self._send(peer if self.members is None else self.members[peer], view, ready)
+
+    def _send(self, peer: int, view: memoryview, ready: Callable[[], bool] | None = None) -> None:
         assert self._links is None, "internal: plan changed after it ran"
         if not len(view):
             # Nothing to move, and the send loop must not stop at an empty
@@ -214,6 +238,13 @@ class Plan:
         view: memoryview,
         done: Callable[[], None] | None = None,
         chain: bool = False,
+    ) -> None:
+        if self.members is not None:
+            peer = self.members[peer]
+        self._recv(peer, view, done, chain)
+
+    def _recv(
+        self, peer: int, view: memoryview, done: Callable[[], None] | None, chain: bool
     ) -> None:
         assert self._links is None, "internal: plan changed after it ran"
         self.recvs.setdefault(peer, []).append(Recv(view, done, chain))
@@ -234,7 +265,7 @@ class Plan:
         raw = bytearray(HEADER_BYTES)
         if tally is not None:
             tally.expected += 1
-        self.recv(peer, memoryview(raw), _header_check(self.rank, peer, stamp, raw, tally), True)
+        self._recv(peer, memoryview(raw), _header_check(self.rank, peer, stamp, raw, tally), True)
 
 
 def _whole(pieces: list[Any], one_go: bool) -> list[memoryview] | None:

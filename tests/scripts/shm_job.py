@@ -1,7 +1,5 @@
 """A job for tests/test_shm.py, one process per rank (env:// or torchrun).
 
-``where``: print ``WHERE <rank> <peers over shared memory, comma-separated>``,
-then check one allreduce's sum and print ``OK <rank>``.
 ``loop``: print ``READY <rank> <pid> <slots>`` after the first allreduce
 (``slots``: 1 if the group has the slot areas of the shm-native allreduce),
 then allreduce ``LOOP_NUMEL`` floats (default 16 Ki: 64 KiB) until an error;
@@ -26,13 +24,7 @@ dist.init_process_group("entrenar", timeout=timeout)
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = dist.group.WORLD._get_backend(torch.device("cpu"))._runtime.mesh  # type: ignore[union-attr]
 
-if mode == "where":
-    print(f"WHERE {rank} {','.join(str(p) for p in sorted(mesh.shm))}", flush=True)
-    t = torch.full((3000,), float(rank + 1))
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((3000,), world * (world + 1) / 2)), t[:4]
-    print(f"OK {rank}", flush=True)
-elif mode == "loop":
+if mode == "loop":
     t = torch.ones(int(os.environ.get("LOOP_NUMEL", 16 << 10)))
     dist.all_reduce(t)
     print(f"READY {rank} {os.getpid()} {int(mesh.slots is not None)}", flush=True)

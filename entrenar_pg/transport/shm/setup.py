@@ -218,10 +218,14 @@ class ShmPeers:
     local: list[int]
     links: dict[int, ShmLink]
     slots: SlotArea | None = None
+    keys: dict[int, str] | None = None  # every rank's host key, this one's included
 
 
-def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float) -> ShmPeers:
-    """Shared-memory links to the peers on this host (``mode``: auto or shm).
+def connect(
+    rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float, host_id: str = ""
+) -> ShmPeers:
+    """Shared-memory links to the peers on this host (``mode``: auto or shm;
+    tcp: only the host keys, for the topology).
 
     Three rounds over the authenticated data sockets: host keys (every
     peer); offers (pid, fd, offset, nonce of the ring block this rank writes
@@ -236,7 +240,12 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
     # The rings rely on x86-64's memory order (stores seen in program order,
     # _Fence a full barrier); elsewhere no rank offers shared memory.
     key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
+    if key and host_id:  # Options.host_id: it can split a host, never join two
+        key += f"|id:{host_id}"
     keys = ex.all(peers, {p: {"key": key} for p in peers})
+    every = {p: str(keys[p].get("key", "")) for p in peers} | {rank: key}
+    if mode == "tcp":
+        return ShmPeers([], {}, keys=every)
     local = [p for p in peers if key and keys[p].get("key") == key]
     if mode == "shm" and not key:
         raise ValueError(
@@ -251,7 +260,7 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
             "use ENTRENAR_TRANSPORT=auto to reach them over TCP"
         )
     if not local:
-        return ShmPeers(local, {})
+        return ShmPeers(local, {}, keys=every)
     # Slot areas only where the shm-native allreduce can run: every rank here.
     with_area = len(local) == len(peers)
     seg = _make_segment(rank, local, with_area)
@@ -308,4 +317,4 @@ def connect(rank: int, data: dict[int, socket.socket], mode: str, timeout_s: flo
             areas = {p: mapped[p].area for p in local}
             areas[rank] = seg.view[seg.area_offset : seg.area_offset + AREA_BYTES]
             slots = SlotArea(rank, areas, links)  # type: ignore[arg-type]
-    return ShmPeers(local, links, slots)
+    return ShmPeers(local, links, slots, every)

@@ -1,0 +1,299 @@
+"""Host-aware collectives: the work inside each host over its local links, across hosts the least.
+
+A group spanning H hosts of L ranks each (``Mesh.topology``, uniform; the
+policy falls back to the flat algorithms for uneven hosts, one host or one
+rank per host) has two kinds of link: between ranks of a host (shared
+memory, or loopback) and between hosts, which is 10-100x slower per byte
+and shared by the host's L ranks. The flat ring sends 2(N-1)/N x S through
+every host link and crosses hosts at every host boundary of the ring; the
+star and the direct exchange send several copies of S through rank 0's
+host link. The two algorithms here are compositions of the flat building
+blocks run by a *team* (``Call.on``: an ordered subset of the ranks; a
+team's plan names peers by position, so ring, tree and direct code runs on
+a team unchanged):
+
+- ``allreduce_host_slices`` (large messages; Horovod's hierarchical
+  allreduce, NCCL's ring over nodes): the buffer is cut into L slices; (1)
+  reduce-scatter inside each host (local rank i ends with its host's sum of
+  slice i), (2) L allreduces across hosts at once, local rank i with its
+  counterparts (the ranks at position i on every host) on slice i, (3)
+  all-gather inside the host. Each host link carries 2(H-1)/H x S each way,
+  the bound (the flat ring: 2(N-1)/N x S), in L parallel streams. Large
+  buffers go in pieces, pipelined so the local phases hide behind the
+  cross-host one.
+- ``reduce_scatter_hosts`` / ``allgather_hosts`` (FSDP across hosts): the
+  reduce-scatter reduces inside the host first (local rank i ends with its
+  host's sum of the chunks of the ranks at position i on every host), then
+  reduce-scatters those across hosts among the counterparts; the all-gather
+  is the reverse. Each host link carries (H-1)/H of the whole buffer each
+  way, the bound (the flat ring: (N-1)/N).
+- ``allreduce_host_leaders`` (small messages, where hops and copies cost
+  more than bytes): (1) every rank's buffer to its host's leader (its lowest
+  rank), which combines them, (2) the leaders' direct exchange (each leader
+  sends its host's sum to every other leader: one cross-host hop, (H-1) x S
+  per host link), (3) the leader's result back to its host's ranks.
+
+Reductions. The phases combine only (``Reduction(red.combine_kind)``: AVG
+and PREMUL_SUM sum; PREMUL_SUM's factor was applied before, by the job);
+AVG's division by the group's size happens once, on the reduced values,
+before the last phase copies them out, so every rank holds the same bits.
+
+Order. Rank order inside a host, then host order; deterministic
+(``choice.tree``): the canonical tree over the host's ranks, then over the
+hosts. That is the canonical tree over all ranks exactly when every host's
+ranks are consecutive and each host is one subtree of it
+(``reduce_ops.tree_has_blocks``: 2 x 2, 4 x 2, 2 x 3 yes; 3 x 2 no); the
+policy picks these algorithms in deterministic mode only then, and the flat
+ones (the same bits, more cross-host bytes) otherwise.
+
+Headers. Every plan of the pipelined slices carries ``HOST_SLICES`` with
+the step in ``aux``; the leaders' first plan carries ``HOST_LEADERS`` and
+the deterministic slices' first plan ``HOST_SLICES``, their later plans the
+building blocks' headers (direct, broadcast, tree ring, ring) with the same
+sequence number. So a rank running another algorithm for the same call (a
+rank whose options say ``topology="flat"``) meets a header unlike its own
+on its host's links. Each plan runs to completion before the next starts,
+and a rank starts plan k+1 only after its plan k checked its headers, so
+every rank's result depends on data sent after every other rank's checks
+(the ring's argument, plan by plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from ..reduce_ops import Kind, Reduction, finish_
+from ..wire import Algo, Header, OpCode
+from .broadcast import broadcast
+from .common import Call, bytes_of, chunk_bounds
+from .direct import allreduce_direct
+from .ring import allgather_ring, open_ring, reduce_scatter_ring, ring_pass
+from .star import gather_reduce
+from .tree import allreduce_tree_ring, exchange
+
+LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
+# The host slices' pipeline: pieces of at least this many bytes, at most this
+# many pieces (each piece's plan is a round trip of every phase: fewer,
+# larger pieces cost less Python; more hide the local phases better).
+PIECE_BYTES = 4 << 20
+MAX_PIECES = 8
+SEGMENTS_PER_CHUNK = 4
+MIN_SEGMENT_BYTES = 64 << 10
+
+
+def allreduce_host_slices(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Host-aware allreduce of the flat CPU tensor ``buf``, in place (large messages).
+
+    Steps: a reduce-scatter of L slices inside the host, then local rank i
+    allreduces slice i with its counterparts on the other hosts, then an
+    all-gather inside the host. Bytes per host link, each way: 2(H-1)/H x
+    nbytes (the bound); per rank over the local links: 2(L-1)/L x nbytes.
+
+    The buffer is cut into pieces of about ``PIECE_BYTES`` (at most
+    ``MAX_PIECES``), pipelined: plan t holds piece t's reduce-scatter, piece
+    t-1's cross-host allreduce and piece t-2's all-gather (on different
+    links, so they overlap), and the slower local phases hide behind the
+    network's. Rings everywhere (2(L-1) local hops, 2(H-1) cross-host hops
+    per piece). Deterministic: ``_slices_in_tree_order``.
+    """
+    if call.choice.tree:
+        _slices_in_tree_order(call, buf, red, op)
+        return
+    topology = call.mesh.topology
+    me = call.mesh.rank
+    host = call.on(topology.local_peers(me))
+    kind = red.combine_kind
+    nbytes = buf.numel() * buf.element_size()
+    count = max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
+    pieces = [buf[a:b] for a, b in chunk_bounds(buf.numel(), count)]
+    slices = [[p[a:b] for a, b in chunk_bounds(p.numel(), host.world)] for p in pieces]
+    # The cross-host ring forwards a chunk while it still arrives: segments
+    # of at most 1/SEGMENTS_PER_CHUNK of a chunk (else every ring step
+    # leaves the link idle while the last segment is reduced, on all hosts at once).
+    team = topology.counterparts(me)
+    chunk_bytes = nbytes // (count * host.world * len(team))
+    segment = max(
+        MIN_SEGMENT_BYTES, min(call.choice.segment_bytes, chunk_bytes // SEGMENTS_PER_CHUNK)
+    )
+    across = call.on(team, segment)
+    mine = [s[host.rank] for s in slices]
+    n = call.world
+    for t in range(count + 2):
+        header = call.header(
+            op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel(), aux=t
+        )
+        plan = call.plan()
+        inside = plan.on(host.team)
+        local = [slices[k] for k in (t, t - 2) if 0 <= k < count]
+        if local:
+            open_ring(host, inside, header, [c for s in local for c in s])
+        if t < count:  # 1. piece t: reduce-scatter inside the host
+            last = host.world - 1
+            ring_pass(
+                host, inside, slices[t], reduce_steps=last, gather_steps=0, shift=-1, kind=kind
+            )
+        if 0 <= t - 1 < count:  # 2. piece t-1: this rank's slice across hosts
+            outside = plan.on(across.team)
+            chunks = [mine[t - 1][a:b] for a, b in chunk_bounds(mine[t - 1].numel(), across.world)]
+            open_ring(across, outside, header, chunks)
+            steps = across.world - 1
+            ring_pass(
+                across,
+                outside,
+                chunks,
+                reduce_steps=steps,
+                gather_steps=steps,
+                kind=kind,
+                on_reduced=partial(finish_, red=red, world=n),
+                scratch_name="across",
+            )
+        if 0 <= t - 2 < count:  # 3. piece t-2: all-gather inside the host
+            ring_pass(host, inside, slices[t - 2], reduce_steps=0, gather_steps=host.world - 1)
+        call.mesh.run(plan, call.what(op), call)
+
+
+def _slices_in_tree_order(call: Call, buf: torch.Tensor, red: Reduction, op: OpCode) -> None:
+    """``allreduce_host_slices`` in the canonical tree order (not pipelined).
+
+    The reduce-scatter inside the host is the direct exchange (tree order
+    over the host's ranks), the cross-host allreduce the tree ring (tree
+    order over the hosts), then a ring all-gather inside the host: three
+    plans. Latency: L-1 + H local and cross-host hops.
+    """
+    topology = call.mesh.topology
+    me = call.mesh.rank
+    host = call.on(topology.local_peers(me))
+    across = call.on(topology.counterparts(me))
+    part = Reduction(red.combine_kind)
+    chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), host.world)]
+    header = call.header(
+        op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
+    )
+    plan = host.plan()
+    exchange(host, plan, chunks, part, header)
+    call.mesh.run(plan, call.what(op), call)
+    mine = chunks[host.rank]
+    if across.world > 1:
+        allreduce_tree_ring(across, mine, part, op)
+    finish_(mine, red, call.world)
+    allgather_ring(host, chunks, op)
+
+
+def allreduce_host_leaders(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode = OpCode.ALLREDUCE
+) -> None:
+    """Host-aware allreduce of the flat CPU tensor ``buf``, in place (small messages).
+
+    Steps: every rank sends ``buf`` to its host's leader, which combines
+    segment by segment as they arrive (the star's ``gather_reduce``: host
+    order, the canonical tree when deterministic); the leaders' direct
+    exchange (rank order of the hosts, or the tree); the leader sends the
+    result to its host's ranks. Bytes per host link, each way: (H-1) x
+    nbytes (one copy per other host). Latency: 1 local hop, 1 cross-host
+    hop, 1 local hop.
+    """
+    topology = call.mesh.topology
+    host = call.on(topology.local_peers(call.mesh.rank))
+    leaders = topology.leaders()
+    part = Reduction(red.combine_kind)
+    header = call.header(
+        op, Algo.HOST_LEADERS, buf.dtype, reduce_op=int(red.kind), numel=buf.numel()
+    )
+    # 1. Reduce to the host's leader.
+    plan = host.plan()
+    leading = host.rank == LEADER
+    if leading:
+        gather_reduce(host, plan, buf, part, LEADER, header, replies=False)
+    else:
+        plan.open(LEADER, header, recv=False)
+        plan.send(LEADER, bytes_of(buf))
+    plan.confirm_peers(host.world, header)
+    call.mesh.run(plan, call.what(op), call)
+    # 2. The leaders' exchange; AVG's division once, at the leader.
+    if leading:
+        if len(leaders) > 1:
+            allreduce_direct(call.on(leaders), buf, part, op)
+        finish_(buf, red, call.world)
+    # 3. Back to the host's ranks.
+    broadcast(host, buf, LEADER, op)
+
+
+def _host_rings(
+    call: Call, chunks: Sequence[torch.Tensor], header: Header, *, reduce: Kind | None
+) -> None:
+    """One plan inside the host: a ring pass over each host's ranks' chunks.
+
+    For every host h (topology order), the chunks of h's ranks, indexed by
+    position, make one ring pass among this host's ranks: position j's
+    chunk is the one of h's rank at position j, which this host's rank at
+    position j holds (all-gather: ``reduce`` None) or ends with, combined by
+    ``reduce`` (reduce-scatter).
+    """
+    topology = call.mesh.topology
+    host = call.on(topology.local_peers(call.mesh.rank))
+    steps = host.world - 1
+    plan = host.plan()
+    open_ring(host, plan, header, chunks)
+    for members in topology.hosts:
+        group = [chunks[r] for r in members]
+        if reduce is None:
+            ring_pass(host, plan, group, reduce_steps=0, gather_steps=steps)
+        else:
+            ring_pass(host, plan, group, reduce_steps=steps, gather_steps=0, shift=-1, kind=reduce)
+    call.mesh.run(plan, call.what(header.op), call)
+
+
+def reduce_scatter_hosts(
+    call: Call,
+    chunks: Sequence[torch.Tensor],
+    red: Reduction,
+    op: OpCode = OpCode.REDUCE_SCATTER,
+    *,
+    aux: int = 0,
+) -> None:
+    """Host-aware reduce-scatter, in place: afterwards ``chunks[rank]`` holds the reduced chunk.
+
+    ``chunks``: N contiguous 1-D tensors, one per rank of the group (rank
+    order). Steps: inside the host, one ring reduce-scatter pass per host's
+    chunks (local rank i ends with its host's sum of the chunk of the rank
+    at position i on every host); then a ring reduce-scatter of those among
+    the counterparts. Bytes per host link, each way: (H-1)/H x the whole
+    buffer (the bound). Latency: H x (L-1) local hops + H-1 cross-host hops.
+    Rank and ring order: not the canonical tree (the policy keeps the flat
+    direct exchange when deterministic). ``aux`` goes into the headers.
+    """
+    me = call.mesh.rank
+    numel = sum(c.numel() for c in chunks)
+    kind = red.combine_kind
+    header = call.header(
+        op, Algo.HOST_SLICES, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
+    )
+    _host_rings(call, chunks, header, reduce=kind)
+    team = call.mesh.topology.counterparts(me)
+    if len(team) > 1:
+        theirs = [chunks[r] for r in team]
+        reduce_scatter_ring(call.on(team), theirs, Reduction(kind), op, aux=aux)
+    finish_(chunks[me], red, call.world)
+
+
+def allgather_hosts(
+    call: Call, chunks: Sequence[torch.Tensor], op: OpCode = OpCode.ALLGATHER
+) -> None:
+    """Host-aware all-gather: ``chunks[rank]`` holds this rank's input; fills the others.
+
+    Steps: a ring all-gather among the counterparts (the ranks at this
+    rank's position on every host), then inside the host one ring pass per
+    host's chunks. Bytes per host link, each way: (H-1)/H x the whole buffer
+    (the bound). Latency: H-1 cross-host hops + H x (L-1) local hops.
+    """
+    team = call.mesh.topology.counterparts(call.mesh.rank)
+    if len(team) > 1:
+        allgather_ring(call.on(team), [chunks[r] for r in team], op)
+    numel = sum(c.numel() for c in chunks)
+    header = call.header(op, Algo.HOST_SLICES, chunks[0].dtype, numel=numel)
+    _host_rings(call, chunks, header, reduce=None)

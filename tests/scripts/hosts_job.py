@@ -1,0 +1,77 @@
+"""A job for tests/test_hosts.py: one torchrun per emulated host (2 namespaces x 2 ranks).
+
+Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
+- the topology is 2 hosts x 2 ranks, torchrun's placement (ranks 2h, 2h+1
+  on host h), and shared memory joins exactly the rank on its own host;
+- a host-aware group (default options) picks HOST_LEADERS for a small
+  message and HOST_SLICES for a large one; a ``topology="flat"`` group does not;
+- integer sums are exact on both groups; float sums of the host-aware
+  group equal the flat group's within rounding;
+- deterministic: the host-aware group's bits equal the flat deterministic
+  group's and the canonical tree sum of every rank's input, computed here
+  in one process from the same seeds (``tree_sum``).
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from entrenar_pg import Options, tree_sum
+from entrenar_pg.wire import Algo, OpCode
+
+SIZES = (1000, Options().host_leaders_max_bytes // 4 + 4321)  # float32 elements: small, large
+
+timeout = timedelta(seconds=60)
+dist.init_process_group("gloo", timeout=timeout)
+rank, world = dist.get_rank(), dist.get_world_size()
+assert world == 4, world
+
+
+def group(**opts: object) -> dist.ProcessGroup:
+    return dist.new_group(backend="entrenar", pg_options=Options.from_env(**opts), timeout=timeout)
+
+
+def backend(g: dist.ProcessGroup):  # type: ignore[no-untyped-def]
+    return g._get_backend(torch.device("cpu"))
+
+
+def inputs(n: int) -> list[torch.Tensor]:
+    return [torch.randn(n, generator=torch.Generator().manual_seed(11 + r)) for r in range(world)]
+
+
+def algo(g: dist.ProcessGroup, nbytes: int) -> Algo:
+    return backend(g)._runtime.call(0, OpCode.ALLREDUCE, nbytes).choice.algo
+
+
+hosts, flat = group(), group(topology="flat")
+det, det_flat = group(deterministic=True), group(deterministic=True, topology="flat")
+mesh = backend(hosts)._runtime.mesh
+assert mesh.topology.hosts == ((0, 1), (2, 3)), mesh.topology
+assert sorted(mesh.shm) == [rank ^ 1], (rank, sorted(mesh.shm))
+for g in (hosts, det):
+    assert [algo(g, n * 4) for n in SIZES] == [Algo.HOST_LEADERS, Algo.HOST_SLICES]
+for g in (flat, det_flat):
+    assert Algo.HOST_LEADERS not in [algo(g, n * 4) for n in SIZES]
+
+for n in SIZES:
+    ints = {}
+    for name, g in (("hosts", hosts), ("flat", flat)):
+        t = torch.arange(n, dtype=torch.int64) * (rank + 1)
+        dist.all_reduce(t, group=g)
+        ints[name] = t
+    assert torch.equal(ints["hosts"], torch.arange(n, dtype=torch.int64) * 10), n
+    assert torch.equal(ints["hosts"], ints["flat"])
+    floats = {}
+    for name, g in (("hosts", hosts), ("flat", flat), ("det", det), ("det_flat", det_flat)):
+        t = inputs(n)[rank].clone()
+        dist.all_reduce(t, group=g)
+        floats[name] = t
+    torch.testing.assert_close(floats["hosts"], floats["flat"])
+    assert torch.equal(floats["det"], floats["det_flat"]), n
+    assert torch.equal(floats["det"], tree_sum(inputs(n))), n
+
+print(f"HOSTS-OK {rank} {mesh.topology.describe()} {os.environ.get('GROUP_RANK')}", flush=True)
+dist.barrier()
+dist.destroy_process_group()

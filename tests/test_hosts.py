@@ -1,0 +1,462 @@
+"""Host-aware collectives (issue 26 items 1-3): the topology, the two host-aware
+allreduces, their policy rows, and the same bits in every layout.
+
+Emulated hosts in one process: thread ranks whose ``Options.host_id``
+differ are different hosts (``ENTRENAR_HOST_ID``: no shared memory between
+them, TCP instead; shared memory inside each), so 4 ranks form 1 x 4, 2 x 2
+or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
+``test_netns_two_hosts_of_two`` (skipped where namespaces cannot be made).
+
+- ``Topology`` from host keys: hosts, local ranks, counterparts, leaders,
+  uniform / contiguous, an empty key alone; identical on every rank of a
+  real group.
+- ``tree_has_blocks`` against a symbolic re-derivation of the canonical tree.
+- Options: ``ENTRENAR_TOPOLOGY`` / ``ENTRENAR_HOST_ID``.
+- 2 x 2: the policy picks HOST_LEADERS / HOST_SLICES (and the headers on
+  the wire say so), results equal the flat groups' for SUM, AVG, MAX,
+  PRODUCT on floats and ints and for messages smaller than the host;
+  ``topology="flat"`` turns it off.
+- Reduce-scatter and all-gather across hosts (contiguous hosts or not):
+  exact results; deterministic reduce-scatter keeps the tree exchange.
+- Deterministic: 1 x 4, 2 x 2 and 4 x 1 give the bits of the canonical tree
+  sum (``tree_sum``) and of the flat algorithms, small and large; so does
+  4 x 2 (host-aware); 3 x 2 keeps
+  the bits by falling back to the flat algorithms (the host-aware order is
+  not the canonical one there), while non-deterministic 3 x 2 runs host-aware.
+- Uneven hosts (3 + 1): flat, correct.
+- A rank whose options say ``topology="flat"`` beside host-aware ones: every
+  rank raises, none hangs; a rank that aborts during a host-aware
+  allreduce is named on every host at once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
+
+from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
+from entrenar_pg.collectives import hierarchical
+from entrenar_pg.collectives.policy import choose
+from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
+from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
+from entrenar_pg.transport.topology import Topology
+from entrenar_pg.wire import Algo, Header, OpCode
+
+c10d = torch._C._distributed_c10d
+R = c10d.ReduceOp
+SMALL = 1000  # float32 elements: the leaders' path
+# The slices' path, and the flat ring's (not a multiple of 2 or 4).
+LARGE = max(Options().host_leaders_max_bytes, Options().star_max_bytes) // 4 + 12_345
+# Three pieces of the host slices' pipeline, and some.
+PIPELINED = 3 * hierarchical.PIECE_BYTES // 4 + 777
+JOB = REPO / "tests" / "scripts" / "hosts_job.py"
+
+
+def _groups(layout: str, **opts: Any) -> list[EntrenarProcessGroup]:
+    """One group per rank; rank r's host is ``layout[r]`` (``"aabb"``: 2 x 2)."""
+    return make_groups(len(layout), [Options(host_id=h, **opts) for h in layout])
+
+
+def _algo(pg: EntrenarProcessGroup, nbytes: int) -> Algo:
+    return _algo_of(pg, OpCode.ALLREDUCE, nbytes)
+
+
+def _algo_of(pg: EntrenarProcessGroup, op: OpCode, nbytes: int) -> Algo:
+    return pg._runtime.call(0, op, nbytes).choice.algo
+
+
+# ---------------------------------------------------------------------- topology
+
+
+def test_topology_from_keys() -> None:
+    t = Topology.from_keys(["a", "b", "a", "b", "c", "c"])
+    assert t.hosts == ((0, 2), (1, 3), (4, 5))
+    assert t.host_of == (0, 1, 0, 1, 2, 2) and t.local_rank == (0, 0, 1, 1, 0, 1)
+    assert t.shape == (3, 2) and t.is_uniform and not t.is_contiguous
+    assert t.counterparts(3) == (2, 3, 5) and t.counterparts(4) == (0, 1, 4)
+    assert t.local_peers(2) == (0, 2) and t.leaders() == (0, 1, 4)
+    assert t.describe() == "3 hosts x 2 ranks"
+    c = Topology.from_keys(["x", "x", "y", "y"])
+    assert c.is_contiguous and c.shape == (2, 2)
+    uneven = Topology.from_keys(["a", "a", "a", "b"])
+    assert uneven.shape is None and not uneven.is_uniform and not uneven.is_contiguous
+    assert uneven.counterparts(1) == (1,) and uneven.counterparts(0) == (0, 3)
+    assert uneven.describe() == "uneven: [[0, 1, 2], [3]]"
+    # No identity offered (shared memory off on that machine): a host of its own.
+    assert Topology.from_keys(["", "", "a", "a"]).hosts == ((0,), (1,), (2, 3))
+    assert Topology.flat(3).hosts == ((0, 1, 2),)
+
+
+def _canonical(xs: list[Any]) -> Any:
+    """The canonical tree (reduce_ops' rule, derived again): split at (k + 1) // 2."""
+    if len(xs) == 1:
+        return xs[0]
+    m = (len(xs) + 1) // 2
+    return (_canonical(xs[:m]), _canonical(xs[m:]))
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_tree_has_blocks_is_exactly_when_block_trees_compose(n: int) -> None:
+    for size in range(1, n + 1):
+        if n % size:
+            assert not tree_has_blocks(n, size)
+            continue
+        blocks = [_canonical(list(range(b, b + size))) for b in range(0, n, size)]
+        composed = _canonical(blocks)
+        assert tree_has_blocks(n, size) == (composed == _canonical(list(range(n)))), (n, size)
+
+
+def test_policy_rows_for_hosts() -> None:
+    """The host-aware rows of policy.choose, from a Topology (no sockets)."""
+    two = Topology.from_keys(["a", "a", "b", "b"])
+    mixed = Topology.from_keys(["a", "b", "a", "b"])
+    three = Topology.from_keys(list("aabbcc"))
+    o, det = Options(), Options(deterministic=True)
+    limit = o.host_leaders_max_bytes
+    A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
+    rows = [
+        (A, limit, two, o, Algo.HOST_LEADERS),
+        (A, limit + 4, two, o, Algo.HOST_SLICES),
+        (A, limit + 4, mixed, o, Algo.HOST_SLICES),  # any uniform layout
+        (A, 64, mixed, det, Algo.STAR),  # deterministic: hosts not consecutive
+        (A, 64, three, det, Algo.STAR),  # deterministic: 3 x 2 splits a host
+        (A, 8 << 20, three, det, Algo.TREE_RING),
+        (A, 8 << 20, two, det, Algo.HOST_SLICES),
+        (A, 64, two, Options(topology="flat"), Algo.STAR),
+        (A, 64, two, Options(algorithm="ring"), Algo.RING),  # an explicit algorithm wins
+        (A, 64, Topology.from_keys(list("aaab")), o, Algo.STAR),  # uneven
+        (A, 64, Topology.from_keys(list("abcd")), o, Algo.STAR),  # one rank per host
+        (A, 64, Topology.flat(4), o, Algo.STAR),  # one host, no slot areas
+        (RS, 64, two, o, Algo.HOST_SLICES),
+        (RS, 64, two, det, Algo.DIRECT),
+        (AG, 64, mixed, o, Algo.HOST_SLICES),
+        (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
+        (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
+    ]
+    for op, nbytes, topo, opts, want in rows:
+        got = choose(op, nbytes, topo.world, opts, False, topo).algo
+        assert got is want, (op, nbytes, topo.describe(), opts, got)
+    assert choose(A, 64, 4, o, True, two).algo is Algo.SHM  # all local wins (one host)
+
+
+def test_options_topology_and_host_id_from_env() -> None:
+    assert Options.from_env({}).topology == "auto"
+    assert Options.from_env({ENV_TOPOLOGY: " FLAT "}).topology == "flat"
+    assert Options.from_env({ENV_HOST_ID: "node-7"}).host_id == "node-7"
+    with pytest.raises(ValueError, match="ENTRENAR_TOPOLOGY/topology must be one of"):
+        Options.from_env({ENV_TOPOLOGY: "tree"})
+
+
+# ---------------------------------------------------------------------- 2 x 2
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    hosts = _groups("aabb")
+    flat = _groups("aabb", topology="flat")
+    try:
+        for r, pg in enumerate(hosts):
+            mesh = pg._runtime.mesh
+            assert (
+                mesh.topology
+                == Topology.from_keys(["a", "a", "b", "b"])
+                == hosts[0]._runtime.mesh.topology
+            )
+            assert sorted(mesh.shm) == [r ^ 1], "shared memory inside the host only"
+            assert not mesh.all_local
+            assert _algo(pg, SMALL * 4) is Algo.HOST_LEADERS
+            assert _algo(pg, LARGE * 4) is Algo.HOST_SLICES
+            assert _algo(flat[r], SMALL * 4) is Algo.STAR
+            assert _algo(flat[r], LARGE * 4) is Algo.RING
+        # What the headers say on the wire (the behaviour, not the policy's answer).
+        packed: set[Algo] = set()
+        pack = Header.pack_into
+
+        def spy(self: Header, buf: Any) -> None:
+            packed.add(self.algo)
+            pack(self, buf)
+
+        monkeypatch.setattr(Header, "pack_into", spy)
+        cases = [
+            (dtype, op, n)
+            for dtype in (torch.float32, torch.int64)
+            for op in (R.SUM, R.AVG, R.MAX, R.PRODUCT)
+            for n in (1, 3, SMALL, LARGE)
+            if not (op == R.PRODUCT and n == LARGE)
+        ] + [(torch.float32, R.AVG, PIPELINED), (torch.int64, R.SUM, PIPELINED)]
+
+        def fn(rank: int, pg: EntrenarProcessGroup, groups: str) -> list[torch.Tensor]:
+            out = []
+            for dtype, op, n in cases:
+                g = torch.Generator().manual_seed(1000 * rank + n)
+                if dtype.is_floating_point:
+                    t = torch.randn(n, generator=g).to(dtype)
+                else:
+                    t = torch.randint(-50, 50, (n,), generator=g, dtype=dtype)
+                opts = c10d.AllreduceOptions()
+                opts.reduceOp = op
+                pg.allreduce([t], opts).wait()
+                out.append(t)
+            return out
+
+        got = run_ranks(4, lambda r, pg: fn(r, pg, "hosts"), groups=hosts)
+        assert {Algo.HOST_LEADERS, Algo.HOST_SLICES} <= packed
+        want = run_ranks(4, lambda r, pg: fn(r, pg, "flat"), groups=flat)
+        for i, (dtype, op, n) in enumerate(cases):
+            for r in range(4):
+                assert torch.equal(got[r][i], got[0][i]), (dtype, op, n, r)
+                if dtype.is_floating_point and op != R.MAX:  # another order: rounding
+                    torch.testing.assert_close(got[r][i], want[r][i])
+                else:  # exact in any order
+                    assert torch.equal(got[r][i], want[r][i]), (dtype, op, n, r)
+    finally:
+        for g in hosts + flat:
+            g.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["aabb", "abab", "aabbcc"])
+def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
+    """Host-aware reduce-scatter and all-gather (HOST_SLICES), hosts contiguous
+    or not, chunks smaller than a host and larger than a segment: exact results."""
+    n = len(layout)
+    gs = _groups(layout)
+    try:
+        for op in (OpCode.REDUCE_SCATTER, OpCode.ALLGATHER):
+            assert _algo_of(gs[0], op, 4000) is Algo.HOST_SLICES
+        # Deterministic, the reduce-scatter keeps the tree exchange (its order).
+        det, topo = Options(deterministic=True), gs[0]._runtime.mesh.topology
+        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is Algo.DIRECT
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
+            oks = []
+            for m in (1, 5, 300_001):
+                base = torch.arange(m * n, dtype=torch.float64)
+                out = torch.empty(m, dtype=torch.float64)
+                opts = c10d.ReduceScatterOptions()
+                opts.reduceOp = R.AVG
+                pg._reduce_scatter_base(out, base * (rank + 1), opts).wait()
+                want = base[rank * m : (rank + 1) * m] * (n + 1) / 2
+                oks.append(torch.equal(out, want))
+                dst = torch.empty(m * n, dtype=torch.int32)
+                pg._allgather_base(dst, torch.full((m,), rank, dtype=torch.int32)).wait()
+                oks.append(
+                    torch.equal(dst, torch.arange(n, dtype=torch.int32).repeat_interleave(m))
+                )
+            return oks
+
+        assert run_ranks(n, fn, groups=gs) == [[True] * 6] * n
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+# ---------------------------------------------------------------------- same bits
+
+
+def _inputs(world: int, n: int) -> list[torch.Tensor]:
+    return [torch.randn(n, generator=torch.Generator().manual_seed(7 + r)) for r in range(world)]
+
+
+def _det_allreduce(layout: str, sizes: tuple[int, ...], **opts: Any) -> tuple[list[Any], set[Algo]]:
+    world = len(layout)
+    gs = _groups(layout, deterministic=True, **opts)
+    try:
+        algos = {_algo(gs[0], n * 4) for n in sizes}
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+            out = []
+            for n in sizes:
+                t = _inputs(world, n)[rank].clone()
+                pg.allreduce([t]).wait()
+                out.append(t)
+            return out
+
+        return run_ranks(world, fn, groups=gs), algos
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_deterministic_bits_in_every_layout_of_four() -> None:
+    """1 x 4, 2 x 2, 4 x 1 and the flat algorithms: the canonical tree's bits."""
+    sizes = (SMALL, LARGE)
+    refs = [tree_sum(_inputs(4, n)) for n in sizes]
+    runs = {
+        "1x4": _det_allreduce("aaaa", sizes),
+        "2x2": _det_allreduce("aabb", sizes),
+        "4x1": _det_allreduce("abcd", sizes),
+        "2x2 flat": _det_allreduce("aabb", sizes, topology="flat"),
+    }
+    assert runs["1x4"][1] == {Algo.SHM}
+    assert runs["2x2"][1] == {Algo.HOST_LEADERS, Algo.HOST_SLICES}
+    assert runs["4x1"][1] == {Algo.STAR, Algo.TREE_RING}
+    assert runs["2x2 flat"][1] == {Algo.STAR, Algo.TREE_RING}
+    for name, (results, _) in runs.items():
+        for r, per_size in enumerate(results):
+            for ref, t in zip(refs, per_size, strict=True):
+                assert torch.equal(t, ref), (name, r, t.numel())
+
+
+@pytest.mark.timeout(180)
+def test_deterministic_bits_four_hosts_of_two() -> None:
+    """8 = 4 hosts x 2 (the trainer's largest world): host-aware, the tree's bits."""
+    sizes = (SMALL, LARGE)
+    results, algos = _det_allreduce("aabbccdd", sizes)
+    assert algos == {Algo.HOST_LEADERS, Algo.HOST_SLICES}
+    refs = [tree_sum(_inputs(8, n)) for n in sizes]
+    for per_size in results:
+        for ref, t in zip(refs, per_size, strict=True):
+            assert torch.equal(t, ref), t.numel()
+
+
+@pytest.mark.timeout(180)
+def test_three_hosts_of_two_keep_the_bits_by_falling_back() -> None:
+    """3 x 2: the canonical tree over 6 splits host 1; deterministic runs flat
+    (and gives the tree's bits), non-deterministic runs host-aware."""
+    sizes = (SMALL, LARGE)
+    results, algos = _det_allreduce("aabbcc", sizes)
+    assert algos == {Algo.STAR, Algo.TREE_RING}
+    refs = [tree_sum(_inputs(6, n)) for n in sizes]
+    for per_size in results:
+        for ref, t in zip(refs, per_size, strict=True):
+            assert torch.equal(t, ref), t.numel()
+    gs = _groups("aabbcc")
+    try:
+        assert {_algo(gs[0], n * 4) for n in sizes} == {Algo.HOST_LEADERS, Algo.HOST_SLICES}
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
+            out = []
+            for n in sizes:
+                t = torch.full((n,), float(rank + 1))
+                pg.allreduce([t]).wait()
+                out.append((float(t.min()), float(t.max())))
+            return out
+
+        assert run_ranks(6, fn, groups=gs) == [[(21.0, 21.0)] * 2] * 6
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_uneven_hosts_run_flat() -> None:
+    gs = _groups("aaab")
+    try:
+        assert gs[0]._runtime.mesh.topology.shape is None
+        assert _algo(gs[0], SMALL * 4) is Algo.STAR and _algo(gs[0], LARGE * 4) is Algo.RING
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.full((LARGE,), float(rank + 1))
+            pg.allreduce([t]).wait()
+            return float(t.sum()) / LARGE
+
+        assert run_ranks(4, fn, groups=gs) == [10.0] * 4
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
+    opts = [
+        Options(host_id=h, topology=("flat" if r == 3 else "auto")) for r, h in enumerate("aabb")
+    ]
+    gs = make_groups(4, opts, timeout_s=10)
+    errors: dict[int, BaseException] = {}
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+        try:
+            pg.allreduce([torch.ones(SMALL)]).wait()
+        except EntrenarError as e:
+            errors[rank] = e
+
+    try:
+        run_ranks(4, fn, groups=gs, timeout_s=30)
+    finally:
+        for g in gs:
+            g.shutdown()
+    assert sorted(errors) == [0, 1, 2, 3], errors
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_aborts_is_named_on_every_host() -> None:
+    """2 x 2, a large host-aware allreduce (ranks 0-2 inside it, in every
+    phase's links), rank 3 aborts instead of joining: every other rank
+    fails naming rank 3, well before the group's 20 s timeout."""
+    gs = _groups("aabb")
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[str, Any, float]:
+        t0 = time.monotonic()
+        if rank == 3:
+            time.sleep(0.5)
+            pg.abort()
+            return ("aborted", None, 0.0)
+        try:
+            pg.allreduce([torch.ones(PIPELINED)]).wait()
+        except EntrenarError as e:
+            return (type(e).__name__, getattr(e, "culprit", None), time.monotonic() - t0)
+        return ("returned", None, 0.0)
+
+    try:
+        got = run_ranks(4, fn, groups=gs, timeout_s=30)
+    finally:
+        for g in gs:
+            g.shutdown()
+    for rank, (what, culprit, took) in enumerate(got[:3]):
+        assert what == "PeerConnectionError" and culprit == 3, (rank, what, culprit)
+        assert took < 10, (rank, took)
+
+
+# ---------------------------------------------------------------------- netns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_netns_two_hosts_of_two(tmp_path: Path) -> None:
+    """2 network namespaces x 2 processes (launch/netns_cluster.sh, links at
+    1 Gbit/s): the topology seen by every rank, shared memory only inside a
+    namespace, the host-aware algorithms chosen and on the wire, results
+    equal to the flat group's, and deterministic bits equal to the flat
+    algorithms' and to the single-process tree sum (tests/scripts/hosts_job.py)."""
+    if not netns_allowed():
+        pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
+    prefix = f"enrh{os.getpid() % 100000}"
+    node_cmd = (
+        f"ENTRENAR_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 PYTHONPATH={REPO} OMP_NUM_THREADS=1 "
+        f"{sys.executable} "
+        "-m torch.distributed.run --nnodes=2 --nproc_per_node=2 --node_rank=$NODE "
+        f"--master_addr=$HEAD_ADDR --master_port={free_port()} {JOB}"
+    )
+    env = dict(
+        os.environ,
+        NODES="2",
+        RATE="1gbit",
+        NETNS_PREFIX=prefix,
+        LOG_DIR=str(tmp_path / "logs"),
+        TIMEOUT_S="120",
+        NODE_CMD=node_cmd,
+    )
+    proc = subprocess.run(
+        [str(REPO / "launch" / "netns_cluster.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=REPO,
+    )
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, f"namespaces not torn down: {left}"
+    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in (0, 1))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
+    ok = sorted(int(line.split()[1]) for line in logs.splitlines() if line.startswith("HOSTS-OK "))
+    assert ok == [0, 1, 2, 3], logs[-4000:]
