@@ -70,7 +70,9 @@ def _algo(pg: EntrenarProcessGroup, nbytes: int) -> Algo:
 
 
 def _algo_of(pg: EntrenarProcessGroup, op: OpCode, nbytes: int) -> Algo:
-    return pg._runtime.call(0, op, nbytes).choice.algo
+    rt = pg._runtime
+    mesh = rt.mesh
+    return choose(op, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology).algo
 
 
 # ---------------------------------------------------------------------- topology

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from entrenar_pg import Options, tree_sum
+from entrenar_pg.collectives.policy import choose
 from entrenar_pg.wire import Algo, OpCode
 
 SIZES = (1000, Options().host_leaders_max_bytes // 4 + 4321)  # float32 elements: small, large
@@ -42,7 +43,11 @@ def inputs(n: int) -> list[torch.Tensor]:
 
 
 def algo(g: dist.ProcessGroup, nbytes: int) -> Algo:
-    return backend(g)._runtime.call(0, OpCode.ALLREDUCE, nbytes).choice.algo
+    rt = backend(g)._runtime
+    mesh = rt.mesh
+    return choose(
+        OpCode.ALLREDUCE, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology
+    ).algo
 
 
 hosts, flat = group(), group(topology="flat")
