@@ -206,6 +206,8 @@ class ThinPath:
     def _learn_reduction(self, op: Any, dtype: torch.dtype) -> None:
         """Remember ``op`` on ``dtype`` once ``resolve`` finds it valid (a plain
         op: its Reduction never changes); an invalid one is left to the long path."""
+        if op.op.value == Kind.PREMUL_SUM:
+            return  # its factor varies per call: the long path every time
         try:
             red = resolve(op, dtype, where="thin path")
         except ValueError:
