@@ -419,3 +419,55 @@ def test_a_mismatch_on_the_thin_path_is_caught_on_both_ranks() -> None:
     for transport in ("shm", "tcp"):
         for long, message in run_ranks(2, fn, options=Options(transport=transport)):
             assert long == 0 and "mismatch" in message, (transport, message)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_on_the_thin_path_propagates_and_breaks_the_group() -> None:
+    """As on the long path (test_execution.py): KeyboardInterrupt reaches the
+    caller as itself, the group is broken, and the peer raises, not hangs."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> str:
+        dist.all_reduce(torch.ones(4), group=pg)  # learnt: the next call goes thin
+        if rank == 0:
+            paths = Paths(pg)
+
+            def interrupted(plan: Any, what: str) -> None:
+                raise KeyboardInterrupt
+
+            pg.mesh.run = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                pg.allreduce([torch.ones(4)], blocking())
+            assert paths.long == 0
+            with pytest.raises(EntrenarError, match="cannot be used any more"):
+                pg.allreduce([torch.ones(4)], blocking())
+            return "interrupted"
+        with pytest.raises(EntrenarError) as info:
+            pg.allreduce([torch.ones(4)], blocking()).wait()
+        return str(info.value)
+
+    res = run_ranks(2, fn, options=Options(transport="tcp"), timeout_s=40)  # plans: mesh.run
+    assert res[0] == "interrupted"
+    assert "rank 0" in res[1], res[1]
+
+
+@pytest.mark.timeout(30)
+def test_a_one_rank_group_answers_alike() -> None:
+    """World 1: the policy sends nothing (no algorithm); AVG leaves the value."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[Any]:
+        got = []
+        for thin_on in (True, False):
+            if not thin_on:
+                pg._thin = NoThin()  # type: ignore[assignment]
+            for op in (R.SUM, R.AVG, R.SUM, R.AVG):
+                t = torch.arange(5, dtype=torch.float32) / 3
+                w = pg.allreduce([t], blocking(op))
+                got.append((type(w) is DoneWork, t.tolist(), pg._runtime.seq))
+        return got
+
+    (got,) = run_ranks(1, fn, timeout_s=20)
+    thin, long = got[:4], got[4:]
+    assert [g[0] for g in thin] == [False, False, True, True]  # each op learnt once
+    assert not any(g[0] for g in long)
+    assert [g[1] for g in thin] == [g[1] for g in long]
+    assert [g[2] for g in thin] == [1, 2, 3, 4] and [g[2] for g in long] == [5, 6, 7, 8]
