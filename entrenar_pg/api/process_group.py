@@ -6,7 +6,9 @@ Each collective method is the same two steps: ``overloads.normalize`` turns
 whichever call form torch bound into the options form, and a builder of
 ``api/requests.py`` checks the arguments (in the caller's thread, before
 anything is sent) and returns a request, which ``Runtime.submit`` runs as the
-group's next job; the method returns its Work at once. Point-to-point calls
+group's next job; the method returns its Work at once. ``allreduce`` first
+offers the call to the thin path (``runtime/thin.py``), which runs the common
+blocking call straight through and declines every other. Point-to-point calls
 are checked the same way and go to the p2p channel, outside the FIFO.
 
 Method names cover torch 2.11 and 2.13 alike (2.13 renamed several:
