@@ -14,8 +14,9 @@ ran (for ``c_call``, the Python code that made the call): ``ours`` (under
 ``entrenar_pg/``), ``torch``, or ``other``.
 
 Which thread does the work: a blocking call on an idle group runs in the
-caller's thread (``Runtime.submit``'s inline path), but a call that hops to
-the group's comm thread would hide its work there. So the same profiler is
+caller's thread (the thin path, ``runtime/thin.py``, or ``Runtime.submit``'s
+inline path), but a call that hops to the group's comm thread would hide
+its work there. So the same profiler is
 installed with ``threading.setprofile`` while the groups are made (every
 thread they start inherits it) and whatever those threads run while rank 0's
 call is counted lands in ``other_threads``. Those threads belong to both

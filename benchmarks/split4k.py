@@ -19,7 +19,11 @@ allreduces of ``--size`` on three process groups, interleaved in blocks:
   request) ⊃ ``Runtime.submit`` (staging, seq, Work, job, the executor token)
   ⊃ ``Runtime.run`` (busy-poll and timeout set-up, staging load/store, the job
   table) ⊃ the algorithm (``jobs._ALLREDUCE[algo]``: the transport, including
-  the wait for the slowest peer), and ``EntrenarWork.wait``.
+  the wait for the slowest peer), and ``EntrenarWork.wait``. A call the thin
+  path takes (``runtime/thin.py``: the common blocking call) nests instead
+  as ``pg.allreduce`` ⊃ ``ThinPath.allreduce`` (checks, seq, the executor
+  token, stats) ⊃ the algorithm, and its Work's wait is ``DoneWork.wait``;
+  the report shows whichever route the calls took.
 - ``entrenar`` without probes, for the probes' own cost.
 
 The report is rank 0's medians per layer and the exclusive time of each
@@ -55,8 +59,10 @@ from benchmarks import floor
 from benchmarks.sizes import format_bytes, parse_bytes
 from benchmarks.spawn import free_port
 
-# Layers, outermost first: each one's time contains the next one's.
+# Layers, outermost first: each one's time contains the next one's (the long
+# path's, and the thin path's: runtime/thin.py).
 LAYERS = ("dist.all_reduce", "pg.allreduce", "Runtime.submit", "Runtime.run", "algorithm")
+THIN_LAYERS = ("dist.all_reduce", "pg.allreduce", "ThinPath.allreduce", "algorithm")
 BLOCK = 100  # iterations per interleaved block
 
 
@@ -99,6 +105,15 @@ class Probes:
             # running in the caller's: counts the hand-offs.
             ("Engine.submit", engine.Engine, "submit"),
         )
+        try:  # a tree without the thin path (a baseline) has none of these
+            from entrenar_pg.runtime import thin
+        except ImportError:
+            pass
+        else:
+            self.targets += (
+                ("ThinPath.allreduce", thin.ThinPath, "allreduce"),
+                ("DoneWork.wait", thin.DoneWork, "wait"),
+            )
         self.table: dict[Any, Callable[..., None]] = jobs._ALLREDUCE
         self.ns: dict[str, list[int]] = {name: [] for name, _, _ in self.targets}
         self.ns["algorithm"] = []
@@ -240,16 +255,20 @@ def report(result: dict[str, Any]) -> list[str]:
     lines.append(
         f"  torch's dispatch into a Python backend (floor - floor direct): {torch_share:.1f}"
     )
-    ns = {"dist.all_reduce": s["entrenar"], **{name: p.get(name, []) for name in LAYERS[1:]}}
-    wait = _median_us(p.get("Work.wait", []))
+    # The thin path's layers when it took most calls (each call runs one route).
+    thin = len(p.get("DoneWork.wait", [])) > len(p.get("Work.wait", []))
+    layers = THIN_LAYERS if thin else LAYERS
+    waited = "DoneWork.wait" if thin else "Work.wait"
+    ns = {"dist.all_reduce": s["entrenar"], **{name: p.get(name, []) for name in layers[1:]}}
+    wait = _median_us(p.get(waited, []))
     lines.append(
         "entrenar's layers (median of each; exclusive: median over calls of the layer minus "
         "the next inner one):"
     )
-    for outer, inner in zip(LAYERS, (*LAYERS[1:], None), strict=True):
+    for outer, inner in zip(layers, (*layers[1:], None), strict=True):
         excl = _exclusive_us(ns[outer], ns[inner] if inner else None)
         lines.append(f"  {outer:<18} {_median_us(ns[outer]):9.1f}   exclusive {excl:9.1f}")
-    lines.append(f"  {'Work.wait':<18} {wait:9.1f}   (part of dist.all_reduce's exclusive time)")
+    lines.append(f"  {waited:<18} {wait:9.1f}   (part of dist.all_reduce's exclusive time)")
     handed = len(p.get("Engine.submit", []))
     lines.append(
         f"calls handed to the comm thread (not run in the caller's): {handed} of "

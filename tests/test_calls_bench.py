@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.calls import Pair
 from entrenar_pg.collectives.common import Call
-from entrenar_pg.runtime.runtime import Runtime
+from entrenar_pg.runtime.thin import ThinPath
 from tests.conftest import REPO
 
 
@@ -48,7 +48,7 @@ def test_counts_are_sane_and_repeatable(pair: Pair) -> None:
     first = pair.count()
     assert first["calls"]["ours"] > 0
     assert first["calls"]["torch"] > 0  # dist.all_reduce's own Python
-    assert {"api/process_group.py", "runtime/runtime.py"} <= set(first["per_file"])
+    assert {"api/process_group.py", "runtime/thin.py"} <= set(first["per_file"])
     assert first["our_files"] == len(first["per_file"])
     assert sum(first["per_file"].values()) == first["calls"]["ours"]
     second = pair.count()
@@ -61,17 +61,17 @@ def test_an_added_call_raises_the_count_by_its_calls(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = pair.count()
-    submit = CallLog(Runtime.submit)
-    monkeypatch.setattr(Runtime, "submit", lambda self, *a, **k: submit(self, *a, **k))
+    thin = CallLog(ThinPath.allreduce)
+    monkeypatch.setattr(ThinPath, "allreduce", lambda self, *a, **k: thin(self, *a, **k))
     world = CallLog(Call.world.fget)
     monkeypatch.setattr(Call, "world", property(world))
     after = pair.count()
     caller = pair.counter.caller
-    # On the counted thread each submit now also enters the lambda and
-    # CallLog.__call__, each Call.world CallLog.__call__: code of this file
-    # ("other"); ours and torch's stay as they were.
-    added = 2 * submit.on(caller) + world.on(caller)
-    assert submit.on(caller) == 1
+    # On the counted thread each thin-path call now also enters the lambda
+    # and CallLog.__call__, each Call.world CallLog.__call__: code of this
+    # file ("other"); ours and torch's stay as they were.
+    added = 2 * thin.on(caller) + world.on(caller)
+    assert thin.on(caller) == 1
     assert after["calls"]["ours"] == before["calls"]["ours"]
     assert after["calls"]["torch"] == before["calls"]["torch"]
     assert after["calls"]["other"] - before["calls"]["other"] == added

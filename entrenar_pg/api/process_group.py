@@ -6,7 +6,9 @@ Each collective method is the same two steps: ``overloads.normalize`` turns
 whichever call form torch bound into the options form, and a builder of
 ``api/checks.py`` checks the arguments (in the caller's thread, before
 anything is sent) and returns a request, which ``Runtime.submit`` runs as the
-group's next job; the method returns its Work at once. Point-to-point calls
+group's next job; the method returns its Work at once. ``allreduce`` first
+offers the call to the thin path (``runtime/thin.py``), which runs the common
+blocking call straight through and declines every other. Point-to-point calls
 are checked the same way and go to the p2p channel, outside the FIFO.
 
 Method names cover torch 2.11 and 2.13 alike (2.13 renamed several:
@@ -36,6 +38,7 @@ from ..ledger_writer import RunLedger
 from ..overloads import normalize
 from ..p2p import ANY_SOURCE
 from ..runtime.runtime import Runtime
+from ..runtime.thin import DoneWork, ThinPath
 from . import checks as rq
 from .dynamo_boundary import hide_from_dynamo
 
@@ -66,6 +69,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         if self._runtime.recorder is not None:  # dumps name the group as torch does
             self._runtime.recorder.describe(self, self._global_ranks)
         self._checks = rq.Checks(rank, size, self._runtime.state)
+        self._thin = ThinPath(self._runtime)  # the common allreduce's short route
         self.checker = ContractChecker(self) if self.options.check else None
         # The run ledger (one line per optimizer step on rank 0): ledger_writer.py.
         self.ledger = RunLedger(self, self.options.ledger) if self.options.ledger else None
@@ -154,6 +158,9 @@ class EntrenarProcessGroup(dist.ProcessGroup):
     def allreduce(self, *args: Any, **kwargs: Any) -> Any:
         """``(tensors, opts=None)``, ``(tensors, op=SUM, timeout=None)`` or
         ``(tensor, op=SUM, timeout=None)``: torch's three forms (overloads.py)."""
+        work = self._thin.allreduce(args, kwargs)  # None: not the common call (runtime/thin.py)
+        if work is not None:
+            return work
         (tensors,), opts = normalize("allreduce", args, kwargs, self._rank)
         if sparse.is_sparse_call(tensors):  # before the dense-only checks
             return self._runtime.submit(rq.sparse_allreduce(self._checks, tensors, opts), opts)
@@ -344,7 +351,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 # Every method torch can call on a group or on the Work it returns runs outside
 # torch.compile's tracer, as gloo's C++ methods do (dynamo_boundary.py says why
 # this way: nothing is added to the eager path).
-hide_from_dynamo(EntrenarProcessGroup, EntrenarWork, P2PWork)
+hide_from_dynamo(EntrenarProcessGroup, EntrenarWork, DoneWork, P2PWork)
 
 _LIVE_GROUPS: weakref.WeakSet[EntrenarProcessGroup] = weakref.WeakSet()
 

@@ -1,0 +1,248 @@
+"""The thin path: the common allreduce run straight through, in the caller's thread.
+
+Most allreduces a program makes are ``dist.all_reduce(t)``: blocking, one
+contiguous CPU tensor, torch's options form, a plain reduce op, on a group
+with nothing queued or running. For that call the long path
+(``normalize`` → ``requests.allreduce`` → ``Runtime.submit`` →
+``Engine.run_claimed``/``execute`` → ``Runtime.run`` → ``jobs.allreduce``
+→ ``JobContext.call`` → the algorithm) already runs the job inline in the
+caller's thread, and most of its ~30 Python calls build objects the call
+then never uses: a request tuple, a ``Staging`` and its items, a torch
+``Future``, a ``Job`` and a ``Call`` per call. ``ThinPath.allreduce`` does
+the same work for that call alone, in a few calls of its own, and answers
+None for every other call, which then takes the long path unchanged.
+
+What it keeps from the long path, so that nothing observable differs:
+
+- The checks, by accepting only calls the long path would accept: exactly
+  a ``list`` of one plain ``torch.Tensor`` (no subclass, no ``Parameter``),
+  CPU, strided, contiguous (so staging would use it in place and the
+  overlap check is not needed), torch's ``AllreduceOptions`` with
+  ``asyncOp`` False, and a (reduce op, dtype) pair the long path's
+  ``reduce_ops.resolve`` found valid before (PREMUL_SUM, whose factor
+  varies, never). Anything else, including every call that should fail,
+  goes the long path and gets its error.
+- Where it runs and in what order: the runtime's lock, then
+  ``Engine.try_claim`` (nothing queued or running, the group running and
+  not broken: else the long path, which queues it or refuses it), then
+  the next sequence number, as ``submit`` does. So seq order is issue
+  order and every header carries the same seq as on the long path.
+- The job itself: the caller's busy-poll (``caller_spin_us``; a thread
+  that gets the token here is never the comm thread, which only runs
+  with the token in hand) and the call's timeout (its own, else the
+  group's) carried in the ``Call`` as ``Runtime.run``'s job context does;
+  the ``Call`` of ``JobContext.call`` (the policy's cached choice: deterministic mode's tree
+  order and the header flags come with it), reused per size with its seq
+  rewritten; the algorithm from ``jobs._ALLREDUCE`` looked up per call,
+  as ``allreduce_flat`` does; the engine's stats.
+- Failure as ``Engine.execute``'s: a group broken between the claim and
+  the job fails the call without running it; an error in the job breaks
+  the group (``Engine._fail``: the break hooks, queued jobs failed) and
+  comes back in the Work (``wait()`` raises it); a ``KeyboardInterrupt``
+  breaks it and then propagates as itself.
+- What it returns: a ``DoneWork``, an ``EntrenarWork`` whose call has
+  completed: ``wait()`` returns True, ``get_future()`` is a completed
+  future whose value is ``[t]``; no torch ``Future`` is made unless asked
+  for.
+
+It steps aside (None) whenever something watches the call: the profiler
+(its event opens in ``submit``), the contract checker (it runs around the
+job) and the flight recorder (its entry is made in ``submit``).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import profiler as _profiler
+
+from ..call.work import EntrenarWork
+from ..collectives import Call
+from ..config import timeout_seconds
+from ..reduce_ops import Kind, Reduction, resolve
+from ..wire import OpCode
+from .context import JobContext
+from .engine import Job
+from .jobs import _ALLREDUCE
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+_OPTIONS = dist.AllreduceOptions
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+_UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms (as in Runtime.submit)
+_KIND = "allreduce"  # the stats' kind and the Work's label, as op_name(ALLREDUCE)
+_MAX_CACHED = 1024  # sizes (Calls) and (op, dtype) pairs kept, like the runtime's choices
+
+
+class DoneWork(EntrenarWork):
+    """The Work of a call the thin path ran to completion: nothing is pending.
+
+    Made with ``dist.Work``'s own constructor (no Python ``__init__``); the
+    thin path sets ``_seq``, ``_rank`` and ``_result`` (the call's ``[t]``).
+    ``EntrenarWork``'s other methods read ``_future``: here a completed
+    future, made when asked for.
+    """
+
+    __init__ = dist.Work.__init__  # type: ignore[assignment]
+    _kind = _KIND
+    _seq: int
+    _rank: int
+    _result: list[torch.Tensor]
+
+    @property
+    def _future(self) -> torch.futures.Future:  # type: ignore[override]
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def wait(self, timeout: timedelta | float | None = _UNSET) -> bool:
+        if timeout is not None and not isinstance(timeout, timedelta):
+            float(timeout)  # EntrenarWork.wait's conversion: a bad argument raises alike
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+
+class ThinPath:
+    """One group's thin path (made with the group; reads its runtime's parts)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._rank = runtime.rank
+        self._engine = runtime.engine
+        self._state = runtime.state
+        self._stats = runtime.engine.stats
+        # The caller's busy-poll (a thread that gets the token here is never
+        # the comm thread), as Runtime.run picks it for its job context.
+        self._spin_s = runtime.options.caller_spin_us / 1e6
+        self._calls: dict[int, Call] = {}  # payload bytes -> the Call of that size
+        self._reductions: dict[tuple[int, torch.dtype], Reduction] = {}
+
+    def allreduce(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EntrenarWork | None:
+        """Run ``EntrenarProcessGroup.allreduce(*args, **kwargs)`` if it is the
+        common call (module docstring), returning its Work; else None, and
+        nothing happened."""
+        if kwargs or len(args) != 2:
+            return None
+        tensors, opts = args
+        if type(opts) is not _OPTIONS or type(tensors) is not list or len(tensors) != 1:
+            return None
+        t = tensors[0]
+        rt = self._rt
+        if (
+            type(t) is not _TENSOR
+            or opts.asyncOp
+            or not t.is_cpu
+            or t.layout is not _STRIDED
+            or not t.is_contiguous()
+            or _profiler._is_profiler_enabled
+            or rt.checker is not None
+            or rt.recorder is not None
+        ):
+            return None
+        dtype = t.dtype
+        red = self._reductions.get((opts.reduceOp.op.value, dtype))  # type: ignore[attr-defined]
+        if red is None:
+            self._learn_reduction(opts.reduceOp, dtype)
+            return None  # this time the long path (it checks the op itself)
+        per_call = opts.timeout
+        timeout_s = timeout_seconds(per_call) if per_call > _UNSET else rt.timeout.seconds
+        nbytes = t.numel() * t.element_size()
+        engine = self._engine
+        with rt._lock:  # as in Runtime.submit: seq order == issue order
+            if not engine.try_claim():
+                return None  # busy, stopped or broken: the long path queues or refuses it
+            rt.seq += 1
+            seq = rt.seq
+        try:
+            if self._state.error is not None:  # broken since the claim (Engine.execute)
+                return self._refused(seq)
+            call = self._calls.get(nbytes)
+            if call is None:
+                call = self._call(seq, nbytes)
+            call.seq = seq
+            call.timeout_s = timeout_s  # the job's pace travels in its Call
+            flat = t.detach() if t.requires_grad else t  # as Staging.load
+            if flat.dim() != 1:
+                flat = flat.view(-1)
+            algo = _ALLREDUCE.get(call.choice.algo)  # None: Algo.NONE, nothing to do
+            start = time.perf_counter()
+            if algo is not None:
+                algo(call, flat, red)
+            self._stats.record(_KIND, nbytes, time.perf_counter() - start)
+        except BaseException as e:
+            work = self._failed(seq, nbytes, e)
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C in the caller's own job: the group is broken, stop
+            return work
+        finally:
+            engine._release()
+        work = DoneWork()
+        work._seq = seq
+        work._rank = self._rank
+        work._result = [t]
+        return work
+
+    # ------------------------------------------------------------ first calls, failures
+
+    def _learn_reduction(self, op: Any, dtype: torch.dtype) -> None:
+        """Remember ``op`` on ``dtype`` once ``resolve`` finds it valid (a plain
+        op: its Reduction never changes); an invalid one is left to the long path."""
+        if op.op.value == Kind.PREMUL_SUM:
+            return  # its factor varies per call: the long path every time
+        try:
+            red = resolve(op, dtype, where="thin path")
+        except ValueError:
+            return
+        if red.kind is not Kind.PREMUL_SUM:
+            if len(self._reductions) >= _MAX_CACHED:
+                self._reductions.clear()
+            self._reductions[(int(red.kind), dtype)] = red
+
+    def _call(self, seq: int, nbytes: int) -> Call:
+        """The Call of ``nbytes`` (the runtime's: its cached policy choice),
+        kept for every later call of that size (only its seq changes)."""
+        rt = self._rt
+        mesh = rt.mesh
+        ctx = JobContext(
+            mesh, rt.rank, mesh.world, seq, rt.scratch, self._spin_s, 0.0, rt.choices, rt.options
+        )
+        call = ctx.call(OpCode.ALLREDUCE, nbytes)
+        if len(self._calls) >= _MAX_CACHED:
+            self._calls.clear()
+        self._calls[nbytes] = call
+        return call
+
+    def _refused(self, seq: int) -> EntrenarWork:
+        """Engine.execute's answer for a job of a group broken before it ran."""
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_exception(self._state.broken_error(f"{_KIND}#{seq}"))
+        return EntrenarWork(fut, _KIND, self._rank, seq)
+
+    def _failed(self, seq: int, nbytes: int, e: BaseException) -> EntrenarWork:
+        """Engine.execute's handling of a job that raised ``e``: the group breaks
+        (``Engine._fail``) and the Work holds the error."""
+        fut: torch.futures.Future = torch.futures.Future()
+        work = EntrenarWork(fut, _KIND, self._rank, seq)
+        self._engine._fail(Job(seq, _KIND, nbytes, _never_run, fut, None, work), e)
+        return work
+
+
+def _never_run() -> None:
+    raise AssertionError("internal: a thin-path job is never run by the engine")
