@@ -441,7 +441,7 @@ def test_ctrl_c_on_the_thin_path_propagates_and_breaks_the_group() -> None:
         if rank == 0:
             paths = Paths(pg)
 
-            def interrupted(plan: Any, what: str) -> None:
+            def interrupted(plan: Any, what: str, pace: Any) -> None:
                 raise KeyboardInterrupt
 
             pg.mesh.run = interrupted  # type: ignore[method-assign]
