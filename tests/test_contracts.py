@@ -10,6 +10,8 @@ level: torchrun + DistributedDataParallel with ENTRENAR_CHECK=1.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -214,6 +216,49 @@ def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "_xxhash", None)  # xxhash not installed: blake2b
     assert hashing.digest([a]) == hashing.digest([a.clone()])
     assert hashing.digest([a]) != hashing.digest([b])
+
+
+@pytest.mark.timeout(30)
+def test_digest_reads_the_tensors_as_they_are_now() -> None:
+    """The digest hashes contiguous CPU tensors where they lie (views cached by address
+    and size): it must equal the hash of the values' bytes, in order, also after a
+    tensor's storage was replaced or written in place."""
+
+    def expected(ts: list[torch.Tensor]) -> int:
+        h = hashing.hasher()
+        h.update(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts))
+        return hashing.to_i64(h.intdigest())
+
+    ts = [torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.ones(()), torch.empty(0)]
+    assert hashing.digest(ts) == expected(ts)
+    ts[0].data = torch.randn(1000)  # a new storage behind the same tensor
+    assert hashing.digest(ts) == expected(ts)
+    ts[0][7] += 1.0  # written in place
+    assert hashing.digest(ts) == expected(ts)
+    ts[1] = ts[1].t()  # not contiguous: hashed through a copy, in its logical order
+    assert hashing.digest(ts) == expected(ts)
+
+
+@pytest.mark.timeout(60)
+def test_digest_keeps_its_copy_alive() -> None:
+    """A tensor that is not a contiguous CPU tensor is hashed through a copy, which
+    must outlive the hashing: it did not (a ctypes view of the freed 16 MiB copy;
+    SIGSEGV), so it runs in a process of its own."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from entrenar_pg.checker import hashing
+        x = torch.randn(2048, 2048)
+        assert hashing.digest([x.t()]) == hashing.digest([x.t().contiguous()])
+        assert hashing.digest([x.t()]) != hashing.digest([x])
+        view = hashing.tensor_bytes(x.t())
+        again = torch.randn(2048, 2048)  # memory a freed copy would give back
+        assert bytes(view) == x.t().contiguous().numpy().tobytes()
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
 
 
 # ---------------------------------------------------------------------- C-RING-001
