@@ -53,7 +53,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     # The copy is ours: numpy's view of it keeps it alive as long as the
     # memoryview (a ctypes view would outlive it: freed memory, SIGSEGV).
     copy = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(copy.numpy())
+    view: memoryview = copy.numpy().data
+    return view
 
 
 _MEMORY: dict[tuple[int, int], memoryview] = {}
