@@ -9,6 +9,7 @@ level: torchrun + DistributedDataParallel with ENTRENAR_CHECK=1.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from conftest import run_ranks, torchrun
 
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
 from entrenar_pg.api import requests as rq
-from entrenar_pg.checker import hashing
+from entrenar_pg.checker import hashing, projection
 from entrenar_pg.checker.projection import Projection
 from entrenar_pg.runtime import jobs
 
@@ -207,6 +208,36 @@ def test_projection_parts_add_up(numel: int) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
+    """The fused pass (projection, norm and hash read chunk by chunk) gives what
+    separate passes give: the same projections, the norm, and the digest, across
+    chunk boundaries and in every share of a replicated output."""
+    proj = Projection()
+    rows = projection.CHUNK_ROWS
+    for numel in (0, 5, 4096, rows * 4096, rows * 4096 + 7, (2 * rows + 3) * 4096 + 100):
+        x = torch.randn(numel, dtype=torch.float64).to(dtype)
+        whole, norm = proj.floats(x)
+        assert norm == pytest.approx(float(x.double().norm()), rel=1e-5)
+        for parts in (1, 2, 3):
+            sums = [0.0, 0.0]
+            for i in range(parts):
+                h = hashing.hasher()
+                got, _ = proj.floats(x, norm=False, part=(i, parts), hasher=h)
+                assert hashing.to_i64(h.intdigest()) == hashing.digest([x])
+                assert got == proj.floats(x, norm=False, part=(i, parts))[0]
+                sums = [a + b for a, b in zip(sums, got, strict=True)]
+            # (float32 blocks: rounding of the order the matrix product adds in)
+            assert sums == pytest.approx(whole, abs=1e-5 * norm + 1e-9)
+    bad = torch.randn(3 * 4096 + 3).to(dtype)
+    for at in (0, 4096 + 1, 3 * 4096 + 2):  # F-DP-003: a non-finite element anywhere
+        for value in (float("nan"), float("inf")):
+            y = bad.clone()
+            y[at] = value
+            assert not math.isfinite(proj.floats(y)[1])
+
+
+@pytest.mark.timeout(30)
 def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = torch.arange(1000.0), torch.arange(1000.0)
     b[500] = 0.5
@@ -247,7 +278,7 @@ def test_digest_keeps_its_copy_alive() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from entrenar_pg.checker import hashing
+        from entrenar_pg.checker import hashing, projection
         x = torch.randn(2048, 2048)
         assert hashing.digest([x.t()]) == hashing.digest([x.t().contiguous()])
         assert hashing.digest([x.t()]) != hashing.digest([x])

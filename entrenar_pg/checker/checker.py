@@ -21,6 +21,8 @@ in the same order on every rank, so every rank exchanges the same batches.
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from collections import Counter
@@ -37,10 +39,12 @@ from ..errors import ContractViolation
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from . import records, replicas
-from .hashing import HASH_NAME, digest
+from .hashing import FAST_HASH, HASH_NAME, digest
 from .kinds import CONTRACTS, PARAMETERS_ID, VIEWS, Contract, Rule, Views
 from .projection import Projection
 from .verdict import Judge, minority
+
+log = logging.getLogger(__name__)
 
 FLUSH_EVERY = 64  # records pending at most between optimizer steps
 
@@ -125,6 +129,8 @@ class ContractChecker:
         self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
         self._passed: Counter[str] = Counter()  # held since take_verdicts
         self._lock = threading.Lock()  # _passed: counted in job threads, taken by the caller's
+        if HASH_NAME != FAST_HASH:
+            _warn_slow_hash()
         if watch_optimizers:
             step_hook.install()
 
@@ -339,6 +345,17 @@ class _Batch:
         if self.aux == _AUX_STEP:
             self.checker._stepped()
         self.checker._batch(call, self.parameters, self.aux)
+
+
+@functools.cache
+def _warn_slow_hash() -> None:
+    """Once per process: without xxhash every hash costs ~25x more (docs/contracts.md)."""
+    log.warning(
+        "contract checker: xxhash is not installed (pip install entrenar-pg[check]); "
+        "hashing with %s, about 25x slower: a few ms more per step for a model of a "
+        "million parameters",
+        HASH_NAME,
+    )
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:

@@ -20,7 +20,8 @@ try:  # optional dependency (extra "check"); blake2b is the fallback
 except ImportError:  # pragma: no cover - exercised only without the extra
     _xxhash = None
 
-HASH_NAME = "xxh3_64" if _xxhash is not None else "blake2b-64"
+FAST_HASH = "xxh3_64"
+HASH_NAME = FAST_HASH if _xxhash is not None else "blake2b-64"
 
 
 class _Blake2b64:

@@ -9,12 +9,19 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Any
 
 import torch
 
+from .hashing import tensor_memory
+
 BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
-_SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
+# Blocks per chunk of a pass: 1 MiB of float32, still in the core's cache when
+# the norm (or the hash) reads it next to the projection; also the scratch bound
+# of a conversion from half or integer types.
+CHUNK_ROWS = 64
 SEED = 0x5EED_C0DE
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
@@ -106,42 +113,66 @@ class Projection:
         norm: bool = True,
         part: tuple[int, int] = (0, 1),
         variant: int = 0,
+        hasher: Any = None,
     ) -> tuple[list[float], float]:
         """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows).
 
         ``part = (i, parts)``: the projections over the i-th of ``parts`` block
         ranges only (summed over i they give the whole; ``parts = 0``: none);
         the norm is always of the whole tensor, and 0 unless ``norm``. ``variant``:
-        which of the ``VARIANTS`` pairs of vectors.
+        which of the ``VARIANTS`` pairs of vectors. ``hasher``: also feed every
+        byte of ``x`` to it, in order (``x`` contiguous on the CPU).
+
+        One read of the data: the blocks are taken ``CHUNK_ROWS`` at a time,
+        and the norm reads each chunk right after the projection did (the hash
+        right before), from cache, instead of passing over the tensor again.
         """
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
-        wf, _ = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        full = n // BLOCK
+        wf, _ = self.weights(full + (1 if tail else 0), variant)
         r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
-        # Few torch ops: for the small tensors of many calls their overhead, not
-        # the arithmetic, is the cost.
+        memory = tensor_memory(x) if hasher is not None else None
+        unit = BLOCK * x.element_size()  # bytes per block
+        # The norm rides along when the chunks cover the whole tensor (an
+        # input); otherwise (no projection: a non-linear op) it is a pass of its own.
+        rides = norm and b0 == 0 and f1 == full and (with_tail or not tail)
         sums = [0.0] * PROJECTIONS
+        size = 0.0
+        if memory is not None:
+            hasher.update(memory[: b0 * unit])
         if f1 > b0:
+            # Few torch ops: for the small tensors of many calls their overhead,
+            # not the arithmetic, is the cost.
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            if rows.dtype == work:
-                v = torch.mm(r, rows.t())
-            else:
-                v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-                for a in range(0, f1 - b0, _SLICE_ROWS):
-                    b = min(a + _SLICE_ROWS, f1 - b0)
-                    torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
+            v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+            row_norms = torch.empty(f1 - b0, dtype=work) if rides else None
+            for a in range(0, f1 - b0, CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, f1 - b0)
+                chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
+                if memory is not None:
+                    hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
+                torch.mm(r, chunk.t(), out=v[:, a:b])
+                if row_norms is not None:
+                    torch.linalg.vector_norm(chunk, dim=1, out=row_norms[a:b])
             sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
+            if row_norms is not None:
+                size = float(torch.linalg.vector_norm(row_norms, dtype=torch.float64))
+        if memory is not None:
+            hasher.update(memory[f1 * unit :])
         if with_tail:  # the last, partial block: its weight applied in Python floats
-            full = n // BLOCK
             rest = x[full * BLOCK :]
             if rest.dtype != work:
                 rest = rest.to(work)
             last = torch.mv(r[:, :tail], rest).tolist()
-            w = self.weights_list(n // BLOCK + 1, variant)
+            w = self.weights_list(full + 1, variant)
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
-        size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
+            if rides:
+                size = math.hypot(size, float(torch.linalg.vector_norm(rest, dtype=torch.float64)))
+        if n and norm and not rides:
+            size = float(torch.linalg.vector_norm(x, dtype=work))
         return sums, size
 
     def ints(
@@ -157,8 +188,8 @@ class Projection:
         if f1 > b0:
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
             v = torch.empty(PROJECTIONS, f1 - b0, dtype=torch.int64)
-            for a in range(0, f1 - b0, _SLICE_ROWS):
-                b = min(a + _SLICE_ROWS, f1 - b0)
+            for a in range(0, f1 - b0, CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, f1 - b0)
                 torch.mm(rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
             s += (v * wi[:, b0:f1]).sum(1)
         if with_tail:
