@@ -218,14 +218,15 @@ def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
     for numel in (0, 5, 4096, rows * 4096, rows * 4096 + 7, (2 * rows + 3) * 4096 + 100):
         x = torch.randn(numel, dtype=torch.float64).to(dtype)
         whole, norm = proj.floats(x)
-        assert norm == pytest.approx(float(x.double().norm()), rel=1e-5)
+        assert norm == pytest.approx(float(x.double().norm()), rel=1e-4)  # float32 sums
         for parts in (1, 2, 3):
             sums = [0.0, 0.0]
             for i in range(parts):
                 h = hashing.hasher()
                 got, _ = proj.floats(x, norm=False, part=(i, parts), hasher=h)
                 assert hashing.to_i64(h.intdigest()) == hashing.digest([x])
-                assert got == proj.floats(x, norm=False, part=(i, parts))[0]
+                alone = proj.floats(x, norm=False, part=(i, parts))[0]
+                assert got == pytest.approx(alone, abs=1e-6 * norm + 1e-9)
                 sums = [a + b for a, b in zip(sums, got, strict=True)]
             # (float32 blocks: rounding of the order the matrix product adds in)
             assert sums == pytest.approx(whole, abs=1e-5 * norm + 1e-9)

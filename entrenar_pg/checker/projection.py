@@ -9,7 +9,6 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -18,9 +17,9 @@ import torch
 from .hashing import tensor_memory
 
 BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
-# Blocks per chunk of a pass: 1 MiB of float32, still in the core's cache when
-# the norm (or the hash) reads it next to the projection; also the scratch bound
-# of a conversion from half or integer types.
+# Blocks per chunk of a fused pass: 1 MiB of float32, still in the core's cache
+# when the projection reads it after the hash; also the scratch bound of a
+# conversion from half or integer types.
 CHUNK_ROWS = 64
 SEED = 0x5EED_C0DE
 PROJECTIONS = 2  # independent random projections, computed in the same pass
@@ -123,9 +122,11 @@ class Projection:
         which of the ``VARIANTS`` pairs of vectors. ``hasher``: also feed every
         byte of ``x`` to it, in order (``x`` contiguous on the CPU).
 
-        One read of the data: the blocks are taken ``CHUNK_ROWS`` at a time,
-        and the norm reads each chunk right after the projection did (the hash
-        right before), from cache, instead of passing over the tensor again.
+        A replicated output is hashed and projected in one read: the blocks
+        are taken ``CHUNK_ROWS`` at a time, each hashed right before it is
+        projected, so the projection finds it in cache. (The input's norm is a
+        pass of its own: fused the same way, measured slower here, its extra
+        torch calls costing more than the second read of a gradient bucket.)
         """
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
@@ -136,30 +137,25 @@ class Projection:
         r = r64 if work == torch.float64 else r32
         memory = tensor_memory(x) if hasher is not None else None
         unit = BLOCK * x.element_size()  # bytes per block
-        # The norm rides along when the chunks cover the whole tensor (an
-        # input); otherwise (no projection: a non-linear op) it is a pass of its own.
-        rides = norm and b0 == 0 and f1 == full and (with_tail or not tail)
         sums = [0.0] * PROJECTIONS
-        size = 0.0
         if memory is not None:
             hasher.update(memory[: b0 * unit])
         if f1 > b0:
             # Few torch ops: for the small tensors of many calls their overhead,
-            # not the arithmetic, is the cost.
+            # not the arithmetic, is the cost. So one product over every block,
+            # unless the chunks are hashed too or converted (scratch).
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-            row_norms = torch.empty(f1 - b0, dtype=work) if rides else None
-            for a in range(0, f1 - b0, CHUNK_ROWS):
-                b = min(a + CHUNK_ROWS, f1 - b0)
-                chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
-                if memory is not None:
-                    hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
-                torch.mm(r, chunk.t(), out=v[:, a:b])
-                if row_norms is not None:
-                    torch.linalg.vector_norm(chunk, dim=1, out=row_norms[a:b])
+            if memory is None and rows.dtype == work:
+                v = torch.mm(r, rows.t())
+            else:
+                v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+                for a in range(0, f1 - b0, CHUNK_ROWS):
+                    b = min(a + CHUNK_ROWS, f1 - b0)
+                    chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
+                    if memory is not None:
+                        hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
+                    torch.mm(r, chunk.t(), out=v[:, a:b])
             sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
-            if row_norms is not None:
-                size = float(torch.linalg.vector_norm(row_norms, dtype=torch.float64))
         if memory is not None:
             hasher.update(memory[f1 * unit :])
         if with_tail:  # the last, partial block: its weight applied in Python floats
@@ -169,10 +165,7 @@ class Projection:
             last = torch.mv(r[:, :tail], rest).tolist()
             w = self.weights_list(full + 1, variant)
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
-            if rides:
-                size = math.hypot(size, float(torch.linalg.vector_norm(rest, dtype=torch.float64)))
-        if n and norm and not rides:
-            size = float(torch.linalg.vector_norm(x, dtype=work))
+        size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
 
     def ints(
