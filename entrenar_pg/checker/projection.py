@@ -9,6 +9,7 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
+import operator
 import random
 from typing import Any
 
@@ -131,7 +132,7 @@ class Projection:
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
         full = n // BLOCK
-        wf, _ = self.weights(full + (1 if tail else 0), variant)
+        w = self.weights_list(full + (1 if tail else 0), variant)
         r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
@@ -141,11 +142,15 @@ class Projection:
         if memory is not None:
             hasher.update(memory[: b0 * unit])
         if f1 > b0:
-            # Few torch ops: for the small tensors of many calls their overhead,
-            # not the arithmetic, is the cost. So one product over every block,
-            # unless the chunks are hashed too or converted (scratch).
+            # Few torch calls: for the small tensors of many calls their
+            # overhead, not the arithmetic, is the cost (a call costs tens of us
+            # in a loaded job thread). So one product when it fits a chunk or
+            # nothing rides along, and the block weights applied in Python
+            # floats (one tolist instead of a conversion, a slice and a dot).
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            if memory is None and rows.dtype == work:
+            if rows.dtype == work and (memory is None or f1 - b0 <= CHUNK_ROWS):
+                if memory is not None:
+                    hasher.update(memory[b0 * unit : f1 * unit])
                 v = torch.mm(r, rows.t())
             else:
                 v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
@@ -155,7 +160,8 @@ class Projection:
                     if memory is not None:
                         hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
                     torch.mm(r, chunk.t(), out=v[:, a:b])
-            sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
+            per_block = v.tolist()
+            sums = [sum(map(operator.mul, per_block[k], w[k][b0:f1])) for k in range(PROJECTIONS)]
         if memory is not None:
             hasher.update(memory[f1 * unit :])
         if with_tail:  # the last, partial block: its weight applied in Python floats
@@ -163,7 +169,6 @@ class Projection:
             if rest.dtype != work:
                 rest = rest.to(work)
             last = torch.mv(r[:, :tail], rest).tolist()
-            w = self.weights_list(full + 1, variant)
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
