@@ -12,8 +12,9 @@ ratios to the first variant.
 
 ``ddp``: DDP training steps (3-layer MLP, 512 -> WIDTH -> WIDTH -> 512, AdamW)
 on two entrenar groups, checks off and on, alternating step by step; same
-model, same data. Prints step medians, their ratio, and the checker's own
-counters (wall and CPU seconds per step). ``gpt``: the same with the
+model, same data. Prints step medians, their ratio, the checker's own
+counters (wall and CPU seconds per step), its hash, and the load average
+before and after (how quiet the machine was). ``gpt``: the same with the
 benchmark's DDP model and batch (``benchmarks.ddp_model.make_model``: the
 trainer's GPT); run it from the repository root.
 
@@ -136,6 +137,7 @@ def _ddp_ab(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from entrenar_pg import Options
+    from entrenar_pg.checker import HASH_NAME
 
     models: dict[str, Any] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
@@ -149,6 +151,7 @@ def _ddp_ab(
             checker.watch(optims[name])  # not the default group: name the optimizer
     wall: dict[str, list[float]] = {n: [] for n in models}
     cpu: dict[str, list[float]] = {n: [] for n in models}
+    load = os.getloadavg()[0]  # other work on the machine: say how quiet it was
     for i in range(steps + 3):
         for name in ("off", "check") if i % 2 else ("check", "off"):
             dist.barrier()
@@ -173,7 +176,8 @@ def _ddp_ab(
             f"cpu/rank {coff * 1e3:.1f} -> "
             f"{con * 1e3:.1f} ms ({con / coff:.3f}x); checker per step: wall "
             f"{checker.seconds / per * 1e3:.2f} ms, cpu {checker.cpu_seconds / per * 1e3:.2f} ms "
-            f"({checker.allreduces_checked} allreduces, {checker.steps_checked} steps)",
+            f"({checker.allreduces_checked} allreduces, {checker.steps_checked} steps; "
+            f"hash {HASH_NAME}); load average {load:.2f} -> {os.getloadavg()[0]:.2f}",
             flush=True,
         )
     dist.destroy_process_group()

@@ -9,7 +9,10 @@ level: torchrun + DistributedDataParallel with ENTRENAR_CHECK=1.
 
 from __future__ import annotations
 
+import math
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ from conftest import run_ranks, torchrun
 
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
 from entrenar_pg.call import requests as rq
-from entrenar_pg.checker import hashing
+from entrenar_pg.checker import hashing, projection
 from entrenar_pg.checker.projection import Projection
 from entrenar_pg.runtime import jobs
 
@@ -205,6 +208,37 @@ def test_projection_parts_add_up(numel: int) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
+    """The fused pass (projection, norm and hash read chunk by chunk) gives what
+    separate passes give: the same projections, the norm, and the digest, across
+    chunk boundaries and in every share of a replicated output."""
+    proj = Projection()
+    rows = projection.CHUNK_ROWS
+    for numel in (0, 5, 4096, rows * 4096, rows * 4096 + 7, (2 * rows + 3) * 4096 + 100):
+        x = torch.randn(numel, dtype=torch.float64).to(dtype)
+        whole, norm = proj.floats(x)
+        assert norm == pytest.approx(float(x.double().norm()), rel=1e-4)  # float32 sums
+        for parts in (1, 2, 3):
+            sums = [0.0, 0.0]
+            for i in range(parts):
+                h = hashing.hasher()
+                got, _ = proj.floats(x, norm=False, part=(i, parts), hasher=h)
+                assert hashing.to_i64(h.intdigest()) == hashing.digest([x])
+                alone = proj.floats(x, norm=False, part=(i, parts))[0]
+                assert got == pytest.approx(alone, abs=1e-6 * norm + 1e-9)
+                sums = [a + b for a, b in zip(sums, got, strict=True)]
+            # (float32 blocks: rounding of the order the matrix product adds in)
+            assert sums == pytest.approx(whole, abs=1e-5 * norm + 1e-9)
+    bad = torch.randn(3 * 4096 + 3).to(dtype)
+    for at in (0, 4096 + 1, 3 * 4096 + 2):  # F-DP-003: a non-finite element anywhere
+        for value in (float("nan"), float("inf")):
+            y = bad.clone()
+            y[at] = value
+            assert not math.isfinite(proj.floats(y)[1])
+
+
+@pytest.mark.timeout(30)
 def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = torch.arange(1000.0), torch.arange(1000.0)
     b[500] = 0.5
@@ -214,6 +248,49 @@ def test_digest_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "_xxhash", None)  # xxhash not installed: blake2b
     assert hashing.digest([a]) == hashing.digest([a.clone()])
     assert hashing.digest([a]) != hashing.digest([b])
+
+
+@pytest.mark.timeout(30)
+def test_digest_reads_the_tensors_as_they_are_now() -> None:
+    """The digest hashes contiguous CPU tensors where they lie (views cached by address
+    and size): it must equal the hash of the values' bytes, in order, also after a
+    tensor's storage was replaced or written in place."""
+
+    def expected(ts: list[torch.Tensor]) -> int:
+        h = hashing.hasher()
+        h.update(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts))
+        return hashing.to_i64(h.intdigest())
+
+    ts = [torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.ones(()), torch.empty(0)]
+    assert hashing.digest(ts) == expected(ts)
+    ts[0].data = torch.randn(1000)  # a new storage behind the same tensor
+    assert hashing.digest(ts) == expected(ts)
+    ts[0][7] += 1.0  # written in place
+    assert hashing.digest(ts) == expected(ts)
+    ts[1] = ts[1].t()  # not contiguous: hashed through a copy, in its logical order
+    assert hashing.digest(ts) == expected(ts)
+
+
+@pytest.mark.timeout(60)
+def test_digest_keeps_its_copy_alive() -> None:
+    """A tensor that is not a contiguous CPU tensor is hashed through a copy, which
+    must outlive the hashing: it did not (a ctypes view of the freed 16 MiB copy;
+    SIGSEGV), so it runs in a process of its own."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from entrenar_pg.checker import hashing, projection
+        x = torch.randn(2048, 2048)
+        assert hashing.digest([x.t()]) == hashing.digest([x.t().contiguous()])
+        assert hashing.digest([x.t()]) != hashing.digest([x])
+        view = hashing.tensor_bytes(x.t())
+        again = torch.randn(2048, 2048)  # memory a freed copy would give back
+        assert bytes(view) == x.t().contiguous().numpy().tobytes()
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
 
 
 # ---------------------------------------------------------------------- C-RING-001

@@ -21,8 +21,11 @@ in the same order on every rank, so every rank exchanges the same batches.
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,15 +35,17 @@ import torch
 import torch.distributed as dist
 
 from .. import step_hook
-from ..collectives.common import Call, bytes_of
+from ..collectives.common import Call
 from ..errors import ContractViolation
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from . import records, replicas
-from .hashing import HASH_NAME, digest
+from .hashing import FAST_HASH, HASH_NAME, digest
 from .kinds import CONTRACTS, PARAMETERS_ID, VIEWS, Contract, Rule, Views
 from .projection import Projection
 from .verdict import Judge, minority
+
+log = logging.getLogger(__name__)
 
 FLUSH_EVERY = 64  # records pending at most between optimizer steps
 
@@ -57,26 +62,30 @@ _AUX_BATCH = 1
 _AUX_STEP = 2
 
 
-def exchange(call: Call, payload: torch.Tensor, aux: int) -> list[list[int]]:
+def exchange(call: Call, payload: list[int], aux: int) -> list[list[int]]:
     """All-gather one int64 vector per rank, directly (1 hop), op CHECK; row i is rank i's.
 
-    Bytes on the wire per rank: (N - 1) x the payload each way.
+    Bytes on the wire per rank: (N - 1) x the payload each way. The rows are
+    Python arrays, not tensors: a few hundred bytes need no torch call (each
+    costs tens of us in a loaded job thread, measured).
     """
     n, r = call.world, call.rank
-    out = torch.empty((n, payload.numel()), dtype=torch.int64)
-    out[r] = payload
+    rows = [
+        array("q", payload) if p == r else array("q", bytes(8 * len(payload))) for p in range(n)
+    ]
     if n > 1:
-        header = call.header(OpCode.CHECK, Algo.DIRECT, torch.int64, numel=out.numel(), aux=aux)
+        header = call.header(
+            OpCode.CHECK, Algo.DIRECT, torch.int64, numel=n * len(payload), aux=aux
+        )
         plan = Plan(r)
-        mine = bytes_of(out[r])
+        mine = memoryview(rows[r]).cast("B")
         for p in range(n):
             if p != r:
                 plan.open(p, header)
                 plan.send(p, mine)
-                plan.recv(p, bytes_of(out[p]))
+                plan.recv(p, memoryview(rows[p]).cast("B"))
         call.mesh.run(plan, call.what(OpCode.CHECK), call)
-    rows: list[list[int]] = out.tolist()
-    return rows
+    return [row.tolist() for row in rows]
 
 
 @dataclass(slots=True)
@@ -125,6 +134,8 @@ class ContractChecker:
         self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
         self._passed: Counter[str] = Counter()  # held since take_verdicts
         self._lock = threading.Lock()  # _passed: counted in job threads, taken by the caller's
+        if HASH_NAME != FAST_HASH:
+            _warn_slow_hash()
         if watch_optimizers:
             step_hook.install()
 
@@ -184,9 +195,7 @@ class ContractChecker:
     def _batch(self, call: Call, parameters: list[int], aux: int) -> None:
         """Exchange the pending records (and a parameter record), then judge them in call order."""
         pending, self._pending = self._pending, []
-        payload = torch.tensor(
-            [*parameters, *(v for rec in pending for v in rec)], dtype=torch.int64
-        )
+        payload = [*parameters, *(v for rec in pending for v in rec)]
         rows = exchange(call, payload, aux)
         judge = Judge(call.rank, self.tolerance)
         at = len(parameters)
@@ -339,6 +348,17 @@ class _Batch:
         if self.aux == _AUX_STEP:
             self.checker._stepped()
         self.checker._batch(call, self.parameters, self.aux)
+
+
+@functools.cache
+def _warn_slow_hash() -> None:
+    """Once per process: without xxhash every hash costs ~25x more (docs/contracts.md)."""
+    log.warning(
+        "contract checker: xxhash is not installed (pip install entrenar-pg[check]); "
+        "hashing with %s, about 25x slower: a few ms more per step for a model of a "
+        "million parameters",
+        HASH_NAME,
+    )
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:

@@ -7,13 +7,12 @@ XXH3-64 from ``xxhash`` (the ``check`` extra), chosen by measurement: per
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-from ..collectives.common import bytes_of
 
 _xxhash: Any
 try:  # optional dependency (extra "check"); blake2b is the fallback
@@ -21,7 +20,8 @@ try:  # optional dependency (extra "check"); blake2b is the fallback
 except ImportError:  # pragma: no cover - exercised only without the extra
     _xxhash = None
 
-HASH_NAME = "xxh3_64" if _xxhash is not None else "blake2b-64"
+FAST_HASH = "xxh3_64"
+HASH_NAME = FAST_HASH if _xxhash is not None else "blake2b-64"
 
 
 class _Blake2b64:
@@ -46,18 +46,51 @@ def to_i64(u: int) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a tensor's values (a contiguous CPU copy if it is not one already)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return bytes_of(t.contiguous().reshape(-1))
+    """The bytes of a tensor's values: a view of its memory when it is a contiguous
+    CPU tensor (no copy; the caller holds ``t``), else of a contiguous CPU copy that
+    the view keeps alive."""
+    if t.is_cpu and t.is_contiguous():
+        return tensor_memory(t)
+    # The copy is ours: numpy's view of it keeps it alive as long as the
+    # memoryview (a ctypes view would outlive it: freed memory, SIGSEGV).
+    copy = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    view: memoryview = copy.numpy().data
+    return view
+
+
+_MEMORY: dict[tuple[int, int], memoryview] = {}
+_MAX_CACHED = 1024  # views kept: a model's parameters and buckets, with room
+
+
+def tensor_memory(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory (no copy; the caller holds ``t``).
+
+    Cached by address and size, which name exactly the bytes of the values
+    whichever tensor owns them now: the same parameters and buckets are
+    hashed every step, and a ctypes view costs a few us to build.
+    """
+    key = (t.data_ptr(), t.nbytes)
+    view = _MEMORY.get(key)
+    if view is None:
+        if len(_MEMORY) >= _MAX_CACHED:
+            _MEMORY.clear()
+        view = _MEMORY[key] = memoryview((ctypes.c_char * key[1]).from_address(key[0])).cast("B")
+    return view
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> int:
     """64-bit hash of the tensors' bytes, in order (streaming: the pieces of a
-    tensor hash as the tensor does); as an int64."""
+    tensor hash as the tensor does); as an int64.
+
+    A contiguous CPU tensor is hashed where it lies: its address and size name
+    exactly the bytes of its values (C-DDP-001 hashes every parameter every
+    step, so the per-tensor Python is most of that check's cost for small ones).
+    """
     h = hasher()
     for t in tensors:
-        if t.numel():
+        if t.is_cpu and t.is_contiguous():
+            if t.nbytes:
+                h.update(tensor_memory(t))
+        elif t.numel():
             h.update(tensor_bytes(t))
     return to_i64(h.intdigest())

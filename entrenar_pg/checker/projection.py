@@ -9,12 +9,19 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
+import operator
 import random
+from typing import Any
 
 import torch
 
+from .hashing import tensor_memory
+
 BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
-_SLICE_ROWS = 256  # rows converted at a time for half/integer inputs (bounds scratch memory)
+# Blocks per chunk of a fused pass: 1 MiB of float32, still in the core's cache
+# when the projection reads it after the hash; also the scratch bound of a
+# conversion from half or integer types.
+CHUNK_ROWS = 64
 SEED = 0x5EED_C0DE
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
@@ -106,40 +113,62 @@ class Projection:
         norm: bool = True,
         part: tuple[int, int] = (0, 1),
         variant: int = 0,
+        hasher: Any = None,
     ) -> tuple[list[float], float]:
         """([r_k . x], ||x||_2) of a flat float tensor; non-finite if x is (or overflows).
 
         ``part = (i, parts)``: the projections over the i-th of ``parts`` block
         ranges only (summed over i they give the whole; ``parts = 0``: none);
         the norm is always of the whole tensor, and 0 unless ``norm``. ``variant``:
-        which of the ``VARIANTS`` pairs of vectors.
+        which of the ``VARIANTS`` pairs of vectors. ``hasher``: also feed every
+        byte of ``x`` to it, in order (``x`` contiguous on the CPU).
+
+        A replicated output is hashed and projected in one read: the blocks
+        are taken ``CHUNK_ROWS`` at a time, each hashed right before it is
+        projected, so the projection finds it in cache. (The input's norm is a
+        pass of its own: fused the same way, measured slower here, its extra
+        torch calls costing more than the second read of a gradient bucket.)
         """
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
-        wf, _ = self.weights(n // BLOCK + (1 if tail else 0), variant)
+        full = n // BLOCK
+        w = self.weights_list(full + (1 if tail else 0), variant)
         r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
-        # Few torch ops: for the small tensors of many calls their overhead, not
-        # the arithmetic, is the cost.
+        memory = tensor_memory(x) if hasher is not None else None
+        unit = BLOCK * x.element_size()  # bytes per block
         sums = [0.0] * PROJECTIONS
+        if memory is not None:
+            hasher.update(memory[: b0 * unit])
         if f1 > b0:
+            # Few torch calls: for the small tensors of many calls their
+            # overhead, not the arithmetic, is the cost (a call costs tens of us
+            # in a loaded job thread). So one product when it fits a chunk or
+            # nothing rides along, and the block weights applied in Python
+            # floats (one tolist instead of a conversion, a slice and a dot).
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            if rows.dtype == work:
+            if rows.dtype == work and (memory is None or f1 - b0 <= CHUNK_ROWS):
+                if memory is not None:
+                    hasher.update(memory[b0 * unit : f1 * unit])
                 v = torch.mm(r, rows.t())
             else:
                 v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-                for a in range(0, f1 - b0, _SLICE_ROWS):
-                    b = min(a + _SLICE_ROWS, f1 - b0)
-                    torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
-            sums = torch.linalg.vecdot(v.double(), wf[:, b0:f1]).tolist()
+                for a in range(0, f1 - b0, CHUNK_ROWS):
+                    b = min(a + CHUNK_ROWS, f1 - b0)
+                    chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
+                    if memory is not None:
+                        hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
+                    torch.mm(r, chunk.t(), out=v[:, a:b])
+            per_block = v.tolist()
+            sums = [sum(map(operator.mul, per_block[k], w[k][b0:f1])) for k in range(PROJECTIONS)]
+        if memory is not None:
+            hasher.update(memory[f1 * unit :])
         if with_tail:  # the last, partial block: its weight applied in Python floats
-            full = n // BLOCK
             rest = x[full * BLOCK :]
             if rest.dtype != work:
                 rest = rest.to(work)
             last = torch.mv(r[:, :tail], rest).tolist()
-            w = self.weights_list(n // BLOCK + 1, variant)
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
@@ -157,8 +186,8 @@ class Projection:
         if f1 > b0:
             rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
             v = torch.empty(PROJECTIONS, f1 - b0, dtype=torch.int64)
-            for a in range(0, f1 - b0, _SLICE_ROWS):
-                b = min(a + _SLICE_ROWS, f1 - b0)
+            for a in range(0, f1 - b0, CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, f1 - b0)
                 torch.mm(rint, rows[a:b].to(torch.int64).t(), out=v[:, a:b])
             s += (v * wi[:, b0:f1]).sum(1)
         if with_tail:

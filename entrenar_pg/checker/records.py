@@ -19,7 +19,7 @@ import torch
 
 from ..reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind
 from ..wire import DTYPE_CODE, OpCode
-from .hashing import digest, to_i64
+from .hashing import digest, hasher, to_i64
 from .kinds import Contract, Rule, Views
 from .projection import PROJECTIONS, VARIANTS, Projection, tensor_weight
 
@@ -164,22 +164,26 @@ def finish(
         return
     if contract.rule is not Rule.REDUCED:
         return
-    if contract.replicated:
-        rec[DIGEST] = digest(t for ts in views.outputs.values() for t in ts)
     # A replicated output is projected in 1/N shares, one per rank: they add up
     # to the projection of the output once the digests prove the outputs identical.
     part = (rank, world) if contract.replicated else (0, 1)
     variant = rec[SEQ] % VARIANTS
     is_float = CODE_IS_FLOAT.get(rec[DTYPE], False)
+    projected = bool(rec[FLAGS] & PROJECTED)
+    # A replicated float output is hashed in the projection's pass (one read);
+    # otherwise on its own. The same digest either way (the hash streams).
+    h = hasher() if contract.replicated and is_float and projected else None
+    if contract.replicated and h is None:
+        rec[DIGEST] = digest(t for ts in views.outputs.values() for t in ts)
     for s, tensors in views.outputs.items():
         at = slot_at(contract, s)
         rec[at + HAS_OUT] = 1
-        if not rec[FLAGS] & PROJECTED:
+        if not projected:
             continue
         if is_float:
             sums = [0.0] * PROJECTIONS
             for j, t in enumerate(tensors):
-                got, _ = proj.floats(t, norm=False, part=part, variant=variant)
+                got, _ = proj.floats(t, norm=False, part=part, variant=variant, hasher=h)
                 w = tensor_weight(j)[0]
                 for k in range(PROJECTIONS):
                     sums[k] += w * got[k]
@@ -192,6 +196,8 @@ def finish(
                 w = tensor_weight(j)[1]
                 for k, v in enumerate(proj.ints(t, part=part, variant=variant)):
                     rec[at + S_OUT + k] = to_i64((rec[at + S_OUT + k] + w * v) & _MASK64)
+    if h is not None:
+        rec[DIGEST] = to_i64(h.intdigest())
 
 
 CODE_IS_FLOAT = {code: dt in FLOAT_DTYPES for dt, code in DTYPE_CODE.items()}

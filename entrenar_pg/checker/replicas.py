@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # types replicated on every rank of the home group
+
 
 def by_group(
     params: Iterable[torch.Tensor], home: Any
@@ -26,6 +28,9 @@ def by_group(
 
     ``home`` is the group of plain parameters (the training loop's group).
     """
+    params = list(params)
+    if all(type(p) in _PLAIN for p in params):  # DDP: one group, every parameter
+        return {id(home): (home, params)} if params else {}
     out: dict[int, tuple[Any, list[torch.Tensor]]] = {}
 
     def add(group: Any, t: torch.Tensor) -> None:

@@ -50,24 +50,27 @@ class Judge:
         first = recs[0]
         op = OpCode(first[R.OPCODE])
         contract = CONTRACTS[op]
-        where = _where(first)
+        # (The call's description, _where, is built only for a violation: a
+        # verdict that holds costs a few comparisons.)
         if any(r[R.OPCODE] != first[R.OPCODE] or r[R.SEQ] != first[R.SEQ] for r in recs):
             # The frame headers make this unreachable: it means the records are out of step.
-            self.fail(f"{contract.id} at {where}: the ranks' records are of different calls", [])
+            self.fail(
+                f"{contract.id} at {_where(first)}: the ranks' records are of different calls", []
+            )
         if contract.rule is Rule.REDUCED:
-            return self._reduced(contract, where, recs)
+            return self._reduced(contract, recs)
         if contract.rule is Rule.COPIED:
-            return self._copied(contract, where, recs)
+            return self._copied(contract, recs)
         return []
 
     # ------------------------------------------------------------ reductions
 
-    def _reduced(self, contract: Contract, where: str, recs: list[list[int]]) -> list[str]:
+    def _reduced(self, contract: Contract, recs: list[list[int]]) -> list[str]:
         bad = [i for i, r in enumerate(recs) if r[R.FLAGS] & R.IN_NONFINITE]
         if bad:
             what = "; ".join(f"rank {i}: element {recs[i][R.BAD]}" for i in bad)
             self.fail(
-                f"{NONFINITE_ID} violated at {where}: non-finite value in the input of "
+                f"{NONFINITE_ID} violated at {_where(recs[0])}: non-finite value in the input of "
                 f"rank(s) {bad} (first non-finite {what}); halting every rank",
                 bad,
                 show=False,
@@ -79,7 +82,7 @@ class Judge:
             differ, listing = minority([r[R.DIGEST] for r in recs])
             if differ:
                 self.fail(
-                    f"{contract.id} violated at {where}: ranks hold different outputs "
+                    f"{contract.id} violated at {_where(recs[0])}: ranks hold different outputs "
                     f"(output {HASH_NAME} by ranks: {listing}); rank(s) {differ} differ",
                     differ,
                 )
@@ -88,31 +91,30 @@ class Judge:
         for s in range(contract.slots(len(recs))):
             at = R.slot_at(contract, s)
             holders = [i for i, r in enumerate(recs) if r[at + R.HAS_OUT]]
-            wrong, detail = self._checksum(dtype, kind, recs, at)
-            if wrong:
+            detail = self._checksum(dtype, kind, recs, at)
+            if detail:
                 whose = "the output" if contract.replicated else f"rank(s) {holders}' output"
                 slot = f" (slot {s})" if contract.scattered else ""
                 self.fail(
-                    f"{contract.id} violated at {where}: {whose}{slot} is not the "
+                    f"{contract.id} violated at {_where(recs[0])}: {whose}{slot} is not the "
                     f"{kind.name} of the inputs ({detail})",
                     holders,
                 )
         return [*held, contract.id]
 
-    def _checksum(
-        self, dtype: torch.dtype, kind: Kind, recs: list[list[int]], at: int
-    ) -> tuple[bool, str]:
-        """Whether a slot's output projections (summed over the ranks) miss its inputs'."""
+    def _checksum(self, dtype: torch.dtype, kind: Kind, recs: list[list[int]], at: int) -> str:
+        """How a slot's output projections (summed over the ranks) miss its inputs'
+        ("": they don't)."""
         ks = range(R.PROJECTIONS)
         n = len(recs)
         if dtype in INT_DTYPES:
             mask = (1 << _INT_BITS[dtype]) - 1
             diffs = [sum(r[at + R.S_OUT + k] - r[at + R.S_IN + k] for r in recs) & mask for k in ks]
-            return any(diffs), f"exact checksums modulo 2^{_INT_BITS[dtype]} differ"
+            return f"exact checksums modulo 2^{_INT_BITS[dtype]} differ" if any(diffs) else ""
         if any(r[R.FLAGS] & R.OUT_NONFINITE for r in recs):
             # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
             # behaviour, e.g. float16); a replicated output's hash still applies.
-            return False, ""
+            return ""
         f = (
             1.0 / n
             if kind is Kind.AVG
@@ -124,15 +126,16 @@ class Judge:
         expected = [f * math.fsum(R.i2f(r[at + R.S_IN + k]) for r in recs) for k in ks]
         tau = self.tolerance + (n + 1) * ROUNDOFF[dtype]
         bound = tau * abs(f) * math.fsum(R.i2f(r[at + R.NORM]) for r in recs)
-        wrong = not all(abs(got[k] - expected[k]) <= bound for k in ks)
-        return wrong, (
+        if all(abs(got[k] - expected[k]) <= bound for k in ks):
+            return ""
+        return (
             f"checksums r.y = {[float(f'{g:.6g}') for g in got]}, expected "
             f"{[float(f'{e:.6g}') for e in expected]} +- {bound:.3g}"
         )
 
     # ------------------------------------------------------------ copies
 
-    def _copied(self, contract: Contract, where: str, recs: list[list[int]]) -> list[str]:
+    def _copied(self, contract: Contract, recs: list[list[int]]) -> list[str]:
         wrong: list[str] = []
         offenders: list[int] = []
         for q, rec in enumerate(recs):
@@ -150,8 +153,8 @@ class Judge:
                         offenders.append(q)
         if wrong:
             self.fail(
-                f"{contract.id} violated at {where}: {', '.join(wrong)} differ(s) from what "
-                f"was sent ({HASH_NAME})",
+                f"{contract.id} violated at {_where(recs[0])}: {', '.join(wrong)} differ(s) "
+                f"from what was sent ({HASH_NAME})",
                 offenders,
             )
         return [contract.id]
