@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -81,8 +82,6 @@ class SlotArea:
     """
 
     def __init__(self, rank: int, areas: dict[int, memoryview], links: dict[int, ShmLink]) -> None:
-        from .shm import _Fence  # the rings' fence: one kind of barrier in the transport
-
         self.rank = rank
         self.world = len(areas)
         self._areas = [areas[q] for q in range(self.world)]
@@ -100,12 +99,14 @@ class SlotArea:
             ]
             for a in self._areas
         ]
-        own = self._areas[rank]
-        self._data = [
-            own[_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES : _PAGE + (p + 1) * _SLOT_STRIDE]
-            for p in (0, 1)
+        # ``peer_headers[parity]``: every peer's wire header in its slot
+        # ``parity`` (read after ``wait``; the collective compares them).
+        self.peer_headers = [
+            [self._slots[q][p][:_HEADER_BYTES] for q in self._peers] for p in (0, 1)
         ]
-        self._fence = _Fence()
+        # The fence (``shm._Fence``'s kind: an uncontended lock round trip, a
+        # locked instruction, a full barrier on x86-64), inlined where it is hot.
+        self._lock = threading.Lock()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
 
@@ -137,29 +138,20 @@ class SlotArea:
             self._views[key] = got
         return got
 
-    def write_data(self, phase: int, data: memoryview) -> None:
-        """Copy ``data`` (bytes) into this rank's slot of ``phase`` (a plain
-        memcpy: cheaper than a tensor copy's dispatch for small messages)."""
-        n = len(data)
-        if n:
-            self._data[phase & 1][:n] = data
-
     def write_header(self, phase: int, packed: bytes | bytearray) -> None:
         self._slots[self.rank][phase & 1][: len(packed)] = packed
-
-    def header_of(self, peer: int, phase: int, nbytes: int) -> memoryview:
-        """Rank ``peer``'s header bytes of ``phase`` (read after ``wait``)."""
-        return self._slots[peer][phase & 1][:nbytes]
 
     # ---------------------------------------------------------------- phases
 
     def publish(self, phase: int) -> None:
         """This rank's slot of ``phase`` is written: say so, waking sleeping peers."""
-        fence = self._fence
-        fence()  # the slot's bytes (even non-temporal ones) before the word
+        lock = self._lock
+        lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
+        lock.release()
         self._own[_ARRIVED] = phase
         self.phase = phase
-        fence()  # Dekker: our word before their flags (see ``wait``)
+        lock.acquire()  # fence, Dekker: our word before their flags (see ``wait``)
+        lock.release()
         for q, ctl in self._peer_ctl:
             if ctl[_SLEEPS]:
                 try:
@@ -176,15 +168,17 @@ class SlotArea:
                 return False
         return True
 
-    def check_peers(self, progress: Progress, what: str) -> None:
-        """Raise if a peer's group failed (``mark_failed``): it published its
-        part of this call and then failed, so the call did not complete on
-        every rank and must not complete here (TCP plans end with the same
-        check, ``Progress.run``). Memory reads only, when none failed."""
+    def failed_peer(self) -> int | None:
+        """A peer whose group failed (``mark_failed``), or None. One that
+        published its part of this call and then failed: the call did not
+        complete on every rank and must not complete here (the caller raises
+        ``Causes.peer_closed``, whose record the peer's ABORT frame, sent
+        before the word, carries; TCP plans end with the same check,
+        ``Progress.run``). Memory reads only."""
         for q, ctl in self._peer_ctl:
             if ctl[_FAILED]:
-                # Its ABORT frame went out before the word: read its record.
-                raise progress.causes.peer_closed(q, what)
+                return q
+        return None
 
     def mark_failed(self) -> None:
         """This rank's group is aborted: peers still in (or entering) a call raise."""
@@ -194,14 +188,19 @@ class SlotArea:
         """The peers that have not published ``phase`` yet."""
         return [q for q, ctl in self._peer_ctl if ctl[_ARRIVED] < phase]
 
-    def wait(self, phase: int, progress: Progress, what: str) -> None:
-        """Return once every peer published ``phase`` (module docstring: how)."""
+    def wait(self, phase: int, progress: Progress, what: str, spin_s: float = 0.0) -> None:
+        """Return once every peer published ``phase`` (module docstring: how).
+
+        ``spin_s``: spin at least this long before sleeping (the loop's
+        ``spin_s`` if longer): a phase whose peers are busy with the same
+        large copy as this rank is worth spinning for, where a sleep's
+        wake-up would make this rank the one its peers wait for next."""
         # A peer running on another core publishes within microseconds: look
         # a few times before giving the core away (no syscall if it does).
         for _ in range(_TIGHT_LOOKS):
             if self.ready(phase):
                 return
-        spin_until = time.perf_counter() + progress.spin_s
+        spin_until = time.perf_counter() + max(spin_s, progress.spin_s)
         while time.perf_counter() < spin_until:
             os.sched_yield()
             if not self.missing(phase):
@@ -220,7 +219,7 @@ class SlotArea:
                 raise ForeignTraffic(link.peer, raw)
 
     def _sleep_until(self, phase: int, progress: Progress, what: str) -> None:
-        own, fence = self._own, self._fence
+        own, lock = self._own, self._lock
         timeout_s = progress.timeout_s
         missing = self.missing(phase)
         deadline = time.monotonic() + timeout_s
@@ -228,7 +227,8 @@ class SlotArea:
             while missing:
                 self._foreign_traffic(phase)
                 own[_SLEEPS] = 1
-                fence()  # Dekker: our flag before their words (see ``publish``)
+                lock.acquire()  # fence, Dekker: our flag before their words (see ``publish``)
+                lock.release()
                 now_missing = self.missing(phase)
                 if now_missing:
                     left = deadline - time.monotonic()
