@@ -109,15 +109,15 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
     parity = phase & 1
     parts = shape.slot_views[parity]
     parts[area.rank].copy_(buf)
-    area.write_header(phase, shape.packed)
-    area.publish(phase)
+    area.publish(phase, shape.packed)
     if not area.ready(phase):
         _wait(area, phase, call, op, shape.packed, _spin_for(began))
     packed = shape.packed
     for raw in area.peer_headers[parity]:
         if raw != packed:
             _check_headers(area, call, parity, packed)
-    _check_failed(area, call, op)
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
     if len(parts) == 2:  # rank order is the tree order
         combine_into(buf, parts[0], parts[1], shape.kind)
     else:
@@ -159,14 +159,13 @@ def _pipelined(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op:
             ins = shape.slot_views[parity ^ 1]
             parts = [ins[q][lo:hi] if q != r else prev[lo:hi] for q in range(n)]
             _combine(mine[step + lo : step + hi], parts, shape.kind, tree, call.scratch)
-        if t == 0:
-            area.write_header(phase, shape.packed)
-        area.publish(phase)
+        area.publish(phase, shape.packed if t == 0 else None)
         if not area.ready(phase):
             _wait(area, phase, call, op, shape.packed, _spin_for(began))
         if t == 0:
             _check_headers(area, call, parity, shape.packed)
-        _check_failed(area, call, op)
+        if area.failed_peer() is not None:
+            _raise_failed(area, call, op)
         if prev is not None:  # every rank's reduced slice of chunk t - 1 out
             for q, (a, b) in enumerate(prev_bounds):
                 if b > a:
@@ -196,10 +195,12 @@ def _wait(
         raise error from None
 
 
-def _check_failed(area: SlotArea, call: Call, op: OpCode) -> None:
+def _raise_failed(area: SlotArea, call: Call, op: OpCode) -> None:
+    """A peer's group failed after it published its part of this call: the
+    call did not complete on every rank (``SlotArea.failed_peer``)."""
     peer = area.failed_peer()
-    if peer is not None:
-        raise call.mesh.progress.causes.peer_closed(peer, call.what(op))
+    assert peer is not None
+    raise call.mesh.progress.causes.peer_closed(peer, call.what(op))
 
 
 def _check_headers(area: SlotArea, call: Call, parity: int, packed: bytearray) -> None:

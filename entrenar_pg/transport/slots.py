@@ -138,13 +138,13 @@ class SlotArea:
             self._views[key] = got
         return got
 
-    def write_header(self, phase: int, packed: bytes | bytearray) -> None:
-        self._slots[self.rank][phase & 1][: len(packed)] = packed
-
     # ---------------------------------------------------------------- phases
 
-    def publish(self, phase: int) -> None:
-        """This rank's slot of ``phase`` is written: say so, waking sleeping peers."""
+    def publish(self, phase: int, header: bytes | bytearray | None = None) -> None:
+        """This rank's slot of ``phase`` is written (and ``header``, if given,
+        goes into the slot's header now): say so, waking sleeping peers."""
+        if header is not None:
+            self._slots[self.rank][phase & 1][: len(header)] = header
         lock = self._lock
         lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
         lock.release()
