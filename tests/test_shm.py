@@ -41,6 +41,7 @@ from entrenar_pg import (
     EntrenarProcessGroup,
     Options,
 )
+from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport import shm, slots
 from entrenar_pg.wire import Algo
@@ -222,7 +223,7 @@ SLOT_OPS = [
     (torch.bool, R.MAX, None),
 ]
 SLOT_SIZES = [0, 1, 1001]
-# Beyond SMALL_MAX_BYTES (one chunk), beyond a slot and several chunks, with odd tails.
+# Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
 BIG_SIZES = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5, 5 * slots.SLOT_DATA_BYTES // 8 + 1]
 BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
 
@@ -311,6 +312,58 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
+# The pipelined large path with 64-byte chunks (every dtype: 64 // itemsize
+# elements a chunk): one element, a chunk less one, a chunk, a chunk and
+# one, several chunks and a tail; a chunk's slices are uneven or empty
+# where the world does not divide it.
+PIPE_CHUNK_BYTES = 64
+
+
+def _chunk_sizes(dtype: torch.dtype) -> list[int]:
+    c = PIPE_CHUNK_BYTES // dtype.itemsize
+    return [1, c - 1, c, c + 1, 5 * c + 3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pipelined_large_path_at_chunk_boundaries(
+    world: int, deterministic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every op and dtype class through the pipelined large path (chunk t in,
+    chunk t - 1's slice reduced, chunk t - 1 out, in one phase), made to run
+    with tiny chunks: the bits of the single-process reference in the order
+    the mode promises (rank order; the canonical tree when deterministic)."""
+    monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
+    monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
+    ran: list[int] = []
+    original = shm_allreduce._pipelined
+
+    def counting(*args: Any) -> None:
+        ran.append(1)
+        original(*args)
+
+    monkeypatch.setattr(shm_allreduce, "_pipelined", counting)
+    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for dtype, op, factor, n in cases:
+            t = _data(rank, n, dtype)
+            opts = _opts(c10d.AllreduceOptions, reduceOp=_reduce_op(op, factor))
+            pg.allreduce([t], opts).wait()
+            out.append(t)
+        return out
+
+    got = _run(world, Options(transport="shm", deterministic=deterministic), fn, True)
+    assert len(ran) == world * len(cases), "not every allreduce ran the pipelined path"
+    for i, (dtype, op, factor, n) in enumerate(cases):
+        want = _reference(world, dtype, op, factor, n, deterministic)
+        for rank in range(world):
+            assert got[rank][i].dtype == dtype, (dtype, op, n, rank)
+            assert torch.equal(got[rank][i], want), (dtype, op, factor, n, rank)
+
+
 @pytest.mark.timeout(120)
 def test_back_to_back_calls_with_skew() -> None:
     """Calls queued without waiting, one rank delayed before some of them:
@@ -364,6 +417,7 @@ MISMATCHES = [  # (what rank 2 does differently, elements)
     ("size", 100),
     ("size", 400_000),
     ("size", 3 << 20),  # chunks through the slots
+    ("size", shm_allreduce.SMALL_MAX_BYTES // 4),  # rank 2 alone on the chunked path
     ("dtype", 100),
     ("op", 100),
     ("op", 3 << 20),
