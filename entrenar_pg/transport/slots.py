@@ -17,7 +17,8 @@ no separate "done reading" word and no wait for readers, except that a rank
 cannot get more than one phase ahead of the slowest.
 
 Waiting (``SlotArea.wait``): look at the peers' words; spin a little with
-``sched_yield`` (the loop's ``spin_s``); then set this rank's ``SLEEPS`` word,
+``sched_yield`` (the loop's ``spin_s``, or longer where the caller says
+the peers are busy with a large copy); then set this rank's ``SLEEPS`` word,
 fence, look again, and sleep in the progress loop's ``poll()`` on the peers'
 TCP data sockets (a publisher that sees ``SLEEPS`` set sends one wake-up
 byte there), which also watches the control sockets (aborts, QUERY) and
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
-# a larger one moves in chunks of this size (two phases each).
+# a larger one moves in chunks of half this size (a chunk's copy-in and the
+# previous chunk's reduced slices share a slot: one phase per chunk, plus one).
 SLOT_DATA_BYTES = 4 << 20
 _PAGE = mmap.PAGESIZE
 _SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
