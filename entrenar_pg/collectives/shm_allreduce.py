@@ -58,7 +58,7 @@ CHUNK_BYTES = SLOT_DATA_BYTES // 2
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
 _SPIN_PER_WORK = 8.0
-_SPIN_MAX_S = 0.005
+_SPIN_MAX_S = 0.002
 
 
 @dataclass(slots=True)
