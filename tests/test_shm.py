@@ -312,15 +312,14 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
-# The pipelined large path with 64-byte chunks (every dtype: 64 // itemsize
-# elements a chunk): one element, a chunk less one, a chunk, a chunk and
-# one, several chunks and a tail; a chunk's slices are uneven or empty
-# where the world does not divide it.
+# The pipelined large path with chunks of at most 64 bytes: one element, a
+# chunk less one, a chunk, a chunk and one, several chunks and a tail; the
+# last chunk's slices are uneven or empty where the world does not divide it.
 PIPE_CHUNK_BYTES = 64
 
 
-def _chunk_sizes(dtype: torch.dtype) -> list[int]:
-    c = PIPE_CHUNK_BYTES // dtype.itemsize
+def _chunk_sizes(dtype: torch.dtype, world: int) -> list[int]:
+    c = shm_allreduce.chunk_elems(dtype, world)
     return [1, c - 1, c, c + 1, 5 * c + 3]
 
 
@@ -344,7 +343,7 @@ def test_pipelined_large_path_at_chunk_boundaries(
         original(*args)
 
     monkeypatch.setattr(shm_allreduce, "_pipelined", counting)
-    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
+    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt, world)]
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
         out = []

@@ -14,16 +14,18 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
   combines all N slots into its output, in rank order left to right (the
   canonical tree order when ``call.choice.tree``): the operations and
   operands of ``direct.py``, so the bits equal TCP's.
-- Large, pipelined in chunks of ``CHUNK_BYTES``: each rank reduces a 1/N
-  slice of every chunk (DeepSpeed's >= 1 MiB slice algorithm), and one phase
-  carries three chunks at once: in phase t a rank copies chunk t into its
-  slot's *in* half (all but the slice it reduces: it reads that from its
-  input), reduces its slice of chunk t - 1 from every rank's in half of
-  phase t - 1 into its slot's *out* half, publishes t, waits, and copies
-  every rank's reduced slice of chunk t - 1 out. K chunks take K + 1 phases
-  (one wait each), where reduce-then-scatter per chunk took 2K. The first
-  phase's headers are compared as above. Same operands, same order: the
-  same bits as the small path.
+- Large, pipelined in chunks of up to a slot (``chunk_elems``): each rank
+  reduces a 1/N slice of every chunk (DeepSpeed's >= 1 MiB slice
+  algorithm), and one phase carries two chunks: in phase t a rank copies
+  chunk t into its slot (all but the slice it reduces: it reads that from
+  its input), reduces its slice of chunk t - 1 from every rank's slot of
+  phase t - 1 into its own slot, publishes t, waits, and copies every
+  rank's reduced slice of chunk t - 1 out. Slice q of a chunk has region q
+  of a slot, so chunk t's copy-in (the peers' regions) and chunk t - 1's
+  reduced slice (this rank's region) share one slot. K chunks take K + 1
+  phases (one wait each), where reduce-then-scatter per chunk took 2K.
+  The first phase's headers are compared as above. Same operands, same
+  order: the same bits as the small path.
 
 PREMUL_SUM's scale was applied to the input before (``reduce_ops.prepare_``,
 by the job), AVG's division is applied once to the result here
@@ -51,9 +53,10 @@ from .common import Call, ScratchPool, chunk_bounds
 # each rank reduces a slice of each chunk (N-fold less reduction work, one
 # more phase).
 SMALL_MAX_BYTES = 1 << 20
-# A large message's chunk: its in half and the previous chunk's reduced
-# slices (the out half) share one slot.
-CHUNK_BYTES = SLOT_DATA_BYTES // 2
+# A large message's chunk (at most): a slot. Slice q of every chunk lives in
+# region q of a slot (``chunk_elems``), so a phase's copy-in (the peers'
+# regions) and the previous chunk's reduced slice (this rank's region) share it.
+CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
@@ -69,7 +72,7 @@ class _Shape:
     kind: Kind  # the pairwise combine
     small: bool  # one phase (else chunks)
     slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements
-    chunk: int  # elements per chunk (large)
+    region: int  # elements of a slice's region in a slot (large; a chunk is world of them)
 
 
 def allreduce_shm(
@@ -97,10 +100,17 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     packed = bytearray(HEADER_BYTES)
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
     small = numel * dtype.itemsize <= SMALL_MAX_BYTES
-    chunk = CHUNK_BYTES // dtype.itemsize
-    views = area.views(dtype, numel if small else 2 * chunk)  # [rank][parity]
+    chunk = chunk_elems(dtype, area.world)
+    views = area.views(dtype, numel if small else chunk)  # [rank][parity]
     by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-    return _Shape(packed, red.combine_kind, small, by_parity, chunk)
+    return _Shape(packed, red.combine_kind, small, by_parity, chunk // area.world)
+
+
+def chunk_elems(dtype: torch.dtype, world: int) -> int:
+    """Elements of a large message's full chunk: ``world`` regions of equal
+    size, so ``chunk_bounds`` puts slice q of a full chunk exactly on region
+    q (a last, shorter chunk's slices fit in theirs)."""
+    return max(1, CHUNK_BYTES // dtype.itemsize // world) * world
 
 
 def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
@@ -126,13 +136,19 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
 
 def _pipelined(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
     """The large path (module docstring): phase t copies chunk t in, reduces
-    this rank's slice of chunk t - 1 into the out half, publishes, waits,
-    and copies chunk t - 1's reduced slices out."""
+    this rank's slice of chunk t - 1, publishes, waits, and copies chunk
+    t - 1's reduced slices out. Slice q of a chunk lives in region q of a
+    slot: in phase t a rank writes the peers' regions (chunk t in) and its
+    own (its reduced slice of chunk t - 1), reads its own region of every
+    peer's slot of phase t - 1 (to reduce) and region q of rank q's slot of
+    phase t (to copy out)."""
     n, r = area.world, area.rank
-    numel, step = buf.numel(), shape.chunk
+    numel, region = buf.numel(), shape.region
+    step = region * n
     chunks = -(-numel // step)
     full = chunk_bounds(step, n)
     tree = call.choice.tree
+    at = r * region  # this rank's region
     prev: torch.Tensor | None = None  # chunk t - 1 of buf
     prev_bounds = full
     for t in range(chunks + 1):
@@ -149,16 +165,15 @@ def _pipelined(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op:
             chunk = buf[start : start + m]
             if m != step:
                 bounds = chunk_bounds(m, n)
-            lo, hi = bounds[r]
-            if lo:
-                mine[:lo].copy_(chunk[:lo])
-            if hi < m:
-                mine[hi:m].copy_(chunk[hi:])
-        if prev is not None:  # this rank's slice of chunk t - 1, from every in half of phase t - 1
+            for q, (a, b) in enumerate(bounds):
+                if q != r and b > a:
+                    mine[q * region : q * region + b - a].copy_(chunk[a:b])
+        if prev is not None:  # this rank's slice of chunk t - 1, from every slot of phase t - 1
             lo, hi = prev_bounds[r]
             ins = shape.slot_views[parity ^ 1]
-            parts = [ins[q][lo:hi] if q != r else prev[lo:hi] for q in range(n)]
-            _combine(mine[step + lo : step + hi], parts, shape.kind, tree, call.scratch)
+            end = at + hi - lo
+            parts = [ins[q][at:end] if q != r else prev[lo:hi] for q in range(n)]
+            _combine(mine[at:end], parts, shape.kind, tree, call.scratch)
         area.publish(phase, shape.packed if t == 0 else None)
         if not area.ready(phase):
             _wait(area, phase, call, op, shape.packed, _spin_for(began))
@@ -169,7 +184,7 @@ def _pipelined(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op:
         if prev is not None:  # every rank's reduced slice of chunk t - 1 out
             for q, (a, b) in enumerate(prev_bounds):
                 if b > a:
-                    prev[a:b].copy_(slots[q][step + a : step + b])
+                    prev[a:b].copy_(slots[q][q * region : q * region + b - a])
         prev, prev_bounds = chunk, bounds
 
 
