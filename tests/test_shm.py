@@ -312,38 +312,38 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
-# The pipelined large path with chunks of at most 64 bytes: one element, a
-# chunk less one, a chunk, a chunk and one, several chunks and a tail; the
-# last chunk's slices are uneven or empty where the world does not divide it.
+# The chunked large path with 64-byte chunks: one element, a chunk less one,
+# a chunk, a chunk and one, several chunks and a tail; a chunk's slices are
+# uneven or empty where the world does not divide it.
 PIPE_CHUNK_BYTES = 64
 
 
-def _chunk_sizes(dtype: torch.dtype, world: int) -> list[int]:
-    c = shm_allreduce.chunk_elems(dtype, world)
+def _chunk_sizes(dtype: torch.dtype) -> list[int]:
+    c = shm_allreduce.chunk_elems(dtype)
     return [1, c - 1, c, c + 1, 5 * c + 3]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_pipelined_large_path_at_chunk_boundaries(
+def test_chunked_large_path_at_chunk_boundaries(
     world: int, deterministic: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every op and dtype class through the pipelined large path (chunk t in,
-    chunk t - 1's slice reduced, chunk t - 1 out, in one phase), made to run
-    with tiny chunks: the bits of the single-process reference in the order
-    the mode promises (rank order; the canonical tree when deterministic)."""
+    """Every op and dtype class through the chunked large path (copy in,
+    reduce a slice, copy out, per chunk), made to run with tiny chunks: the
+    bits of the single-process reference in the order the mode promises
+    (rank order; the canonical tree when deterministic)."""
     monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
     ran: list[int] = []
-    original = shm_allreduce._pipelined
+    original = shm_allreduce._chunked
 
     def counting(*args: Any) -> None:
         ran.append(1)
         original(*args)
 
-    monkeypatch.setattr(shm_allreduce, "_pipelined", counting)
-    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt, world)]
+    monkeypatch.setattr(shm_allreduce, "_chunked", counting)
+    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
         out = []
@@ -355,7 +355,7 @@ def test_pipelined_large_path_at_chunk_boundaries(
         return out
 
     got = _run(world, Options(transport="shm", deterministic=deterministic), fn, True)
-    assert len(ran) == world * len(cases), "not every allreduce ran the pipelined path"
+    assert len(ran) == world * len(cases), "not every allreduce ran the chunked path"
     for i, (dtype, op, factor, n) in enumerate(cases):
         want = _reference(world, dtype, op, factor, n, deterministic)
         for rank in range(world):

@@ -41,7 +41,7 @@ from benchmarks.model.links import (
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
 SHM_SMALL_MAX_BYTES = 1 << 20  # shm_allreduce.SMALL_MAX_BYTES: one phase up to here
-SHM_CHUNK_BYTES = 2 << 20  # shm_allreduce.CHUNK_BYTES: the chunk of the large path
+SLOT_DATA_BYTES = 4 << 20  # transport/slots.SLOT_DATA_BYTES: the chunk of the large path
 
 
 @dataclass(frozen=True)
@@ -192,25 +192,24 @@ def _shm_small(local: int, s: int, fabric: Fabric) -> list[Phase]:
 
 
 def _shm_reduce_scatter(local: int, s: int, fabric: Fabric) -> list[Phase]:
-    """The large path's first half, chunk by chunk: copy (L-1)/L x S in, sum the own 1/L
-    slice (one publish per chunk: chunk t's copy-in shares a phase with chunk t - 1's sum)."""
-    chunks = max(1, math.ceil(s / SHM_CHUNK_BYTES))
+    """The large path's first half, chunk by chunk: copy (L-1)/L x S in, sum the own 1/L slice."""
+    chunks = max(1, math.ceil(s / SLOT_DATA_BYTES))
     copy_in = Phase("slots-in", {SLOTS: chunks}, {SLOTS: (local - 1) / local * s})
     return [copy_in, *_reduce_phase("slots-sum", fabric, (local - 1) / local * s)]
 
 
 def _shm_all_gather(s: int) -> list[Phase]:
-    """The large path's second half: every rank copies the L reduced slices out (S); the
-    copy-outs ride in the next chunk's phase, so one publish more (the last chunk's)."""
-    return [Phase("slots-out", {SLOTS: 1}, {SLOTS: s})]
+    """The large path's second half: every rank copies the L reduced slices out (S)."""
+    chunks = max(1, math.ceil(s / SLOT_DATA_BYTES))
+    return [Phase("slots-out", {SLOTS: chunks}, {SLOTS: s})]
 
 
 def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
     """The shm-native allreduce (collectives/shm_allreduce.py), one host (H must be 1).
 
     Up to 1 MiB, one phase: 1 publish, S copied in per rank, (L-1) x S
-    combined per rank. Above, per 2 MiB chunk: copy in, each rank sums
-    its 1/L slice across the L slots, copy out, pipelined: K + 1 publishes for K chunks,
+    combined per rank. Above, per slot-sized chunk: copy in, each rank sums
+    its 1/L slice across the L slots, copy out: 2 publishes per chunk,
     (2L-1)/L x S copied and (L-1)/L x S combined per rank. Assumes a core
     and its share of memory bandwidth per rank.
     """

@@ -49,8 +49,7 @@ if TYPE_CHECKING:
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
-# a larger one moves in chunks of half this size (a chunk's copy-in and the
-# previous chunk's reduced slices share a slot: one phase per chunk, plus one).
+# a larger one moves in chunks of this size (two phases each).
 SLOT_DATA_BYTES = 4 << 20
 _PAGE = mmap.PAGESIZE
 _SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
