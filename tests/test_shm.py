@@ -42,6 +42,7 @@ from entrenar_pg import (
     EntrenarProcessGroup,
     Options,
 )
+from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport.shm import ring, slots
 from entrenar_pg.transport.shm import setup as shm
@@ -224,7 +225,7 @@ SLOT_OPS = [
     (torch.bool, R.MAX, None),
 ]
 SLOT_SIZES = [0, 1, 1001]
-# Beyond SMALL_MAX_BYTES (one chunk), beyond a slot and several chunks, with odd tails.
+# Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
 BIG_SIZES = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5, 5 * slots.SLOT_DATA_BYTES // 8 + 1]
 BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
 
@@ -313,6 +314,57 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
+# The chunked large path with 64-byte chunks: one element, a chunk less one,
+# a chunk, a chunk and one, several chunks and a tail; a chunk's slices are
+# uneven or empty where the world does not divide it.
+PIPE_CHUNK_BYTES = 64
+
+
+def _chunk_sizes(dtype: torch.dtype) -> list[int]:
+    c = shm_allreduce.chunk_elems(dtype)
+    return [1, c - 1, c, c + 1, 5 * c + 3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_chunked_large_path_at_chunk_boundaries(
+    world: int, deterministic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every op and dtype class through the chunked large path (copy in,
+    reduce a slice, copy out, per chunk), made to run with tiny chunks: the
+    bits of the single-process reference in the order the mode promises
+    (rank order; the canonical tree when deterministic)."""
+    monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
+    monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
+    ran: list[int] = []
+    original = shm_allreduce._chunked
+
+    def counting(*args: Any) -> None:
+        ran.append(1)
+        original(*args)
+
+    monkeypatch.setattr(shm_allreduce, "_chunked", counting)
+    cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for dtype, op, factor, n in cases:
+            t = _data(rank, n, dtype)
+            opts = _opts(c10d.AllreduceOptions, reduceOp=_reduce_op(op, factor))
+            pg.allreduce([t], opts).wait()
+            out.append(t)
+        return out
+
+    got = _run(world, Options(transport="shm", deterministic=deterministic), fn, True)
+    assert len(ran) == world * len(cases), "not every allreduce ran the chunked path"
+    for i, (dtype, op, factor, n) in enumerate(cases):
+        want = _reference(world, dtype, op, factor, n, deterministic)
+        for rank in range(world):
+            assert got[rank][i].dtype == dtype, (dtype, op, n, rank)
+            assert torch.equal(got[rank][i], want), (dtype, op, factor, n, rank)
+
+
 @pytest.mark.timeout(120)
 def test_back_to_back_calls_with_skew() -> None:
     """Calls queued without waiting, one rank delayed before some of them:
@@ -366,6 +418,7 @@ MISMATCHES = [  # (what rank 2 does differently, elements)
     ("size", 100),
     ("size", 400_000),
     ("size", 3 << 20),  # chunks through the slots
+    ("size", shm_allreduce.SMALL_MAX_BYTES // 4),  # rank 2 alone on the chunked path
     ("dtype", 100),
     ("op", 100),
     ("op", 3 << 20),

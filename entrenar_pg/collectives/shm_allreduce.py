@@ -2,7 +2,12 @@
 
 No plan and no byte ring: each rank's input goes once into its own slot
 area (``transport/shm/slots.py``), which every peer has mapped, and the
-reduction reads the peers' slots in place.
+reduction reads the peers' slots in place. Every step is one *phase* of the
+slot protocol: write this rank's slot of phase q, publish q, wait until
+every peer published q, read the peers' slots of phase q (reads of phase q
+end before this rank publishes q + 1, so double-buffered slots suffice).
+A wait spins for a multiple of this rank's own work in the phase before it
+sleeps (``_spin_for``).
 
 - Small (<= ``SMALL_MAX_BYTES``), one phase: each rank writes its 32-byte
   wire header and its input into its slot, publishes, waits for every peer,
@@ -11,21 +16,30 @@ reduction reads the peers' slots in place.
   combines all N slots into its output, in rank order left to right (the
   canonical tree order when ``call.choice.tree``): the operations and
   operands of ``direct.py``, so the bits equal TCP's.
-- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB path):
-  copy the chunk in (all but the slice this rank reduces: it reads that
-  from its input); each rank combines its 1/N slice of the chunk across
-  all slots (same order) into its other slot; then every rank copies all N
-  reduced slices out. The first chunk's headers are compared as above.
+- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB slice
+  algorithm, whose chunks also run one after another): copy the chunk in
+  (all but the slice this rank reduces: it reads that from its input);
+  each rank combines its 1/N slice of the chunk across all slots (same
+  order) into its other slot; then every rank copies all N reduced slices
+  out. The first chunk's headers are compared as above. Pipelining the
+  chunks (chunk t's copy-in, chunk t - 1's reduction and copy-out in one
+  phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
+  MiB (the reduction then reads a chunk copied in a phase earlier, after
+  another chunk went through the caches), so the chunks stay in sequence.
 
 PREMUL_SUM's scale was applied to the input before (``reduce_ops.prepare_``,
 by the job), AVG's division is applied once to the result here
 (``finish_``), as every algorithm does. Per call on the small path: two
 copies of the message per rank (in, and the reduction's output), no
-allocation (views cached per dtype and size, the header packed once per
-shape and restamped), no syscall when the peers are already there.
+allocation (a ``_Shape`` per dtype, op and size: the slot views and the
+header, packed once and restamped), a handful of Python calls, no syscall
+when the peers are already there.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -33,12 +47,30 @@ from ..errors import CollectiveMismatchError
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
 from ..transport.shm.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
-from .common import Call, ScratchPool, bytes_of, chunk_bounds
+from .common import Call, ScratchPool, chunk_bounds
 
-# Up to this size every rank reduces the whole message (one phase); above,
-# each rank reduces a slice (N-fold less reduction work, one more phase per
-# chunk). DeepSpeed's crossover, which matches ours on 2 cores.
+# Up to this size every rank reduces the whole message in one phase; above,
+# each rank reduces a slice of each chunk (N-fold less reduction work, one
+# more phase).
 SMALL_MAX_BYTES = 1 << 20
+# A large message's chunk: a slot (``chunk_elems``).
+CHUNK_BYTES = SLOT_DATA_BYTES
+# A wait spins (``sched_yield``: whoever else needs the core gets it) up to
+# this many times this rank's own work in the phase, within the cap, before
+# it sleeps (``_spin_for``).
+_SPIN_PER_WORK = 8.0
+_SPIN_MAX_S = 0.002
+
+
+@dataclass(slots=True)
+class _Shape:
+    """What every call of one shape (op, dtype, reduction, size, flags) reuses."""
+
+    packed: bytearray  # this shape's wire header; each call restamps the sequence number
+    kind: Kind  # the pairwise combine
+    small: bool  # one phase (else chunks)
+    slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements
+    chunk: int  # elements per chunk (large)
 
 
 def allreduce_shm(
@@ -47,91 +79,117 @@ def allreduce_shm(
     """Allreduce of the flat CPU tensor ``buf``, in place, through the slot areas."""
     area = call.mesh.slots
     assert area is not None, "internal: the policy chose SHM without slot areas"
-    numel = buf.numel()
-    packed = _packed_header(call, op, buf.dtype, red, numel)
-    if numel * buf.element_size() <= SMALL_MAX_BYTES:
-        _small(call, area, buf, red.combine_kind, packed, op)
+    key = ("shm", op, buf.dtype, red.kind, buf.numel(), call.choice.flags)
+    shape = call.scratch.plan(key)
+    if shape is None:
+        shape = _new_shape(call, area, op, buf, red)
+        call.scratch.keep_plan(key, shape)
+    stamp_seq(shape.packed, call.seq)
+    if shape.small:
+        _small(call, area, buf, shape, op)
     else:
-        _chunked(call, area, buf, red.combine_kind, packed, op)
-    finish_(buf, red, call.world)
+        _chunked(call, area, buf, shape, op)
+    if red.kind is Kind.AVG:
+        finish_(buf, red, call.mesh.world)
 
 
-def _packed_header(
-    call: Call, op: OpCode, dtype: torch.dtype, red: Reduction, numel: int
-) -> bytearray:
-    """This call's header, packed once per shape and restamped with the sequence number."""
-    key = ("shm_header", op, dtype, int(red.kind), numel, call.choice.flags)
-    packed = call.scratch.plan(key)
-    if packed is None:
-        packed = bytearray(HEADER_BYTES)
-        call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
-        call.scratch.keep_plan(key, packed)
-    stamp_seq(packed, call.seq)
-    return packed
+def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: Reduction) -> _Shape:
+    numel, dtype = buf.numel(), buf.dtype
+    packed = bytearray(HEADER_BYTES)
+    call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
+    small = numel * dtype.itemsize <= SMALL_MAX_BYTES
+    chunk = chunk_elems(dtype)
+    views = area.views(dtype, numel if small else chunk)  # [rank][parity]
+    by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
+    return _Shape(packed, red.combine_kind, small, by_parity, chunk)
 
 
-def _small(
-    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, op: OpCode
-) -> None:
-    n = call.world
+def chunk_elems(dtype: torch.dtype) -> int:
+    """Elements of a large message's full chunk (the last one may be shorter)."""
+    return max(1, CHUNK_BYTES // dtype.itemsize)
+
+
+def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
+    began = time.perf_counter()
     phase = area.phase + 1
     parity = phase & 1
-    views = area.views(buf.dtype, buf.numel())
-    area.write_data(phase, bytes_of(buf))
-    area.write_header(phase, packed)
-    area.publish(phase)
+    parts = shape.slot_views[parity]
+    parts[area.rank].copy_(buf)
+    area.publish(phase, shape.packed)
     if not area.ready(phase):
-        _wait(area, phase, call, op, packed)
-    _check_headers(area, call, phase, packed)
-    area.check_peers(call.mesh.progress, call.what(op))
-    parts = [views[q][parity] for q in range(n)]
-    _combine(buf, parts, kind, call.choice.tree, call.scratch)
+        _wait(area, phase, call, op, shape.packed, _spin_for(began))
+    packed = shape.packed
+    for raw in area.peer_headers[parity]:
+        if raw != packed:
+            _check_headers(area, call, parity, packed)
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
+    if len(parts) == 2:  # rank order is the tree order
+        combine_into(buf, parts[0], parts[1], shape.kind)
+    else:
+        _combine(buf, parts, shape.kind, call.choice.tree, call.scratch)
 
 
-def _chunked(
-    call: Call, area: SlotArea, buf: torch.Tensor, kind: Kind, packed: bytearray, op: OpCode
-) -> None:
-    n, r = call.world, call.rank
-    what = call.what(op)
-    progress = call.mesh.progress
-    step = SLOT_DATA_BYTES // buf.element_size()
-    numel = buf.numel()
+def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
+    """The large path (module docstring): per chunk, phase A copies it in
+    (but for this rank's slice), phase B reduces this rank's slice into its
+    other slot, then every rank's reduced slice is copied out."""
+    n, r = area.world, area.rank
+    numel, step = buf.numel(), shape.chunk
+    full = chunk_bounds(step, n)
+    tree = call.choice.tree
     for start in range(0, numel, step):
         m = min(step, numel - start)
-        views = area.views(buf.dtype, m)
-        bounds = chunk_bounds(m, n)
+        bounds = full if m == step else chunk_bounds(m, n)
         chunk = buf[start : start + m]
+        lo, hi = bounds[r]
         # Phase A: the chunk into this rank's slot, but for the slice this
         # rank reduces itself (read from ``buf`` directly: 1/N less copying).
+        began = time.perf_counter()
         phase = area.phase + 1
-        pa = phase & 1
-        lo, hi = bounds[r]
+        ins = shape.slot_views[phase & 1]
+        mine = ins[r]
         if lo:
-            views[r][pa][:lo].copy_(chunk[:lo])
+            mine[:lo].copy_(chunk[:lo])
         if hi < m:
-            views[r][pa][hi:].copy_(chunk[hi:])
-        area.write_header(phase, packed)
-        area.publish(phase)
-        _wait(area, phase, call, op, packed)
+            mine[hi:m].copy_(chunk[hi:])
+        area.publish(phase, shape.packed if start == 0 else None)
+        if not area.ready(phase):
+            _wait(area, phase, call, op, shape.packed, _spin_for(began))
         if start == 0:
-            _check_headers(area, call, phase, packed)
-        area.check_peers(progress, what)
+            _check_headers(area, call, phase & 1, shape.packed)
+        if area.failed_peer() is not None:
+            _raise_failed(area, call, op)
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
-        pb = pa ^ 1
-        parts = [views[q][pa][lo:hi] if q != r else chunk[lo:hi] for q in range(n)]
-        _combine(views[r][pb][lo:hi], parts, kind, call.choice.tree, call.scratch)
+        began = time.perf_counter()
+        outs = shape.slot_views[(phase + 1) & 1]
+        parts = [ins[q][lo:hi] if q != r else chunk[lo:hi] for q in range(n)]
+        _combine(outs[r][lo:hi], parts, shape.kind, tree, call.scratch)
         area.publish(phase + 1)
-        _wait(area, phase + 1, call, op, packed)
+        if not area.ready(phase + 1):
+            _wait(area, phase + 1, call, op, shape.packed, _spin_for(began))
+        if area.failed_peer() is not None:
+            _raise_failed(area, call, op)
         for q, (a, b) in enumerate(bounds):  # every rank's reduced slice out
             if b > a:
-                chunk[a:b].copy_(views[q][pb][a:b])
+                chunk[a:b].copy_(outs[q][a:b])
 
 
-def _wait(area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray) -> None:
+def _spin_for(began: float) -> float:
+    """How long a wait spins before it sleeps: the peers do this phase's work
+    too, so a few times as long as it took here (at least the loop's
+    ``spin_s``). A sleeper wakes late (a wake-up byte, the scheduler, an
+    idle core's exit) and makes its peers wait for it in the next phase."""
+    return min(_SPIN_PER_WORK * (time.perf_counter() - began), _SPIN_MAX_S)
+
+
+def _wait(
+    area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray, spin_s: float = 0.0
+) -> None:
     """``area.wait``; a peer found running another collective (its plan's
     header in its ring to us) is a mismatch naming both calls."""
     try:
-        area.wait(phase, call.mesh.progress, call.what(op), call)
+        area.wait(phase, call.mesh.progress, call.what(op), call, spin_s)
     except ForeignTraffic as e:
         error = _mismatch(call.rank, e.peer, packed, e.raw) or CollectiveMismatchError(
             f"rank {call.rank}: {call.what(op)}: rank {e.peer} runs another collective"
@@ -139,16 +197,22 @@ def _wait(area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray)
         raise error from None
 
 
-def _check_headers(area: SlotArea, call: Call, phase: int, packed: bytearray) -> None:
-    """Every peer's header of ``phase`` equals ours, byte for byte; else the
-    mismatch, naming both calls (every rank compares every header, so every
-    rank raises in the call)."""
-    for q in range(call.world):
-        if q == call.rank:
-            continue
-        raw = area.header_of(q, phase, HEADER_BYTES)
+def _raise_failed(area: SlotArea, call: Call, op: OpCode) -> None:
+    """A peer's group failed after it published its part of this call: the
+    call did not complete on every rank (``SlotArea.failed_peer``)."""
+    peer = area.failed_peer()
+    assert peer is not None
+    raise call.mesh.progress.causes.peer_closed(peer, call.what(op))
+
+
+def _check_headers(area: SlotArea, call: Call, parity: int, packed: bytearray) -> None:
+    """Every peer's header in slot ``parity`` equals ours, byte for byte; else
+    the mismatch, naming both calls (every rank compares every header, so
+    every rank raises in the call)."""
+    peers = [q for q in range(area.world) if q != area.rank]
+    for q, raw in zip(peers, area.peer_headers[parity], strict=True):
         if raw != packed:
-            error = _mismatch(call.rank, q, packed, bytes(raw))
+            error = _mismatch(area.rank, q, packed, bytes(raw))
             if error is not None:
                 raise error
 

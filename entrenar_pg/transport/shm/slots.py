@@ -17,7 +17,8 @@ no separate "done reading" word and no wait for readers, except that a rank
 cannot get more than one phase ahead of the slowest.
 
 Waiting (``SlotArea.wait``): look at the peers' words; spin a little with
-``sched_yield`` (the job's ``spin_s``); then set this rank's ``SLEEPS`` word,
+``sched_yield`` (the job's ``spin_s``, or longer where the caller says
+the peers are busy with a large copy); then set this rank's ``SLEEPS`` word,
 fence, look again, and sleep in the progress loop's ``poll()`` (``Sleeper``) on the peers'
 TCP data sockets (a publisher that sees ``SLEEPS`` set sends one wake-up
 byte there), which also watches the control sockets (aborts, QUERY) and
@@ -34,13 +35,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ...config import SHM_SLEEP_CAP_S
-from .fence import Fence
 
 if TYPE_CHECKING:
     from ..control import Causes
@@ -112,12 +113,14 @@ class SlotArea:
             ]
             for a in self._areas
         ]
-        own = self._areas[rank]
-        self._data = [
-            own[_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES : _PAGE + (p + 1) * _SLOT_STRIDE]
-            for p in (0, 1)
+        # ``peer_headers[parity]``: every peer's wire header in its slot
+        # ``parity`` (read after ``wait``; the collective compares them).
+        self.peer_headers = [
+            [self._slots[q][p][:_HEADER_BYTES] for q in self._peers] for p in (0, 1)
         ]
-        self._fence = Fence()
+        # The fence (``fence.Fence``'s kind: an uncontended lock round trip, a
+        # locked instruction, a full barrier on x86-64), inlined where it is hot.
+        self._lock = threading.Lock()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
 
@@ -149,29 +152,20 @@ class SlotArea:
             self._views[key] = got
         return got
 
-    def write_data(self, phase: int, data: memoryview) -> None:
-        """Copy ``data`` (bytes) into this rank's slot of ``phase`` (a plain
-        memcpy: cheaper than a tensor copy's dispatch for small messages)."""
-        n = len(data)
-        if n:
-            self._data[phase & 1][:n] = data
-
-    def write_header(self, phase: int, packed: bytes | bytearray) -> None:
-        self._slots[self.rank][phase & 1][: len(packed)] = packed
-
-    def header_of(self, peer: int, phase: int, nbytes: int) -> memoryview:
-        """Rank ``peer``'s header bytes of ``phase`` (read after ``wait``)."""
-        return self._slots[peer][phase & 1][:nbytes]
-
     # ---------------------------------------------------------------- phases
 
-    def publish(self, phase: int) -> None:
-        """This rank's slot of ``phase`` is written: say so, waking sleeping peers."""
-        fence = self._fence
-        fence()  # the slot's bytes (even non-temporal ones) before the word
+    def publish(self, phase: int, header: bytes | bytearray | None = None) -> None:
+        """This rank's slot of ``phase`` is written (and ``header``, if given,
+        goes into the slot's header now): say so, waking sleeping peers."""
+        if header is not None:
+            self._slots[self.rank][phase & 1][: len(header)] = header
+        lock = self._lock
+        lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
+        lock.release()
         self._own[_ARRIVED] = phase
         self.phase = phase
-        fence()  # Dekker: our word before their flags (see ``wait``)
+        lock.acquire()  # fence, Dekker: our word before their flags (see ``wait``)
+        lock.release()
         for q, ctl in self._peer_ctl:
             if ctl[_SLEEPS]:
                 try:
@@ -188,15 +182,17 @@ class SlotArea:
                 return False
         return True
 
-    def check_peers(self, progress: Sleeper, what: str) -> None:
-        """Raise if a peer's group failed (``mark_failed``): it published its
-        part of this call and then failed, so the call did not complete on
-        every rank and must not complete here (TCP plans end with the same
-        check, ``Progress.run``). Memory reads only, when none failed."""
+    def failed_peer(self) -> int | None:
+        """A peer whose group failed (``mark_failed``), or None. One that
+        published its part of this call and then failed: the call did not
+        complete on every rank and must not complete here (the caller raises
+        ``Causes.peer_closed``, whose record the peer's ABORT frame, sent
+        before the word, carries; TCP plans end with the same check,
+        ``Progress.run``). Memory reads only."""
         for q, ctl in self._peer_ctl:
             if ctl[_FAILED]:
-                # Its ABORT frame went out before the word: read its record.
-                raise progress.causes.peer_closed(q, what)
+                return q
+        return None
 
     def mark_failed(self) -> None:
         """This rank's group is aborted: peers still in (or entering) a call raise."""
@@ -206,15 +202,22 @@ class SlotArea:
         """The peers that have not published ``phase`` yet."""
         return [q for q, ctl in self._peer_ctl if ctl[_ARRIVED] < phase]
 
-    def wait(self, phase: int, progress: Sleeper, what: str, pace: Pace) -> None:
+    def wait(
+        self, phase: int, progress: Sleeper, what: str, pace: Pace, spin_s: float = 0.0
+    ) -> None:
         """Return once every peer published ``phase`` (module docstring: how),
-        spinning and timing out at the job's ``pace``."""
+        timing out at the job's ``pace``.
+
+        ``spin_s``: spin at least this long before sleeping (the job's
+        ``pace.spin_s`` if longer): a phase whose peers are busy with the same
+        large copy as this rank is worth spinning for, where a sleep's
+        wake-up would make this rank the one its peers wait for next."""
         # A peer running on another core publishes within microseconds: look
         # a few times before giving the core away (no syscall if it does).
         for _ in range(_TIGHT_LOOKS):
             if self.ready(phase):
                 return
-        spin_until = time.perf_counter() + pace.spin_s
+        spin_until = time.perf_counter() + max(spin_s, pace.spin_s)
         while time.perf_counter() < spin_until:
             os.sched_yield()
             if not self.missing(phase):
@@ -233,14 +236,15 @@ class SlotArea:
                 raise ForeignTraffic(link.peer, raw)
 
     def _sleep_until(self, phase: int, progress: Sleeper, what: str, timeout_s: float) -> None:
-        own, fence = self._own, self._fence
+        own, lock = self._own, self._lock
         missing = self.missing(phase)
         deadline = time.monotonic() + timeout_s
         try:
             while missing:
                 self._foreign_traffic(phase)
                 own[_SLEEPS] = 1
-                fence()  # Dekker: our flag before their words (see ``publish``)
+                lock.acquire()  # fence, Dekker: our flag before their words (see ``publish``)
+                lock.release()
                 now_missing = self.missing(phase)
                 if now_missing:
                     left = deadline - time.monotonic()
