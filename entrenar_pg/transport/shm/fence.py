@@ -1,4 +1,7 @@
-"""The one memory barrier of the shared-memory transport (the rings use it; the slot areas inline the same lock round trip where it is hot)."""
+"""The one memory barrier of the shared-memory transport.
+
+The rings use it; the slot areas inline the same lock round trip where it is hot.
+"""
 
 from __future__ import annotations
 
