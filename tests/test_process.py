@@ -70,10 +70,13 @@ def test_allreduce_against_gloo(world: int) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_256mib_allreduce_completes(world: int) -> None:
-    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", world, timeout_s=300))
-    assert sorted(out.split("CHECK")[1:]) and out.count(" ok") == world, out
+def test_256mib_allreduce_completes() -> None:
+    """At N = 4 (the job's group), 3 and 2 (groups of its first ranks): one job."""
+    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", 4, timeout_s=300))
+    # ranks share one stdout pipe, so lines may run together: match tokens, not lines
+    checks = re.findall(r"CHECK (\d+) (\d+) (ok|bad)", out)
+    expected = [(str(n), str(r), "ok") for n in (2, 3, 4) for r in range(n)]
+    assert sorted(checks) == sorted(expected), out
 
 
 def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
