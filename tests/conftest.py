@@ -183,6 +183,19 @@ def run_session(
     return done
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests first: slow-marked ones and xdist groups (a module-scoped
+    job), each kept in its file's order, then the rest. xdist hands tests out
+    in this order, so the long ones start while the short ones are left to fill
+    the workers' last minutes, instead of one long test running alone at the
+    end. (A group's tests keep one key, so they stay together.)"""
+    items.sort(key=lambda item: not item.get_closest_marker("slow") and not is_grouped(item))
+
+
+def is_grouped(item: pytest.Item) -> bool:
+    return item.get_closest_marker("xdist_group") is not None
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     # Ranks share two cores: intra-op threads would only fight each other.

@@ -166,6 +166,7 @@ def test_abort_with_a_stopped_peer_and_a_hung_store_fails_all_work_in_under_a_se
         pg.abort()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_abort_with_dead_peers_and_a_hung_store_returns_in_under_a_second(job: Job) -> None:
     peers = job.peers(3)
@@ -190,6 +191,7 @@ def test_abort_with_dead_peers_and_a_hung_store_returns_in_under_a_second(job: J
         pg.abort()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_abort_during_the_stall_walk_fails_the_job_at_once(job: Job) -> None:
     """A job that timed out asks the stopped peer what it waits on (up to 2 s

@@ -106,6 +106,7 @@ def test_combine_max_over_ranks_fences_subtracted_busiest_link() -> None:
         combine(cfg, ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_run_two_hosts_of_two(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The real harness: one job of 2 x 2 ranks in namespaces, links at 1 Gbit/s.

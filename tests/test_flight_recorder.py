@@ -196,6 +196,7 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
     return Scenario(results, reports[0], read_picture(page), load_dir(str(dumps)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
     sc = run_scenario("desync", tmp_path, cli=True)

@@ -64,6 +64,7 @@ def ours(trace_file: Path) -> list[dict[str, Any]]:
     return [e for e in trace["traceEvents"] if e.get("name", "").startswith("entrenar:")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ddp_buckets_and_async_calls_show_in_a_default_chrome_trace(tmp_path: Path) -> None:
     run_script(tmp_path)

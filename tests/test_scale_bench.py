@@ -61,6 +61,7 @@ def test_split_and_limit_projection() -> None:
     assert (p["per_rank_slope"], p["per_rank_intercept"], p["n_max"]) == (5.0, -2.0, 204)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_small_job_matches_the_connection_design(tmp_path: Path) -> None:
     out = tmp_path / "scale"

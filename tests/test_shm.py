@@ -535,6 +535,7 @@ def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_stopped_peer_is_named_at_the_timeout() -> None:
     """Three ranks allreduce through the slot areas with a 3 s timeout;

@@ -155,6 +155,7 @@ def test_the_group_enforces_its_own_timeout_and_errored_reports_it() -> None:
             pg.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_replica_is_replaced_and_heals_to_the_survivors_weights(
     tmp_path: Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ from conftest import run_session
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
 
-# xdist_group: one worker runs this module, so its module-scoped reference training runs once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_dist")]
+pytestmark = pytest.mark.slow
+# xdist_group: one worker runs the tests that read the module-scoped reference
+# training, so it runs once; the others go to whichever worker is free.
+ON_REFERENCE = pytest.mark.xdist_group("trainer_dist")
 
 # A model and corpus small enough that a step takes milliseconds.
 TINY = [
@@ -72,11 +75,17 @@ def run_dir(tmp_path: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """N=2, deterministic, STEPS steps straight."""
+def reference_run(tmp_path_factory) -> Path:
+    """N=2, deterministic, STEPS steps straight: its directory (metrics, checkpoint)."""
     tmp = tmp_path_factory.mktemp("ref")
     torchrun(2, [*DET, "--steps", str(STEPS), *run_dir(tmp, "ref")], timeout=90)
-    end = end_record(tmp / "ref" / "metrics.jsonl")
+    return tmp / "ref"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> dict:
+    """The reference run's end record."""
+    end = end_record(reference_run / "metrics.jsonl")
     assert end["step"] == STEPS and end["replicas_agree"] and end["world_size"] == 2
     return end
 
@@ -112,6 +121,7 @@ def test_smoke_ddp_mode_outputs(tmp_path, backend):
         assert steps[-1]["comm"] == {}
 
 
+@ON_REFERENCE
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nproc", [4])  # N=1 against N=2, step by step: test_ledger.py
 def test_world_size_invariance(tmp_path, reference, nproc):
@@ -123,6 +133,7 @@ def test_world_size_invariance(tmp_path, reference, nproc):
     assert end["final_loss"] == reference["final_loss"]
 
 
+@ON_REFERENCE
 @pytest.mark.timeout(150)
 def test_resume_continues_the_same_trajectory(tmp_path, reference):
     """STEPS/2 steps, stop, resume to STEPS: bitwise the straight run."""
@@ -142,6 +153,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, reference):
     assert [r["step"] for r in recs if "event" not in r] == list(range(1, STEPS + 1))
 
 
+@ON_REFERENCE
 @pytest.mark.timeout(150)
 def test_resume_at_another_world_size(tmp_path, reference):
     """Saved at N=4, resumed at N=1: the checkpoint is world-size independent."""
@@ -155,6 +167,7 @@ def test_resume_at_another_world_size(tmp_path, reference):
     assert recs[-1]["param_hash"] == reference["param_hash"]
 
 
+@ON_REFERENCE
 @pytest.mark.timeout(150)
 def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference):
     """Rank 1 exits at step 5 on the first attempt; torchrun restarts the group,
@@ -190,11 +203,13 @@ ckpt.save_atomic(payload, sys.argv[1])
 """
 
 
+@ON_REFERENCE
 @pytest.mark.timeout(150)
-def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path):
+def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path, reference_run):
+    """The reference run's checkpoint (step STEPS), its writer killed mid-save, then a resume."""
     d = run_dir(tmp_path, "r")
     ckpt_dir = tmp_path / "r" / "ckpt"
-    torchrun(2, ["--steps", "2", *d], timeout=60)
+    shutil.copytree(reference_run / "ckpt", ckpt_dir)
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
         cwd=REPO,
@@ -207,13 +222,14 @@ def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path
     leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".tmp")]
     assert len(leftovers) == 1 and leftovers[0].startswith(".latest.pt."), leftovers
 
-    proc = torchrun(2, ["--steps", "4", "--resume", *d], timeout=60)
+    proc = torchrun(2, [*DET, "--steps", str(STEPS + 2), "--resume", *d], timeout=60)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest.pt"]
     assert f"removed {ckpt_dir / leftovers[0]}" in proc.stdout
     recs = records(tmp_path / "r" / "metrics.jsonl")
     start = [r for r in recs if r.get("event") == "start"][-1]
-    assert start["resumed_from"]["step"] == 2
-    assert recs[-1]["event"] == "end" and recs[-1]["step"] == 4 and recs[-1]["replicas_agree"]
+    assert start["resumed_from"]["step"] == STEPS
+    end = recs[-1]
+    assert end["event"] == "end" and end["step"] == STEPS + 2 and end["replicas_agree"]
 
 
 @pytest.mark.timeout(60)
