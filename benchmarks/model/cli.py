@@ -24,7 +24,10 @@ from benchmarks.sizes import parse_sizes
 
 FITTED = Path(__file__).with_name("fitted_links.json")
 TODAY = ("direct", "star", "ring")  # the flat algorithms the policy picks from today
-DEFAULT_PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "cost_model.png"
+IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+DEFAULT_PLOT = IMG / "cost_model.png"
+THRESHOLD_PLOT = "cost_model_threshold.png"  # beside --plot
+CHECK_PLOT = IMG / "cost_model_check.png"
 
 
 def _links(path: str | None) -> LinkTable:
@@ -67,6 +70,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.cluster]
     checked = check.check(runs, _links(args.links))
     print(check.report(checked))
+    if args.plot:
+        check.plot(checked, Path(args.plot))
+        print(f"\nplot: {args.plot}")
     return 1 if args.strict and any(c.flagged for c in checked) else 0
 
 
@@ -79,12 +85,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print("\n".join(plan.crossover_lines(links, ours)))
     print("\nCrossovers among today's algorithms (what the policy's thresholds should be):\n")
     print("\n".join(plan.crossover_lines(links, list(TODAY))))
+    print("\nWhere HOST_SLICES beats HOST_LEADERS, per H:\n")
+    print("\n".join(plan.threshold_lines(links)))
+    print("\nAt scale: what the policy picks, against the flat ring (L = 8):\n")
+    print(plan.scale_table(links))
     for h, local in ((4, 2), (64, 8), (1024, 8)):
         print(f"\nEvery algorithm, {h} x {local}:\n")
         print(plan.full_table(links, list(costs.ALGORITHMS), h, local))
     if args.plot:
-        plan.plot(links, list(costs.ALGORITHMS), Path(args.plot))
-        print(f"\nplot: {args.plot}")
+        path = Path(args.plot)
+        plan.plot(links, list(costs.ALGORITHMS), path)
+        plan.plot_threshold(links, path.with_name(THRESHOLD_PLOT))
+        print(f"\nplots: {path}, {path.with_name(THRESHOLD_PLOT)}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("cluster", nargs="+")
     k.add_argument("--links")
     k.add_argument("--strict", action="store_true", help="exit 1 if a row is flagged")
+    k.add_argument(
+        "--plot", default="", help=f"PNG path, predicted against measured (e.g. {CHECK_PLOT})"
+    )
     pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
     pl.add_argument("--links")
     pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
