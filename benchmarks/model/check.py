@@ -143,6 +143,11 @@ def _counted(c: Checked) -> str:
     return _mib(c.measured_link_bytes) + ratio
 
 
+def duration(seconds: float) -> str:
+    """``1.23 s`` or ``45.6 ms``."""
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):.3g} MiB"
 
@@ -158,8 +163,8 @@ def report(checked: Sequence[Checked]) -> str:
         mark = " **>25 %**" if c.flagged else ""
         lines.append(
             f"| {c.variant} | {c.algorithm} | {c.hosts} x {c.local} | {format_bytes(c.nbytes)} "
-            f"| {c.measured_s * 1e3:.3g} ms | {c.predicted_s * 1e3:.3g} ms | {c.error:+.0%}{mark} "
-            f"| {c.fastest_s * 1e3:.3g} ms | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} "
+            f"| {duration(c.measured_s)} | {duration(c.predicted_s)} | {c.error:+.0%}{mark} "
+            f"| {duration(c.fastest_s)} | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} "
             f"| {_mib(c.link_bytes)} | {_counted(c)} |"
         )
     bad = sum(c.flagged for c in checked)
@@ -167,7 +172,28 @@ def report(checked: Sequence[Checked]) -> str:
     lines.append(
         f"{len(checked) - bad} of {len(checked)} rows within {TOLERANCE:.0%}; {bad} flagged."
     )
+    lines += summary(checked)
     return "\n".join(lines)
+
+
+LARGE_BYTES = 1 << 20  # from here up the host link's rate binds at 1 Gbit/s (the fit's regime)
+
+
+def summary(checked: Sequence[Checked]) -> list[str]:
+    """Rows within the tolerance per H x L, below ``LARGE_BYTES`` and from it up."""
+    out = []
+    for h, local in sorted({(c.hosts, c.local) for c in checked}):
+        cells = []
+        for label, large in (("below 1 MiB", False), ("from 1 MiB", True)):
+            rows = [
+                c
+                for c in checked
+                if (c.hosts, c.local) == (h, local) and (c.nbytes >= LARGE_BYTES) == large
+            ]
+            ok = sum(not c.flagged for c in rows)
+            cells.append(f"{label} {ok} of {len(rows)}")
+        out.append(f"- {h} x {local}: " + ", ".join(cells))
+    return out
 
 
 def plot(checked: Sequence[Checked], path: Path) -> None:
@@ -205,7 +231,9 @@ def plot(checked: Sequence[Checked], path: Path) -> None:
             )
         ax.set_xlabel("predicted seconds")
         ax.set_ylabel("measured median seconds (bar: to the fastest sample)")
-        ax.set_title(f"{h} hosts x {local} ranks, 4 KiB .. 64 MiB")
+        sizes = sorted({c.nbytes for c in rows})
+        span = f"{format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}"
+        ax.set_title(f"{h} hosts x {local} ranks, {span}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(

@@ -177,19 +177,23 @@ def threshold_lines(links: LinkTable) -> list[str]:
     threshold = Options().host_leaders_max_bytes
     out = [
         f"policy: host_leaders_max_bytes = {format_bytes(threshold)}; "
-        f"large-H limit 2 alpha / beta = {format_bytes(int(2 * net.alpha / net.beta))}"
+        f"large-H limit 2 alpha / beta = {_kib(2 * net.alpha / net.beta)}"
     ]
     for local in PLOT_LOCALS:
         cells = []
         for h in HOSTS:
             x = leaders_to_slices(h, local, links)
-            cells.append(f"{h}: {format_bytes(x) if x else '-'}")
+            cells.append(f"{h}: {_kib(x) if x else '-'}")
         out.append(f"- L = {local}: " + ", ".join(cells))
     return out
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    return check.duration(seconds)
+
+
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:.0f} KiB"
 
 
 def plot(links: LinkTable, names: Sequence[str], path: Path) -> None:
