@@ -78,11 +78,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     links = _links(args.links)
-    ours = [n for n in costs.ALGORITHMS if n != "gloo ring"]
-    print("Fastest of entrenar's algorithms and its predicted time:\n")
+    ours = [n for n in costs.ALGORITHMS if n != "gloo ring" and n not in costs.PROPOSALS]
+    print("Fastest of entrenar's algorithms (the code's) and its predicted time:\n")
     print(plan.table(links, ours))
-    print("\nCrossovers (entrenar's algorithms):\n")
+    print("\nCrossovers (entrenar's algorithms, the code's):\n")
     print("\n".join(plan.crossover_lines(links, ours)))
+    print("\nCrossovers with the proposals for large H (not code):\n")
+    print("\n".join(plan.crossover_lines(links, [*ours, *costs.PROPOSALS])))
     print("\nCrossovers among today's algorithms (what the policy's thresholds should be):\n")
     print("\n".join(plan.crossover_lines(links, list(TODAY))))
     print("\nWhere HOST_SLICES beats HOST_LEADERS, per H:\n")
