@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, costs, fit, plan
+from benchmarks.model import check, cli, costs, fit, plan
 from benchmarks.model.links import GLOO_NET, KINDS, NET, REDUCE, SHM, LinkParams, LinkTable
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
@@ -263,3 +263,11 @@ def test_scale_table_is_the_policy_against_the_flat_ring() -> None:
     last = table[-1].split(" | ")
     assert last[0] == "| 1024 x 8" and last[2] == "host_slices"
     assert float(last[-1].rstrip(" |")) == pytest.approx(1.0)  # the slices: at the bound
+
+
+def test_predict_command_names_the_policys_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["predict", "--hosts", "4", "--local", "2", "--sizes", "4K,1M"]) == 0
+    out = capsys.readouterr().out
+    assert "4096 B: the policy picks host_leaders" in out
+    assert "1048576 B: the policy picks host_slices" in out
+    assert "leaders doubling (proposal)" in out

@@ -1,11 +1,13 @@
-"""``python -m benchmarks.model {measure,fit,check,plan}``: the cost model's commands.
+"""``python -m benchmarks.model {measure,fit,check,plan,predict}``: the cost model's commands.
 
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
 - ``fit MEASUREMENTS.json``: the link table from measurements.
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
-- ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plot.
+- ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
+- ``predict --hosts H --local L [--sizes ...]``: every algorithm's time and
+  the policy's pick (asked with the topology) for one shape.
 
 Without ``--links`` the parameters committed beside this file
 (``fitted_links.json``) are used.
@@ -101,6 +103,20 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(f"\nplots: {path}, {path.with_name(THRESHOLD_PLOT)}")
 
 
+def cmd_predict(args: argparse.Namespace) -> None:
+    links = _links(args.links)
+    for size in parse_sizes(args.sizes):
+        pick = plan.policy_pick(args.hosts, args.local, size, links)
+        print(
+            f"\n{args.hosts} x {args.local}, {size} B: the policy picks {pick.algorithm}, "
+            f"{check.duration(pick.seconds)}, {pick.link_bytes:.0f} B per host link"
+        )
+        t = plan.times(args.hosts, args.local, size, links, list(costs.ALGORITHMS))
+        for name, seconds in sorted(t.items(), key=lambda kv: kv[1]):
+            note = " (proposal)" if name in costs.PROPOSALS else ""
+            print(f"  {name}{note}: {check.duration(seconds)}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.model", description=__doc__.split("\n")[0]
@@ -122,6 +138,11 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--plot", default="", help=f"PNG path, predicted against measured (e.g. {CHECK_PLOT})"
     )
+    pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")
+    pr.add_argument("--hosts", type=int, required=True)
+    pr.add_argument("--local", type=int, required=True)
+    pr.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    pr.add_argument("--links")
     pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
     pl.add_argument("--links")
     pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
@@ -133,5 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "check":
         return cmd_check(args)
-    {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan}[args.cmd](args)
+    commands = {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan, "predict": cmd_predict}
+    commands[args.cmd](args)
     return 0

@@ -69,7 +69,7 @@ def crossovers(
         x, y = math.log(lo), math.log(hi)
         for _ in range(BISECT_STEPS):
             mid = (x + y) / 2
-            if best(hosts, local, int(math.exp(mid)), links, names) == a:
+            if best(hosts, local, round(math.exp(mid)), links, names) == a:
                 x = mid
             else:
                 y = mid
@@ -77,9 +77,9 @@ def crossovers(
             Crossover(
                 hosts,
                 local,
-                int(math.exp(y)),
+                round(math.exp(y)),
                 a,
-                best(hosts, local, int(math.exp(y)), links, names),
+                best(hosts, local, round(math.exp(y)), links, names),
             )
         )
     return found
