@@ -8,8 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, costs, fit, plan
-from benchmarks.model.links import GLOO_NET, KINDS, NET, LinkParams, LinkTable
+from benchmarks.model import check, cli, costs, fit, plan
+from benchmarks.model.links import GLOO_NET, KINDS, NET, REDUCE, SHM, LinkParams, LinkTable
+from entrenar_pg.collectives.policy import choose
+from entrenar_pg.config import Options
+from entrenar_pg.transport.topology import Topology
+from entrenar_pg.wire import OpCode
 
 # Made-up but plausible parameters: every kind distinct, so a formula that
 # picks the wrong kind changes the answer.
@@ -41,41 +45,68 @@ def test_every_algorithm_is_monotone_in_size(name: str) -> None:
 
 @pytest.mark.parametrize(("h", "local"), [(2, 1), (2, 8), (4, 2), (64, 8), (1024, 8)])
 def test_host_link_bytes(h: int, local: int) -> None:
-    """Bytes per host link per direction: hierarchical large 2(H-1)/H x S whatever L is;
+    """Bytes per host link per direction: the host slices 2(H-1)/H x S whatever L and the
+    pieces are (the bound); the leaders (H-1) x S; recursive doubling ceil(log2 H) x S;
     the flat ring 2(N-1)/N x S (one ring edge per host); direct (H-1) x L^2 x S;
-    star (H-1) x L x S; hierarchical small ceil(log2 H) x S."""
-    s = 64 << 20
+    star (H-1) x L x S."""
+    for s in (4 << 10, 3 << 20, 64 << 20):  # one piece, one piece, MAX_PIECES pieces
+        shape = costs.Shape(h, local, s)
+        n = h * local
+        for slices in (costs.host_slices, costs.host_slices_one_piece):
+            got = costs.host_link_bytes(slices(shape, costs.ENTRENAR), NET)
+            assert got == pytest.approx(2 * (h - 1) / h * s), (slices, s)
+        leaders = costs.host_link_bytes(costs.host_leaders(shape, costs.ENTRENAR), NET)
+        assert leaders == pytest.approx((h - 1) * s)
+        doubling = costs.host_link_bytes(costs.leaders_doubling(shape, costs.ENTRENAR), NET)
+        assert doubling == pytest.approx(math.ceil(math.log2(h)) * s)
+        ring = costs.host_link_bytes(costs.ring(shape, costs.ENTRENAR), NET)
+        assert ring == pytest.approx(2 * (n - 1) / n * s)
+        direct = costs.host_link_bytes(costs.direct(shape, costs.ENTRENAR), NET)
+        assert direct == pytest.approx((h - 1) * local**2 * s)
+        star = costs.host_link_bytes(costs.star(shape, costs.ENTRENAR), NET)
+        assert star == pytest.approx((h - 1) * local * s)  # rank 0's host link; fill moves none
+
+
+@pytest.mark.parametrize(("s", "pieces"), [(1 << 20, 1), (8 << 20, 2), (20 << 20, 5), (1 << 30, 8)])
+def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
+    """The slices' plans: PIECE_BYTES pieces (at most MAX_PIECES), count + 2 plans pipelined;
+    every piece's cross-host rings pay their 2(H-1) steps again, one piece's rings only once;
+    the local passes: L-1 steps of (L-1)/L x piece each, reduce-scatter then all-gather."""
+    h, local = 4, 8
     shape = costs.Shape(h, local, s)
-    n = h * local
-    large = costs.host_link_bytes(costs.hier_large(shape, costs.ENTRENAR), NET)
-    assert large == pytest.approx(2 * (h - 1) / h * s)
-    ring = costs.host_link_bytes(costs.ring(shape, costs.ENTRENAR), NET)
-    assert ring == pytest.approx(2 * (n - 1) / n * s)
-    direct = costs.host_link_bytes(costs.direct(shape, costs.ENTRENAR), NET)
-    assert direct == pytest.approx((h - 1) * local**2 * s)
-    star = costs.host_link_bytes(costs.star(shape, costs.ENTRENAR), NET)
-    assert star == pytest.approx((h - 1) * local * s)  # rank 0's host link; the fill moves nothing
-    small = costs.host_link_bytes(costs.hier_small(shape, costs.ENTRENAR), NET)
-    assert small == pytest.approx(math.ceil(math.log2(h)) * s)
-
-
-@pytest.mark.parametrize("local", [2, 4, 8])
-def test_hierarchical_on_one_host_is_the_shm_path(local: int) -> None:
-    """H = 1: hierarchical large is the shm allreduce's chunked path (> 1 MiB),
-    hierarchical small its one phase (<= 1 MiB), to the last bit of the sum."""
-    shm = [(s, costs.predict("hier large", costs.Shape(1, local, s), LINKS)) for s in SIZES]
-    for s, t in shm:
-        want = costs.total_time(costs.shm(costs.Shape(1, local, s), costs.ENTRENAR), LINKS)
-        other = "hier large" if s > costs.SHM_SMALL_MAX_BYTES else "hier small"
-        got = costs.predict(other, costs.Shape(1, local, s), LINKS)
-        assert got == want, (local, s)
-        if s > costs.SHM_SMALL_MAX_BYTES:
-            assert t == want
-    # and not trivially: across hosts the cross-host phase adds time
-    big = costs.Shape(2, local, 64 << 20)
-    assert costs.predict("hier large", big, LINKS) > costs.total_time(
-        costs.shm(costs.Shape(1, local, 64 << 20), costs.ENTRENAR), LINKS
+    phases = costs.host_slices(shape, costs.ENTRENAR)
+    assert len(phases) == pieces + 2
+    assert sum(p.messages.get(NET, 0) for p in phases) == pieces * 2 * (h - 1)
+    one = costs.host_slices_one_piece(shape, costs.ENTRENAR)
+    assert [p.messages.get(NET, 0) for p in one] == [0, 2 * (h - 1), 0]
+    local_bytes = sum(p.nbytes.get(SHM, 0) for p in phases)
+    assert local_bytes == pytest.approx(2 * (local - 1) / local * s)  # over the byte rings
+    assert {p.messages[SHM] for p in phases if SHM in p.messages} == {local - 1}
+    # the plans overlap local and cross-host work: less than the pieces one after the other
+    alone = costs.Shape(h, local, s // pieces)
+    one_by_one = pieces * costs.total_time(
+        costs.host_slices_one_piece(alone, costs.ENTRENAR), LINKS
     )
+    if pieces > 1:
+        assert costs.total_time(phases, LINKS) < one_by_one
+
+
+def test_host_leaders_phases() -> None:
+    """Leaders: (L-1) x S into the leader over the local links, one cross-host message,
+    (H-1) x S combined at the leader, (L-1) x S back out."""
+    h, local, s = 8, 4, 64 << 10
+    phases = costs.host_leaders(costs.Shape(h, local, s), costs.ENTRENAR)
+    assert [p.name for p in phases] == [
+        "to leader",
+        "leaders' exchange",
+        "leaders' combine",
+        "from leader",
+    ]
+    assert phases[0].nbytes[SHM] == phases[3].nbytes[SHM] == (local - 1) * s
+    assert phases[1].messages == {NET: 1}
+    assert phases[2].nbytes[REDUCE] == (h - 1) * s
+    # one rank per host: only the exchange and its combine
+    assert len(costs.host_leaders(costs.Shape(h, 1, s), costs.ENTRENAR)) == 2
 
 
 # What a loop of small calls sees through a token bucket: no byte is charged.
@@ -119,24 +150,55 @@ def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_data() -> None:
         assert exact[kind].beta == pytest.approx(LINKS[kind].beta, rel=1e-6)
 
 
-def test_check_predicts_todays_policy_and_flags_rows_off_by_more_than_25_percent() -> None:
+def test_check_asks_the_policy_with_the_topology() -> None:
+    """What each cluster variant runs for (H, L, size) is the policy's choice given H hosts
+    of L ranks: host-aware across hosts (leaders up to host_leaders_max_bytes, slices
+    above), flat with one rank per host or topology="flat", shm on one host; the pinned
+    variants keep their algorithm at every size. (Before: flat star for 2 x 2 x 64 KiB.)"""
+    t = Options().host_leaders_max_bytes
+
+    def algo(variant: str, h: int, local: int, s: int) -> str:
+        shape = costs.Shape(h, local, s)
+        return check.entrenar_algorithm(shape, "auto", check.options_of(variant))[0]
+
+    assert algo("entrenar", 2, 2, 64 << 10) == "host_leaders"
+    assert algo("entrenar", 4, 2, t) == "host_leaders"
+    assert algo("entrenar", 4, 2, t + 1) == "host_slices"
+    assert algo("entrenar", 1024, 8, 64 << 20) == "host_slices"
+    assert algo("entrenar", 4, 1, 64 << 10) == "star"  # one rank per host: flat
+    assert algo("entrenar", 2, 1, 64 << 10) == "direct"
+    assert algo("entrenar", 1, 4, 64 << 10) == "shm"
+    assert algo("entrenar-flat", 2, 2, 64 << 10) == "star"
+    assert algo("entrenar-flat", 4, 2, 16 << 20) == "ring"
+    assert algo("entrenar-leaders", 4, 2, 64 << 20) == "host_leaders"
+    assert algo("entrenar-slices", 4, 2, 4 << 10) == "host_slices"
+    # the model's choice equals the policy's asked independently, over a grid
+    for h, local in [(2, 2), (2, 8), (4, 2), (64, 8), (1024, 8), (3, 1)]:
+        keys = [f"node-{r // local}" for r in range(h * local)]
+        topo = Topology.from_keys(keys)
+        for s in (4 << 10, t, t + 1, 16 << 20):
+            want = choose(OpCode.ALLREDUCE, s, h * local, Options(), False, topo).algo
+            assert algo("entrenar", h, local, s) == want.name.lower(), (h, local, s)
+    row = {"variant": "entrenar", "hosts": 4, "local": 2, "bytes": 1 << 20, "median_s": 1.0}
+    slices = costs.host_slices(costs.Shape(4, 2, 1 << 20), costs.ENTRENAR)
+    assert check.predict_row(row, {}, LINKS).predicted_s == costs.total_time(slices, LINKS)
+    with pytest.raises(ValueError, match="no model"):
+        check.options_of("entrenar-mpi")
+
+
+def test_check_predicts_the_policy_and_flags_rows_off_by_more_than_25_percent() -> None:
     def predicted(variant: str, h: int, local: int, s: int) -> float:
         row = {"variant": variant, "hosts": h, "local": local, "bytes": s, "median_s": 1.0}
         return check.predict_row(row, {}, LINKS).predicted_s
 
     small, large = 64 << 10, 16 << 20
-    # the policy: 2 ranks direct up to 256 KiB; more ranks star up to 1 MiB; ring above
-    assert check.entrenar_algorithm(costs.Shape(2, 1, small), "auto")[0] == "direct"
-    assert check.entrenar_algorithm(costs.Shape(2, 2, small), "auto")[0] == "star"
-    assert check.entrenar_algorithm(costs.Shape(4, 2, large), "auto")[0] == "ring"
-    assert check.entrenar_algorithm(costs.Shape(1, 2, large), "auto")[0] == "shm"
     t_star = costs.total_time(costs.star(costs.Shape(2, 2, small), costs.ENTRENAR), LINKS)
-    assert predicted("entrenar", 2, 2, small) == t_star
+    assert predicted("entrenar-flat", 2, 2, small) == t_star
     t_gloo = costs.total_time(costs.ring(costs.Shape(4, 2, large), costs.GLOO), LINKS)
     assert predicted("gloo", 4, 2, large) == t_gloo
 
     rows = [
-        ("entrenar", 2, 2, small, 1.10),  # measured 10 % above the prediction: fine
+        ("entrenar-flat", 2, 2, small, 1.10),  # measured 10 % above the prediction: fine
         ("gloo", 4, 2, large, 0.70),  # predicted 43 % above: flagged
         ("entrenar", 4, 2, large, 1.40),  # predicted 29 % below: flagged
         ("gloo", 2, 2, small, 0.82),  # predicted 22 % above: fine
@@ -168,7 +230,7 @@ def test_check_predicts_todays_policy_and_flags_rows_off_by_more_than_25_percent
 
 def test_plan_crossovers_are_where_the_fastest_changes() -> None:
     """Each crossover found by bisection separates two sizes 1 % apart whose fastest differ."""
-    names = ["direct", "star", "ring", "hier large", "hier small"]
+    names = ["direct", "star", "ring", "host slices", "host leaders", "leaders doubling"]
     found = 0
     for h, local in [(2, 2), (4, 8), (64, 1), (1024, 8)]:
         for c in plan.crossovers(h, local, LINKS, names):
@@ -176,3 +238,36 @@ def test_plan_crossovers_are_where_the_fastest_changes() -> None:
             assert plan.best(h, local, int(c.nbytes * 0.99), LINKS, names) == c.before
             assert plan.best(h, local, int(c.nbytes * 1.01), LINKS, names) == c.after != c.before
     assert found >= 4
+
+
+def test_leaders_to_slices_crossover_falls_with_hosts_towards_2_alpha_over_beta() -> None:
+    """The leaders' bytes grow as (H-1) x S, the slices' steps as 2(H-1): the crossover
+    falls as H grows, to 2 alpha / beta of the host link at large H."""
+    for local in (2, 8):
+        xs = [plan.leaders_to_slices(h, local, LINKS) for h in plan.HOSTS]
+        assert all(x is not None for x in xs), xs
+        got = [x for x in xs if x is not None]
+        assert all(b <= a for a, b in zip(got, got[1:], strict=False)), (local, got)
+        assert got[0] > 2 * got[-1]
+        net = LINKS[NET]
+        assert got[-1] == pytest.approx(2 * net.alpha / net.beta, rel=0.1)
+    lines = plan.threshold_lines(LINKS)
+    assert "host_leaders_max_bytes = 64 KiB" in lines[0]
+
+
+def test_scale_table_is_the_policy_against_the_flat_ring() -> None:
+    table = plan.scale_table(LINKS).splitlines()
+    assert len(table) == 2 + len(plan.SCALE_HOSTS) * len(plan.SCALE_SIZES)
+    first = table[2].split(" | ")
+    assert first[0] == "| 8 x 8" and first[2] == "host_leaders"
+    last = table[-1].split(" | ")
+    assert last[0] == "| 1024 x 8" and last[2] == "host_slices"
+    assert float(last[-1].rstrip(" |")) == pytest.approx(1.0)  # the slices: at the bound
+
+
+def test_predict_command_names_the_policys_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["predict", "--hosts", "4", "--local", "2", "--sizes", "4K,1M"]) == 0
+    out = capsys.readouterr().out
+    assert "4096 B: the policy picks host_leaders" in out
+    assert "1048576 B: the policy picks host_slices" in out
+    assert "leaders doubling (proposal)" in out

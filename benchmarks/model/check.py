@@ -1,15 +1,17 @@
 """Predicted against measured: every row of a cluster run (``cluster.json``).
 
-A row's variant says what ran: ``gloo`` is gloo's ring; ``entrenar`` and
-``entrenar-flat`` are what today's policy picks for that size and world
-(``entrenar_pg.collectives.policy.choose``, asked directly so the model can
-never drift from it: direct / star / ring over TCP between hosts, the shm
-allreduce when every rank is on one host). The harness's ``entrenar-flat``
-is entrenar with host awareness off; until the host-aware algorithms exist
-both run the flat policy, and once they do, ``entrenar``'s rows should map
-to ``costs.hier_large`` / ``costs.hier_small`` by the new policy's choice.
-The shm transport carries the bytes between ranks of one host unless the
-run's ``meta.transport`` is ``tcp``. A row is flagged when the prediction is off by more than
+A row's variant says what ran: ``gloo`` is gloo's ring; every entrenar
+variant of the cluster harness (``benchmarks/cluster_config.CLUSTER_VARIANTS``:
+``entrenar``, ``entrenar-flat``, ``entrenar-leaders``, ``entrenar-slices``)
+runs what the policy picks with that variant's ``Options`` overrides, for
+that size, world and *topology*: ``entrenar_pg.collectives.policy.choose``
+is asked directly, with the ``transport.topology.Topology`` of H hosts x L
+ranks placed as torchrun places them, so the model can never drift from
+it (host-aware ``HOST_LEADERS`` / ``HOST_SLICES`` across hosts, the flat
+direct / star / ring with ``topology="flat"`` or one rank per host, the
+shm allreduce when every rank is on one host). The shm transport carries
+the bytes between ranks of one host unless the run's ``meta.transport`` is
+``tcp``. A row is flagged when the prediction is off by more than
 ``TOLERANCE`` of the measured median; the error against the fastest
 sample is shown beside it (a loaded machine inflates the median).
 """
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster_config import CLUSTER_VARIANTS
 from benchmarks.model import costs
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import format_bytes
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
+from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, OpCode
 
 TOLERANCE = 0.25
@@ -35,6 +40,8 @@ _BY_ALGO: dict[Algo, costs.Algorithm] = {
     Algo.STAR: costs.star,
     Algo.DIRECT: costs.direct,
     Algo.SHM: costs.shm,
+    Algo.HOST_SLICES: costs.host_slices,
+    Algo.HOST_LEADERS: costs.host_leaders,
 }
 
 
@@ -68,11 +75,27 @@ def _nothing(shape: costs.Shape, fabric: costs.Fabric) -> list[costs.Phase]:
     return []
 
 
-def entrenar_algorithm(shape: costs.Shape, transport: str) -> tuple[str, costs.Algorithm]:
-    """The name and formula of what the policy runs today for ``shape``."""
-    opts = Options(transport=transport)
+def topology_of(shape: costs.Shape) -> Topology:
+    """H hosts x L ranks as torchrun places them: rank = host x L + local rank."""
+    return Topology.from_keys([f"host{r // shape.local}" for r in range(shape.world)])
+
+
+def options_of(variant: str, transport: str = "auto") -> Options:
+    """The ``Options`` the cluster harness runs ``variant`` with (its overrides)."""
+    overrides = {v.name: v.options for v in CLUSTER_VARIANTS if v.backend == "entrenar"}
+    if variant not in overrides:
+        raise ValueError(f"cluster row variant {variant!r}: no model for it")
+    return Options(transport=transport, **overrides[variant])
+
+
+def entrenar_algorithm(
+    shape: costs.Shape, transport: str, options: Options | None = None
+) -> tuple[str, costs.Algorithm]:
+    """The name and formula of what the policy runs for ``shape`` (default ``Options``)."""
+    opts = options if options is not None else Options(transport=transport)
     local = shape.hosts == 1 and transport != "tcp"
-    algo = choose(OpCode.ALLREDUCE, shape.nbytes, shape.world, opts, local).algo
+    topology = topology_of(shape)
+    algo = choose(OpCode.ALLREDUCE, shape.nbytes, shape.world, opts, local, topology).algo
     if algo is Algo.NONE:
         return "none", _nothing
     return algo.name.lower(), _BY_ALGO[algo]
@@ -84,12 +107,10 @@ def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> 
     algo: costs.Algorithm
     if variant == "gloo":
         name, algo, fabric = "gloo ring", costs.ring, costs.GLOO
-    elif variant in ("entrenar", "entrenar-flat"):
-        transport = str(meta.get("transport") or "auto")
-        name, algo = entrenar_algorithm(shape, transport)
-        fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
     else:
-        raise ValueError(f"cluster row variant {variant!r}: no model for it")
+        transport = str(meta.get("transport") or "auto")
+        name, algo = entrenar_algorithm(shape, transport, options_of(variant, transport))
+        fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
     phases = algo(shape, fabric)
     predicted = costs.total_time(phases, links)
     link_bytes = costs.host_link_bytes(phases, fabric.inter)
@@ -122,6 +143,11 @@ def _counted(c: Checked) -> str:
     return _mib(c.measured_link_bytes) + ratio
 
 
+def duration(seconds: float) -> str:
+    """``1.23 s`` or ``45.6 ms``."""
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):.3g} MiB"
 
@@ -137,8 +163,8 @@ def report(checked: Sequence[Checked]) -> str:
         mark = " **>25 %**" if c.flagged else ""
         lines.append(
             f"| {c.variant} | {c.algorithm} | {c.hosts} x {c.local} | {format_bytes(c.nbytes)} "
-            f"| {c.measured_s * 1e3:.3g} ms | {c.predicted_s * 1e3:.3g} ms | {c.error:+.0%}{mark} "
-            f"| {c.fastest_s * 1e3:.3g} ms | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} "
+            f"| {duration(c.measured_s)} | {duration(c.predicted_s)} | {c.error:+.0%}{mark} "
+            f"| {duration(c.fastest_s)} | {(c.predicted_s - c.fastest_s) / c.fastest_s:+.0%} "
             f"| {_mib(c.link_bytes)} | {_counted(c)} |"
         )
     bad = sum(c.flagged for c in checked)
@@ -146,4 +172,73 @@ def report(checked: Sequence[Checked]) -> str:
     lines.append(
         f"{len(checked) - bad} of {len(checked)} rows within {TOLERANCE:.0%}; {bad} flagged."
     )
+    lines += summary(checked)
     return "\n".join(lines)
+
+
+LARGE_BYTES = 1 << 20  # from here up the host link's rate binds at 1 Gbit/s (the fit's regime)
+
+
+def summary(checked: Sequence[Checked]) -> list[str]:
+    """Rows within the tolerance per H x L, below ``LARGE_BYTES`` and from it up."""
+    out = []
+    for h, local in sorted({(c.hosts, c.local) for c in checked}):
+        cells = []
+        for label, large in (("below 1 MiB", False), ("from 1 MiB", True)):
+            rows = [
+                c
+                for c in checked
+                if (c.hosts, c.local) == (h, local) and (c.nbytes >= LARGE_BYTES) == large
+            ]
+            ok = sum(not c.flagged for c in rows)
+            cells.append(f"{label} {ok} of {len(rows)}")
+        out.append(f"- {h} x {local}: " + ", ".join(cells))
+    return out
+
+
+def plot(checked: Sequence[Checked], path: Path) -> None:
+    """Measured (median, bar down to the fastest sample) against predicted, one panel per H x L."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(c.hosts, c.local) for c in checked})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5.5), squeeze=False)
+    markers = dict(zip(sorted({c.variant for c in checked}), "osD^v<>", strict=False))
+    for ax, (h, local) in zip(axes[0], shapes, strict=True):
+        rows = [c for c in checked if (c.hosts, c.local) == (h, local)]
+        lo = min(min(c.predicted_s, c.fastest_s) for c in rows) / 2
+        hi = max(max(c.predicted_s, c.measured_s) for c in rows) * 2
+        ax.loglog([lo, hi], [lo, hi], "k-", linewidth=0.8)
+        ax.fill_between(
+            [lo, hi],
+            [lo / (1 + TOLERANCE), hi / (1 + TOLERANCE)],
+            [lo / (1 - TOLERANCE), hi / (1 - TOLERANCE)],
+            color="grey",
+            alpha=0.2,
+            label=f"within {TOLERANCE:.0%}",
+        )
+        for variant, marker in markers.items():
+            mine = [c for c in rows if c.variant == variant]
+            if not mine:
+                continue
+            xs = [c.predicted_s for c in mine]
+            ys = [c.measured_s for c in mine]
+            below = [c.measured_s - min(c.fastest_s, c.measured_s) for c in mine]
+            ax.errorbar(
+                xs, ys, yerr=[below, [0.0] * len(mine)], fmt=marker, label=variant, capsize=2
+            )
+        ax.set_xlabel("predicted seconds")
+        ax.set_ylabel("measured median seconds (bar: to the fastest sample)")
+        sizes = sorted({c.nbytes for c in rows})
+        span = f"{format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}"
+        ax.set_title(f"{h} hosts x {local} ranks, {span}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        "Cost model against emulated clusters (1 Gbit/s host links, loaded 2-core machine)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

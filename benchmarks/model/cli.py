@@ -1,11 +1,13 @@
-"""``python -m benchmarks.model {measure,fit,check,plan}``: the cost model's commands.
+"""``python -m benchmarks.model {measure,fit,check,plan,predict}``: the cost model's commands.
 
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
 - ``fit MEASUREMENTS.json``: the link table from measurements.
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
-- ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plot.
+- ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
+- ``predict --hosts H --local L [--sizes ...]``: every algorithm's time and
+  the policy's pick (asked with the topology) for one shape.
 
 Without ``--links`` the parameters committed beside this file
 (``fitted_links.json``) are used.
@@ -24,7 +26,10 @@ from benchmarks.sizes import parse_sizes
 
 FITTED = Path(__file__).with_name("fitted_links.json")
 TODAY = ("direct", "star", "ring")  # the flat algorithms the policy picks from today
-DEFAULT_PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "cost_model.png"
+IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+DEFAULT_PLOT = IMG / "cost_model.png"
+THRESHOLD_PLOT = "cost_model_threshold.png"  # beside --plot
+CHECK_PLOT = IMG / "cost_model_check.png"
 
 
 def _links(path: str | None) -> LinkTable:
@@ -67,24 +72,49 @@ def cmd_check(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.cluster]
     checked = check.check(runs, _links(args.links))
     print(check.report(checked))
+    if args.plot:
+        check.plot(checked, Path(args.plot))
+        print(f"\nplot: {args.plot}")
     return 1 if args.strict and any(c.flagged for c in checked) else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
     links = _links(args.links)
-    ours = [n for n in costs.ALGORITHMS if n != "gloo ring"]
-    print("Fastest of entrenar's algorithms and its predicted time:\n")
+    ours = [n for n in costs.ALGORITHMS if n != "gloo ring" and n not in costs.PROPOSALS]
+    print("Fastest of entrenar's algorithms (the code's) and its predicted time:\n")
     print(plan.table(links, ours))
-    print("\nCrossovers (entrenar's algorithms):\n")
+    print("\nCrossovers (entrenar's algorithms, the code's):\n")
     print("\n".join(plan.crossover_lines(links, ours)))
+    print("\nCrossovers with the proposals for large H (not code):\n")
+    print("\n".join(plan.crossover_lines(links, [*ours, *costs.PROPOSALS])))
     print("\nCrossovers among today's algorithms (what the policy's thresholds should be):\n")
     print("\n".join(plan.crossover_lines(links, list(TODAY))))
+    print("\nWhere HOST_SLICES beats HOST_LEADERS, per H:\n")
+    print("\n".join(plan.threshold_lines(links)))
+    print("\nAt scale: what the policy picks, against the flat ring (L = 8):\n")
+    print(plan.scale_table(links))
     for h, local in ((4, 2), (64, 8), (1024, 8)):
         print(f"\nEvery algorithm, {h} x {local}:\n")
         print(plan.full_table(links, list(costs.ALGORITHMS), h, local))
     if args.plot:
-        plan.plot(links, list(costs.ALGORITHMS), Path(args.plot))
-        print(f"\nplot: {args.plot}")
+        path = Path(args.plot)
+        plan.plot(links, list(costs.ALGORITHMS), path)
+        plan.plot_threshold(links, path.with_name(THRESHOLD_PLOT))
+        print(f"\nplots: {path}, {path.with_name(THRESHOLD_PLOT)}")
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    links = _links(args.links)
+    for size in parse_sizes(args.sizes):
+        pick = plan.policy_pick(args.hosts, args.local, size, links)
+        print(
+            f"\n{args.hosts} x {args.local}, {size} B: the policy picks {pick.algorithm}, "
+            f"{check.duration(pick.seconds)}, {pick.link_bytes:.0f} B per host link"
+        )
+        t = plan.times(args.hosts, args.local, size, links, list(costs.ALGORITHMS))
+        for name, seconds in sorted(t.items(), key=lambda kv: kv[1]):
+            note = " (proposal)" if name in costs.PROPOSALS else ""
+            print(f"  {name}{note}: {check.duration(seconds)}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,6 +135,14 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("cluster", nargs="+")
     k.add_argument("--links")
     k.add_argument("--strict", action="store_true", help="exit 1 if a row is flagged")
+    k.add_argument(
+        "--plot", default="", help=f"PNG path, predicted against measured (e.g. {CHECK_PLOT})"
+    )
+    pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")
+    pr.add_argument("--hosts", type=int, required=True)
+    pr.add_argument("--local", type=int, required=True)
+    pr.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    pr.add_argument("--links")
     pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
     pl.add_argument("--links")
     pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
@@ -116,5 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "check":
         return cmd_check(args)
-    {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan}[args.cmd](args)
+    commands = {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan, "predict": cmd_predict}
+    commands[args.cmd](args)
     return 0

@@ -16,10 +16,12 @@ implementation uses inside a host and between hosts (``links.py``).
 The formulas follow the code (entrenar_pg/collectives/*.py): the ring's N
 chunks and 2(N-1) steps, pipelined in segments so its links stream; the
 star through rank 0; the direct exchange; the shm-native allreduce's one
-phase (<= 1 MiB) or chunks of a slot. The hierarchical pair is the plan of
-issue 26, not yet code. gloo's allreduce is its ring (gloo/allreduce.cc:
-reduce-scatter then all-gather over the ranks in order, TCP between every
-pair, same host or not).
+phase (<= 1 MiB) or chunks of a slot; the host-aware pair
+(collectives/hierarchical.py): the slices, pipelined in pieces, and the
+leaders' direct exchange; ``leaders_doubling`` is a proposal for large H,
+not code. gloo's allreduce is its ring (gloo/allreduce.cc: reduce-scatter
+then all-gather over the ranks in order, TCP between every pair, same host
+or not).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.model.links import (
     SLOTS,
     LinkTable,
 )
+from entrenar_pg.collectives.hierarchical import MAX_PIECES, PIECE_BYTES
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
 SHM_SMALL_MAX_BYTES = 1 << 20  # shm_allreduce.SMALL_MAX_BYTES: one phase up to here
@@ -222,48 +225,120 @@ def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
     return _shm_reduce_scatter(shape.local, shape.nbytes, fabric) + _shm_all_gather(shape.nbytes)
 
 
-def hier_large(shape: Shape, fabric: Fabric) -> list[Phase]:
-    """Hierarchical, large messages (issue 26's plan).
+def _local_pass(fabric: Fabric, local: int, piece: float) -> tuple[float, float]:
+    """One ring pass inside a host (reduce-scatter or all-gather) over a piece:
+    L-1 steps in sequence, (L-1)/L x piece through each rank's local links."""
+    return local - 1, (local - 1) / local * piece
 
-    Steps: reduce-scatter inside each host over the slots (local rank i
-    ends with slice i of the host's sum); L rings across hosts at once, ring
-    i among the local ranks i, each over its S/L slice; all-gather inside
-    the host. Bytes per host link per direction: L rings x 2(H-1)/H x S/L
-    = 2(H-1)/H x S (the flat ring's bound at L = 1); messages in sequence
-    across hosts: 2(H-1). At H = 1 it is the shm allreduce's large path.
+
+def host_slices(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """``HOST_SLICES`` (collectives/hierarchical.allreduce_host_slices), large messages.
+
+    The buffer is cut into ``count`` = S / PIECE_BYTES pieces (1 .. MAX_PIECES);
+    per piece: a ring reduce-scatter of L slices inside the host (L-1 steps,
+    (L-1)/L x piece per rank over the local links, the same combined), then
+    L cross-host rings at once, local rank i with its counterparts on slice
+    i (2(H-1) steps; L streams of 2(H-1)/H x piece/L share the host link:
+    2(H-1)/H x piece per host link per direction, the bound; (H-1)/H x
+    piece/L combined per rank), then a ring all-gather inside the host.
+    Pipelined as the code runs it: plan t holds piece t's reduce-scatter,
+    piece t-1's cross-host rings and piece t-2's all-gather, on different
+    links at once (one ``Phase`` per plan, count + 2 plans in sequence).
+    Over all plans: 2(H-1)/H x S per host link per direction, count x 2(H-1)
+    cross-host steps in sequence.
     """
+    return _slices(shape, fabric, max(1, min(MAX_PIECES, shape.nbytes // PIECE_BYTES)))
+
+
+def host_slices_one_piece(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """A proposal, not code: ``host_slices`` without the pieces (one plan of each phase).
+
+    The pieces hide the local phases behind the cross-host one, but each
+    piece's rings pay their 2(H-1) cross-host steps again, in sequence: at
+    large H the steps, not the bytes, are the time (1,024 hosts: 2,046 per
+    piece), and one piece is faster.
+    """
+    return _slices(shape, fabric, 1)
+
+
+def _slices(shape: Shape, fabric: Fabric, count: int) -> list[Phase]:
+    """The slices in ``count`` pipelined pieces (``host_slices``)."""
     h, local, s = shape.hosts, shape.local, shape.nbytes
-    phases = _shm_reduce_scatter(local, s, fabric) if local > 1 else []
-    if h > 1:
-        slice_bytes = s / local
-        host_link = local * 2 * (h - 1) / h * slice_bytes
-        combined = (h - 1) / h * slice_bytes
-        nbytes = _with_reduce(fabric, {fabric.inter: host_link}, combined)
-        phases.append(Phase("cross-host rings", {fabric.inter: 2 * (h - 1)}, nbytes))
-    if local > 1:
-        phases += _shm_all_gather(s)
+    piece = s / count
+    phases = []
+    for t in range(count + 2):
+        messages: dict[str, float] = {}
+        nbytes: dict[str, float] = {}
+        combined = 0.0
+        passes = (t < count) + (0 <= t - 2 < count)  # reduce-scatter of t, all-gather of t-2
+        if local > 1 and passes:
+            steps, per_rank = _local_pass(fabric, local, piece)
+            messages[fabric.intra] = steps  # the passes share the ring and run side by side
+            nbytes[fabric.intra] = passes * per_rank
+            if t < count:
+                combined += per_rank
+        if h > 1 and 0 <= t - 1 < count:
+            messages[fabric.inter] = 2 * (h - 1)
+            nbytes[fabric.inter] = 2 * (h - 1) / h * piece
+            combined += (h - 1) / h * piece / local
+        if messages:
+            nbytes = _with_reduce(fabric, nbytes, combined)
+            phases.append(Phase(f"slices plan {t}", messages, nbytes))
     return phases
 
 
-def hier_small(shape: Shape, fabric: Fabric) -> list[Phase]:
-    """Hierarchical, small messages (issue 26's plan).
+def _to_leader(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Every rank's S to its host's leader, combined there as it arrives (the star's gather)."""
+    local, s = shape.local, shape.nbytes
+    if local == 1:
+        return []
+    nbytes = _with_reduce(fabric, {fabric.intra: (local - 1) * s}, (local - 1) * s)
+    return [Phase("to leader", {fabric.intra: 1}, nbytes)]
 
-    Steps: the shm one-phase allreduce inside each host (every local rank
-    holds the host's sum); recursive doubling among one rank per host:
-    ceil(log2 H) exchanges of S (H = 2: the direct exchange), each followed
-    by a combine of S; a broadcast inside the host (the leader copies S in,
-    the others S out). Bytes per host link per direction: ceil(log2 H) x S.
-    At H = 1 it is the shm allreduce's one phase.
+
+def _from_leader(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """The leader's result to its host's L-1 ranks (the direct broadcast: (L-1) x S out)."""
+    local, s = shape.local, shape.nbytes
+    if local == 1:
+        return []
+    return [Phase("from leader", {fabric.intra: 1}, {fabric.intra: (local - 1) * s})]
+
+
+def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """``HOST_LEADERS`` (collectives/hierarchical.allreduce_host_leaders), small messages.
+
+    Steps: every rank's S to its host's leader ((L-1) x S into the leader
+    over the local links, combined as it arrives); the leaders' direct
+    exchange (1 cross-host message in sequence; each leader sends S to each
+    other leader: (H-1) x S per host link per direction), then each leader
+    combines the (H-1) x S it received; the leader's result back to its
+    L-1 ranks ((L-1) x S out). The leaders' bytes grow with H: from some H
+    on, even small messages are cheaper through the slices' rings.
     """
-    h, local, s = shape.hosts, shape.local, shape.nbytes
-    phases = _shm_small(local, s, fabric) if local > 1 else []
+    h, s = shape.hosts, shape.nbytes
+    phases = _to_leader(shape, fabric)
+    if h > 1:
+        phases.append(Phase("leaders' exchange", {fabric.inter: 1}, {fabric.inter: (h - 1) * s}))
+        phases += _reduce_phase("leaders' combine", fabric, (h - 1) * s)
+    return phases + _from_leader(shape, fabric)
+
+
+def leaders_doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """A proposal, not code: ``host_leaders`` with recursive doubling among the leaders.
+
+    The leaders exchange in ceil(log2 H) rounds with a partner at distance
+    2^k, each round S each way then a combine of S (H a power of two; other
+    H pay 2 more rounds): ceil(log2 H) x S per host link per direction
+    instead of the direct exchange's (H-1) x S, ceil(log2 H) messages in
+    sequence instead of 1. What large H would want for small messages.
+    """
+    h, s = shape.hosts, shape.nbytes
+    phases = _to_leader(shape, fabric)
     if h > 1:
         rounds = math.ceil(math.log2(h))
         phases.append(Phase("doubling", {fabric.inter: rounds}, {fabric.inter: rounds * s}))
-        phases += _reduce_phase("doubling-sum", fabric, rounds * s)
-        if local > 1:
-            phases.append(Phase("host-broadcast", {SLOTS: 1}, {SLOTS: 2 * s}))
-    return phases
+        phases += _reduce_phase("doubling combine", fabric, rounds * s)
+    return phases + _from_leader(shape, fabric)
 
 
 # What ``plan`` compares, with the fabric each runs on.
@@ -272,9 +347,14 @@ ALGORITHMS: dict[str, tuple[Algorithm, Fabric]] = {
     "star": (star, ENTRENAR),
     "direct": (direct, ENTRENAR),
     "gloo ring": (ring, GLOO),
-    "hier large": (hier_large, ENTRENAR),
-    "hier small": (hier_small, ENTRENAR),
+    "host slices": (host_slices, ENTRENAR),
+    "host leaders": (host_leaders, ENTRENAR),
+    "leaders doubling": (leaders_doubling, ENTRENAR),
+    "slices 1 piece": (host_slices_one_piece, ENTRENAR),
 }
+# Proposals for large H (not code): planned with, never matched to a measured row.
+PROPOSALS = ("leaders doubling", "slices 1 piece")
+HOST_AWARE = ("host slices", "host leaders")  # the code's host-aware pair (policy's HOST_* rows)
 
 
 def predict(name: str, shape: Shape, links: LinkTable) -> float:

@@ -3,7 +3,11 @@
 For every hosts H in {2, 4, ..., 1024}, local ranks L in {1, 2, 8} and size
 4 KiB .. 256 MiB: the predicted time of each algorithm of
 ``costs.ALGORITHMS``, the fastest, and the crossovers (the size, found by
-bisection on a log scale, where the fastest changes).
+bisection on a log scale, where the fastest changes). ``scale_table``: what
+the policy picks (asked with the topology, ``check.entrenar_algorithm``) at
+H in {8, 64, 1024} x 8 against the flat ring and the model's fastest;
+``threshold_lines``: where ``HOST_LEADERS`` and ``HOST_SLICES`` cross for
+each H, against ``Options.host_leaders_max_bytes``.
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.model import costs
+from benchmarks.model import check, costs
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import format_bytes
+from entrenar_pg.config import Options
 
 HOSTS = tuple(2**i for i in range(1, 11))
 LOCALS = (1, 2, 8)
 SIZES = tuple(4096 * 4**i for i in range(9))  # 4 KiB .. 256 MiB
 PLOT_HOSTS = (2, 4, 64, 1024)
+PLOT_LOCALS = (2, 8)
+SCALE_HOSTS = (8, 64, 1024)
+SCALE_LOCAL = 8
+SCALE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+THRESHOLD_SIZES = tuple(256 * 2**i for i in range(21))  # 256 B .. 256 MiB
 BISECT_STEPS = 20
 
 
@@ -59,7 +69,7 @@ def crossovers(
         x, y = math.log(lo), math.log(hi)
         for _ in range(BISECT_STEPS):
             mid = (x + y) / 2
-            if best(hosts, local, int(math.exp(mid)), links, names) == a:
+            if best(hosts, local, round(math.exp(mid)), links, names) == a:
                 x = mid
             else:
                 y = mid
@@ -67,9 +77,9 @@ def crossovers(
             Crossover(
                 hosts,
                 local,
-                int(math.exp(y)),
+                round(math.exp(y)),
                 a,
-                best(hosts, local, int(math.exp(y)), links, names),
+                best(hosts, local, round(math.exp(y)), links, names),
             )
         )
     return found
@@ -110,8 +120,80 @@ def crossover_lines(links: LinkTable, names: Sequence[str]) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class Picked:
+    """What the policy runs for one (H, L, size), and its prediction."""
+
+    algorithm: str  # the policy's Algo, lower case
+    seconds: float
+    link_bytes: float  # per host link per direction
+
+
+def policy_pick(hosts: int, local: int, nbytes: int, links: LinkTable) -> Picked:
+    """The policy's choice for H x L ranks placed as torchrun places them (default Options)."""
+    shape = costs.Shape(hosts, local, nbytes)
+    name, algo = check.entrenar_algorithm(shape, "auto")
+    phases = algo(shape, costs.ENTRENAR)
+    return Picked(name, costs.total_time(phases, links), costs.host_link_bytes(phases, costs.NET))
+
+
+def scale_table(links: LinkTable) -> str:
+    """Markdown: H in ``SCALE_HOSTS`` x ``SCALE_LOCAL``, the policy's pick against the flat ring."""
+    names = list(costs.ALGORITHMS)
+    lines = [
+        "| H x L | size | policy picks | predicted | flat ring | gloo ring | picks / flat ring "
+        "| fastest in the model | host link bytes / bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for h in SCALE_HOSTS:
+        for s in SCALE_SIZES:
+            pick = policy_pick(h, SCALE_LOCAL, s, links)
+            t = times(h, SCALE_LOCAL, s, links, names)
+            fastest = min(t, key=lambda n: t[n])
+            bound = 2 * (h - 1) / h * s
+            lines.append(
+                f"| {h} x {SCALE_LOCAL} | {format_bytes(s)} | {pick.algorithm} "
+                f"| {_ms(pick.seconds)} | {_ms(t['ring'])} | {_ms(t['gloo ring'])} "
+                f"| {pick.seconds / t['ring']:.2f} | {fastest} {_ms(t[fastest])} "
+                f"| {pick.link_bytes / bound:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def leaders_to_slices(hosts: int, local: int, links: LinkTable) -> int | None:
+    """The size above which ``HOST_SLICES`` beats ``HOST_LEADERS`` (None: no change in range)."""
+    pair = ["host leaders", "host slices"]
+    found = crossovers(hosts, local, links, pair, THRESHOLD_SIZES)
+    return found[0].nbytes if found else None
+
+
+def threshold_lines(links: LinkTable) -> list[str]:
+    """Per H and L: the leaders -> slices crossover, against the policy's threshold.
+
+    Both grow linearly in H at large H (leaders: (H-1) x S x beta; slices:
+    2(H-1) x alpha), so the crossover tends to 2 alpha / beta of the link.
+    """
+    net = links[costs.NET]
+    threshold = Options().host_leaders_max_bytes
+    out = [
+        f"policy: host_leaders_max_bytes = {format_bytes(threshold)}; "
+        f"large-H limit 2 alpha / beta = {_kib(2 * net.alpha / net.beta)}"
+    ]
+    for local in PLOT_LOCALS:
+        cells = []
+        for h in HOSTS:
+            x = leaders_to_slices(h, local, links)
+            cells.append(f"{h}: {_kib(x) if x else '-'}")
+        out.append(f"- L = {local}: " + ", ".join(cells))
+    return out
+
+
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    return check.duration(seconds)
+
+
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:.0f} KiB"
 
 
 def plot(links: LinkTable, names: Sequence[str], path: Path) -> None:
@@ -121,22 +203,57 @@ def plot(links: LinkTable, names: Sequence[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(LOCALS), len(PLOT_HOSTS), figsize=(16, 11), sharex=True)
-    for i, local in enumerate(LOCALS):
+    fig, axes = plt.subplots(len(PLOT_LOCALS), len(PLOT_HOSTS), figsize=(16, 8), sharex=True)
+    for i, local in enumerate(PLOT_LOCALS):
         for j, h in enumerate(PLOT_HOSTS):
             ax = axes[i][j]
             for n in names:
                 ys = [costs.predict(n, costs.Shape(h, local, s), links) for s in SIZES]
-                ax.loglog(SIZES, ys, marker=".", label=n)
+                style = ":" if n in costs.PROPOSALS else "-"
+                ax.loglog(SIZES, ys, style, marker=".", label=n)
+            picked = [policy_pick(h, local, s, links).seconds for s in SIZES]
+            ax.loglog(SIZES, picked, "k--", linewidth=2.5, alpha=0.4, label="policy's pick")
+            # star and direct grow as H x L x S: keep the panel on the contenders
+            ring_max = costs.predict("ring", costs.Shape(h, local, SIZES[-1]), links)
+            ax.set_ylim(top=10 * ring_max)
             ax.set_title(f"{h} hosts x {local} ranks")
             ax.grid(True, which="both", alpha=0.3)
-            if i == len(LOCALS) - 1:
+            if i == len(PLOT_LOCALS) - 1:
                 ax.set_xlabel("bytes per rank")
             if j == 0:
                 ax.set_ylabel("predicted seconds")
     axes[0][0].legend(fontsize=8)
     rate = links.meta.get("rate", "?")
-    fig.suptitle(f"Cost model: predicted allreduce time, host links at {rate} (fitted parameters)")
+    fig.suptitle(
+        f"Cost model: predicted allreduce time, host links at {rate} (fitted parameters; "
+        "dotted: proposals, not code)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_threshold(links: LinkTable, path: Path) -> None:
+    """The leaders -> slices crossover against H, per L, and the policy's one threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for local in PLOT_LOCALS:
+        pts = [(h, leaders_to_slices(h, local, links)) for h in HOSTS]
+        xs = [h for h, x in pts if x]
+        ax.loglog(xs, [x for _, x in pts if x], marker="o", label=f"model, L = {local}")
+    ax.axhline(Options().host_leaders_max_bytes, color="k", linestyle="--", label="policy")
+    net = links[costs.NET]
+    ax.axhline(2 * net.alpha / net.beta, color="grey", linestyle=":", label="2 alpha / beta")
+    ax.set_xlabel("hosts H")
+    ax.set_ylabel("bytes: HOST_SLICES faster above")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("HOST_LEADERS -> HOST_SLICES crossover (cost model)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
