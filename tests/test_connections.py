@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -38,6 +39,16 @@ def socket_fds() -> int:
             n += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
         except OSError:
             pass  # the directory's own descriptor
+    return n
+
+
+def settled_socket_fds(want: int, within_s: float = 5.0) -> int:
+    """The socket count once it reaches ``want`` (connections made on first use
+    finish in their own threads, just after the message that started them), or
+    the last count seen after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (n := socket_fds()) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
     return n
 
 
@@ -78,7 +89,8 @@ def test_an_allreduce_only_group_holds_no_p2p_sockets(world: int) -> None:
         groups[0].send([torch.full((3,), 7.0)], 1, 5).wait(timeout=None)
         recv.wait()
         assert got.tolist() == [7.0] * 3
-        assert socket_fds() - before == world * allreduce_only_sockets(world) + 4
+        want = before + world * allreduce_only_sockets(world) + 4
+        assert settled_socket_fds(want) - before == want - before
     finally:
         for g in groups:
             g.shutdown()
@@ -121,7 +133,8 @@ def test_first_p2p_both_ways_at_once_between_ranks_that_never_talked() -> None:
                 t.join(30)
             assert not any(t.is_alive() for t in threads), "the first p2p exchange hung"
             assert got == {1: [30.0, 31.0], 3: [10.0, 11.0]}
-            assert socket_fds() - before == 4  # 1 -> 3 and 3 -> 1, both ends of each
+            # 1 -> 3 and 3 -> 1, both ends of each
+            assert settled_socket_fds(before + 4) - before == 4
         for r in (0, 2):
             p2p = groups[r]._runtime.p2p
             assert not any(ln.out_open or ln.in_open for ln in p2p._links.values()), r

@@ -172,15 +172,21 @@ class Rendezvous:
 
     def store_get(self, key: str, deadline: float) -> bytes:
         """``store.get`` bounded by the group's timeout, not the store's own."""
+        self.store_wait([key], deadline)
+        return bytes(self._store.get(key))
+
+    def store_wait(self, keys: list[str], deadline: float) -> None:
+        """``store.wait`` bounded by the group's timeout, not the store's own."""
         left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
+        what = repr(keys[0]) if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
         try:
-            self._store.wait([key], timedelta(seconds=left))
+            self._store.wait(keys, timedelta(seconds=left))
         except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
             raise PeerConnectionError(
-                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for {key!r} "
-                f"in the store (a rank of this group did not start or crashed): {e}"
+                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
+                f"{what} in the store (a rank of this group "
+                f"did not start or crashed): {e}"
             ) from e
-        return bytes(self._store.get(key))
 
     def connect_all(self) -> dict[tuple[int, int], socket.socket]:
         """Every (peer, channel) socket of the set-up channels, tuned and
@@ -218,9 +224,9 @@ class Rendezvous:
                     self.links[(peer, ch)] = self._connect_to(peer, ch, addr, secret, deadline)
             if self._lazy:
                 # Lazy connects go to any peer, later, when the store may be
-                # gone (only set-up uses it): learn every address now.
-                for peer in range(self.rank + 1, self.world):
-                    self._address(peer, deadline)
+                # gone (only set-up uses it): learn every address now, in one
+                # wait and one round trip.
+                self._higher_addresses(deadline)
             self._set_up.wait(max(deadline - time.monotonic(), 0) + 1.0)
             if self._accept_error:
                 raise self._accept_error[0]
@@ -248,6 +254,15 @@ class Rendezvous:
         if addr is None:
             addr = self._addrs[peer] = self.store_get(self.key(ADDR_KEY, peer), deadline).decode()
         return addr
+
+    def _higher_addresses(self, deadline: float) -> None:
+        peers = list(range(self.rank + 1, self.world))
+        if not peers:
+            return
+        keys = [self.key(ADDR_KEY, p) for p in peers]
+        self.store_wait(keys, deadline)
+        for peer, addr in zip(peers, self._store.multi_get(keys), strict=True):
+            self._addrs[peer] = bytes(addr).decode()
 
     def connect(self, peer: int, channel: int, timeout_s: float) -> socket.socket:
         """A lazy channel's connection to ``peer``, made now, tuned and non-blocking.
