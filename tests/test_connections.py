@@ -21,7 +21,7 @@ import torch
 from conftest import make_groups
 from test_failures import run_blame
 
-from entrenar_pg import Options
+from entrenar_pg import Options, PeerConnectionError
 
 # Sockets one rank's group holds after set-up and a collective, with no p2p
 # yet: data + control per peer, the listener kept for p2p connections, the
@@ -156,3 +156,22 @@ def test_a_killed_peer_is_named_by_every_rank_waiting_on_it_with_no_link_before(
         assert cls == "PeerConnectionError", (rank, message)
         assert culprit == "2", f"rank {rank} blamed {culprit}: {message}"
         assert "recv from rank 2" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_a_first_send_to_a_rank_that_left_names_it() -> None:
+    """Rank 2 of 3 destroys its group; rank 0 then sends to it for the first
+    time: the connection is refused, and the send fails at once naming rank 2
+    as gone (from its goodbye on the control link), not after a timeout."""
+    groups = make_groups(3, Options(transport="tcp"), timeout_s=20.0)
+    try:
+        allreduce_all(groups)
+        groups[2].shutdown()
+        start = time.monotonic()
+        with pytest.raises(PeerConnectionError, match=r"rank 0: .*rank 2 left the group") as info:
+            groups[0].send([torch.ones(2)], 2, 0).wait()
+        assert time.monotonic() - start < 5
+        assert info.value.culprit == 2
+    finally:
+        for g in groups:
+            g.abort()

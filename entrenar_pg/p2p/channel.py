@@ -125,6 +125,8 @@ class P2PChannel:
         self._active: list[PeerLink] = []  # the links with a connection, in the loop's poll
         self._fd_role: dict[int, tuple[PeerLink, bool]] = {}  # fd -> (link, this rank's own)
         self._unwatched: list[PeerLink] = []  # links given a connection the loop must watch
+        # Connects that failed: (link, why, whether the group breaks).
+        self._unreached: list[tuple[PeerLink, EntrenarError, bool]] = []
         self._thread = threading.Thread(
             target=self._run, name=f"entrenar-p2p-r{self.rank}-{name or 'pg'}", daemon=True
         )
@@ -205,11 +207,13 @@ class P2PChannel:
         try:
             sock = self._mesh.p2p_connect(link.peer, timeout_s)
         except EntrenarError as e:
-            error = self._unreachable(link, e, timeout_s)
+            stalled = isinstance(e.__cause__, TimeoutError)
+            error = self._unreachable(link, e, timeout_s, stalled)
             with self._lock:
                 link.connecting = False
-                self._link_down(link, error)
-            self._loop.wake()  # the thread reports the failure and completes the ops
+                # The p2p thread takes the link down: only it touches the poller.
+                self._unreached.append((link, error, stalled))
+            self._loop.wake()
             return
         with self._lock:
             link.connecting = False
@@ -220,13 +224,17 @@ class P2PChannel:
             self._unwatched.append(link)
         self._loop.wake()
 
-    def _unreachable(self, link: PeerLink, e: EntrenarError, timeout_s: float) -> EntrenarError:
+    def _unreachable(
+        self, link: PeerLink, e: EntrenarError, timeout_s: float, stalled: bool
+    ) -> EntrenarError:
         """Why ``link``'s peer could not be reached: no answer within the timeout
-        is a stall (the wait-for walk names whom); a refusal is its abort,
-        goodbye or death, as its control link tells it."""
+        is a stall (the wait-for walk names whom; it breaks the group, as a
+        stalled link does); a refusal is its abort, goodbye or death, as its
+        control link tells it (the ops on it fail alone, as on a link that
+        ended while idle)."""
         if self._causes.closed_here:
             return self._causes.here_closed(link.what)
-        if isinstance(e.__cause__, TimeoutError):
+        if stalled:
             return self._causes.stalled(link.what, [], [link.peer], timeout_s)
         ended = self._causes.how_ended(link.peer)
         if ended is not None:
@@ -363,12 +371,17 @@ class P2PChannel:
                         return
                     if self._unwatched:
                         self._watch()
+                    for link, error, breaks in self._unreached:
+                        self._link_down(link, error, breaks_group=breaks)
+                    self._unreached.clear()
                     want = {
                         fd: select.POLLIN | (select.POLLOUT if own and not link.out.idle() else 0)
                         for fd, (link, own) in self._fd_role.items()
                         if link.dead is None
                     }
                     wait_s = self._next_deadline() - time.monotonic()
+                    if self._done or self._failures:
+                        wait_s = 0.0  # (a failed connect's ops: complete them now)
                 events = self._loop.sleep(want, wait_s + 0.001)
                 with self._lock:
                     if self._stopped_by is not None:
@@ -447,8 +460,10 @@ class P2PChannel:
             if error is not None:
                 self._link_down(link, error)
 
-    def _link_down(self, link: PeerLink, error: EntrenarError) -> None:
-        """Give up on a link: fail everything pending with its peer, with ``error``."""
+    def _link_down(self, link: PeerLink, error: EntrenarError, breaks_group: bool = True) -> None:
+        """Give up on a link: fail everything pending with its peer, with
+        ``error``; the group breaks too if anything was pending and
+        ``breaks_group``."""
         if link.dead is not None:
             return
         link.dead = failure_class(error)(str(error), culprit=error.culprit)
@@ -458,7 +473,10 @@ class P2PChannel:
         for op in dropped:
             self._done.append((op, op_error(self.rank, op.what, link.dead)))
         affected = len(dropped)
-        for fd in link.fds():
+        # By the link, not its sockets' fileno (the mesh may have closed them):
+        # a later connection may be given the same descriptor number.
+        for fd in [fd for fd, (ln, _) in self._fd_role.items() if ln is link]:
+            del self._fd_role[fd]
             self._loop.forget(fd)
         self._matching.peer_down(link.peer, link.dead)
         affected += self._settle()
@@ -473,7 +491,7 @@ class P2PChannel:
             link.peer,
             error,
         )
-        if affected and self._stopped_by is None:
+        if affected and breaks_group and self._stopped_by is None:
             self._failures.append(link.dead)
 
     # ------------------------------------------------------------ stream callbacks

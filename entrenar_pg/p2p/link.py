@@ -64,11 +64,6 @@ class PeerLink:
         else:
             self.inc.sock, self.in_open = sock, True
 
-    def fds(self) -> list[int]:
-        """The descriptors of the connections this link has."""
-        streams = ((self.out, self.out_open), (self.inc, self.in_open))
-        return [st.sock.fileno() for st, up in streams if up]
-
     @property
     def what(self) -> str:
         return f"p2p link to rank {self.peer}"
