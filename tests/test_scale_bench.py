@@ -1,10 +1,13 @@
 """``benchmarks/scale.py``: a real small job (8 ranks over 2 processes), checked against the design.
 
 The connection design today (``transport/rendezvous.py``, ``transport/mesh.py``,
-``transport/loop.py``): every pair of ranks gets three TCP sockets at set-up
-(data, control, p2p), and the p2p thread's loop holds one socketpair to be
-woken. So a rank's group holds 3(N-1) + 2 sockets, whatever the transport
-(shared memory keeps the pair's data socket for wake-ups and hang-ups).
+``transport/loop.py``, ``p2p/channel.py``): every pair of ranks gets two TCP
+sockets at set-up (data, control); p2p sockets are made on first use, so a
+job that only reduces has none; the listener stays open for them, and the
+p2p thread's loop holds one socketpair to be woken. So a rank's group holds
+2(N-1) + 3 sockets, whatever the transport (shared memory keeps the pair's
+data socket for wake-ups and hang-ups). (Before: 3(N-1) + 2, a p2p socket
+to every peer at set-up.)
 With every rank on one host and shared memory on, each rank also holds
 2(N-1) + 1 memfd descriptors: CPython's ``mmap`` keeps a duplicate of the
 descriptor it maps, once for its own segment and twice per peer (the ring
@@ -31,7 +34,7 @@ WORLD, PROCS = 8, 2
 
 def design_sockets(world: int) -> int:
     """Sockets one rank's group holds after set-up, by the current design (module docstring)."""
-    return 3 * (world - 1) + 2
+    return 2 * (world - 1) + 3
 
 
 def design_memfds(world: int) -> int:

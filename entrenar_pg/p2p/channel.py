@@ -10,6 +10,15 @@ sleep, the same errno classifier and the same naming of causes as the
 collectives. Which recv a message is for is ``matching.Matching``'s
 decision; this module does the I/O around it:
 
+- connections are made on first use, not at set-up (most pairs of a job
+  never exchange a message): the first send to a peer, or recv from it,
+  opens this rank's connection to it (``Mesh.p2p_connect``, in a short-lived
+  thread of its own: the caller never waits for a peer, even a stopped one;
+  sends queue meanwhile; bounded by the group's timeout). A rank sends on the
+  connection it opened and reads the one the peer opened (``Mesh.serve_p2p``),
+  so two ranks starting at once never wait on each other. A recv opens one
+  too: its hang-up is how a peer that dies before sending is noticed;
+
 - a send is queued on its peer's stream as a framed message (a
   ``wire.p2p_header`` carrying the tag and byte count, then the payload). Its
   Work completes once the kernel has taken the last byte: a send never waits
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +59,7 @@ from ..call.work import P2PWork
 from ..config import ABORT_JOIN_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import FlightRecorder
-from ..transport.loop import POLLHANG, Links, LinkState
+from ..transport.loop import POLLHANG, Links
 from ..transport.mesh import Mesh
 from ..transport.plan import Recv, bytes_of
 from .link import PeerLink
@@ -103,17 +113,25 @@ class P2PChannel:
         self._done: list[Done] = []  # finished ops, completed outside the lock
         self._failures: list[EntrenarError] = []  # link failures to report, likewise
         self._loop: Links = mesh.p2p_links()
+        self._mesh = mesh
         self._causes = mesh.causes
+        # Every peer's link, without connections until first use.
         self._links: dict[int, PeerLink] = {}
-        for peer, sock in self._loop.sockets.items():
-            link = PeerLink(peer, LinkState(peer, sock, [], 0), LinkState(peer, sock, [], 0))
-            self._expect_header(link)
-            self._links[peer] = link
-        self._fd_link = {link.out.sock.fileno(): link for link in self._links.values()}
+        for peer in range(self.world):
+            if peer != self.rank:
+                link = PeerLink.unconnected(peer)
+                self._expect_header(link)
+                self._links[peer] = link
+        self._active: list[PeerLink] = []  # the links with a connection, in the loop's poll
+        self._fd_role: dict[int, tuple[PeerLink, bool]] = {}  # fd -> (link, this rank's own)
+        self._unwatched: list[PeerLink] = []  # links given a connection the loop must watch
+        # Connects that failed: (link, why, whether the group breaks).
+        self._unreached: list[tuple[PeerLink, EntrenarError, bool]] = []
         self._thread = threading.Thread(
             target=self._run, name=f"entrenar-p2p-r{self.rank}-{name or 'pg'}", daemon=True
         )
         self._thread.start()
+        mesh.serve_p2p(self._opened)
 
     # ------------------------------------------------------------ caller side
 
@@ -132,6 +150,7 @@ class P2PChannel:
                     self._done.append((op, op_error(self.rank, op.what, cause)))
                 else:
                     link.queue(op, partial(self._sent, link, op))
+                    self._reach(link)
             done, self._done = self._done, []
         complete(done)
         self._loop.wake()
@@ -159,10 +178,93 @@ class P2PChannel:
                 self._recvs[recv.id] = op
                 self._matching.post(recv)
                 self._settle()
+                if src not in (ANY_SOURCE, self.rank):
+                    self._reach(self._links[src])
             done, self._done = self._done, []
         complete(done)
         self._loop.wake()  # the loop recomputes its next deadline
         return op.work
+
+    # ------------------------------------------------------------ connections
+
+    def _reach(self, link: PeerLink) -> None:
+        """Start opening this rank's connection to ``link``'s peer if it has
+        none and none is under way (under the lock)."""
+        if link.out_open or link.connecting or link.dead is not None:
+            return
+        link.connecting = True
+        threading.Thread(
+            target=self._connect,
+            args=(link,),
+            name=f"entrenar-p2p-connect-r{self.rank}-{link.peer}",
+            daemon=True,
+        ).start()
+
+    def _connect(self, link: PeerLink) -> None:
+        """Open this rank's connection to ``link``'s peer (its own thread). A
+        peer that cannot be reached takes the link down, as a hang-up does."""
+        timeout_s = self.timeout.seconds
+        try:
+            sock = self._mesh.p2p_connect(link.peer, timeout_s)
+        except EntrenarError as e:
+            stalled = isinstance(e.__cause__, TimeoutError)
+            error = self._unreachable(link, e, timeout_s, stalled)
+            with self._lock:
+                link.connecting = False
+                # The p2p thread takes the link down: only it touches the poller.
+                self._unreached.append((link, error, stalled))
+            self._loop.wake()
+            return
+        with self._lock:
+            link.connecting = False
+            if self._stopped_by is not None or link.dead is not None:
+                sock.close()
+                return
+            link.attach(sock, outgoing=True)
+            self._unwatched.append(link)
+        self._loop.wake()
+
+    def _unreachable(
+        self, link: PeerLink, e: EntrenarError, timeout_s: float, stalled: bool
+    ) -> EntrenarError:
+        """Why ``link``'s peer could not be reached: no answer within the timeout
+        is a stall (the wait-for walk names whom; it breaks the group, as a
+        stalled link does); a refusal is its abort, goodbye or death, as its
+        control link tells it (the ops on it fail alone, as on a link that
+        ended while idle)."""
+        if self._causes.closed_here:
+            return self._causes.here_closed(link.what)
+        if stalled:
+            return self._causes.stalled(link.what, [], [link.peer], timeout_s)
+        ended = self._causes.how_ended(link.peer)
+        if ended is not None:
+            return self._causes.peer_closed(link.peer, link.what, ended)
+        return PeerConnectionError(f"{e}; culprit: rank {link.peer}", culprit=link.peer)
+
+    def _opened(self, peer: int, sock: socket.socket) -> None:
+        """``peer`` opened its connection to this rank (the acceptor's thread)."""
+        with self._lock:
+            link = self._links[peer]
+            if link.in_open or link.dead is not None or self._stopped_by is not None:
+                sock.close()  # (a second one would be a confused peer; the mesh owns it)
+                return
+            link.attach(sock, outgoing=False)
+            self._unwatched.append(link)
+        self._loop.wake()
+
+    def _watch(self) -> None:
+        """Put the connections made since the last turn into the loop's poll
+        (the p2p thread, under the lock: only it touches the poller)."""
+        for link in self._unwatched:
+            if link.dead is not None:
+                continue
+            for st, own, up in ((link.out, True, link.out_open), (link.inc, False, link.in_open)):
+                if up and st.sock.fileno() not in self._fd_role:
+                    self._fd_role[st.sock.fileno()] = (link, own)
+                    self._loop.add(link.peer, st.sock)
+            if link not in self._active:
+                self._active.append(link)
+        self._unwatched.clear()
 
     def close(self) -> None:
         """Stop the thread and fail what is pending (the transport owns the sockets)."""
@@ -267,25 +369,38 @@ class P2PChannel:
                 with self._lock:
                     if self._stopped_by is not None:
                         return
+                    if self._unwatched:
+                        self._watch()
+                    for link, error, breaks in self._unreached:
+                        self._link_down(link, error, breaks_group=breaks)
+                    self._unreached.clear()
                     want = {
-                        fd: select.POLLIN | (0 if link.out.idle() else select.POLLOUT)
-                        for fd, link in self._fd_link.items()
+                        fd: select.POLLIN | (select.POLLOUT if own and not link.out.idle() else 0)
+                        for fd, (link, own) in self._fd_role.items()
                         if link.dead is None
                     }
                     wait_s = self._next_deadline() - time.monotonic()
+                    if self._done or self._failures:
+                        wait_s = 0.0  # (a failed connect's ops: complete them now)
                 events = self._loop.sleep(want, wait_s + 0.001)
                 with self._lock:
                     if self._stopped_by is not None:
                         return
+                    if self._unwatched:
+                        self._watch()  # (new sends' connections: pumped below)
                     for fd, ev in events:
-                        link = self._fd_link.get(fd)
-                        if link is None or link.dead is not None:
+                        role = self._fd_role.get(fd)
+                        if role is None or role[0].dead is not None:
                             continue  # the wake-up (drained by sleep), or a link given up
-                        if ev & (select.POLLIN | POLLHANG):
+                        link, own = role
+                        if own:
+                            if ev & (select.POLLIN | POLLHANG):
+                                self._out_event(link)
+                            if ev & select.POLLOUT and link.dead is None:
+                                self._pump(link, receiving=False)
+                        elif ev & (select.POLLIN | POLLHANG):
                             self._pump(link, receiving=True)
-                        if ev & select.POLLOUT and link.dead is None:
-                            self._pump(link, receiving=False)
-                    for link in self._links.values():
+                    for link in self._active:
                         if not link.out.idle() and link.dead is None:
                             self._pump(link, receiving=False)  # new sends: try at once
                     self._expire()
@@ -316,11 +431,17 @@ class P2PChannel:
         except EntrenarError as e:
             self._link_down(link, e)
 
+    def _out_event(self, link: PeerLink) -> None:
+        """This rank's own connection is readable: the peer hung up (or wrote garbage)."""
+        error = link.out_ended(self._causes)
+        if error is not None:
+            self._link_down(link, error)
+
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
         deadlines = [
             ln.last_progress + self.timeout.seconds
-            for ln in self._links.values()
+            for ln in self._active
             if ln.busy() and ln.dead is None
         ]
         posted = self._matching.next_deadline()
@@ -334,13 +455,15 @@ class P2PChannel:
         now = time.monotonic()
         timeout_s = self.timeout.seconds
         self._matching.expire(now, timeout_s)
-        for link in self._links.values():
+        for link in self._active:
             error = link.stall(now, timeout_s, self._causes)
             if error is not None:
                 self._link_down(link, error)
 
-    def _link_down(self, link: PeerLink, error: EntrenarError) -> None:
-        """Give up on a link: fail everything pending with its peer, with ``error``."""
+    def _link_down(self, link: PeerLink, error: EntrenarError, breaks_group: bool = True) -> None:
+        """Give up on a link: fail everything pending with its peer, with
+        ``error``; the group breaks too if anything was pending and
+        ``breaks_group``."""
         if link.dead is not None:
             return
         link.dead = failure_class(error)(str(error), culprit=error.culprit)
@@ -350,7 +473,11 @@ class P2PChannel:
         for op in dropped:
             self._done.append((op, op_error(self.rank, op.what, link.dead)))
         affected = len(dropped)
-        self._loop.forget(link.out.sock.fileno())
+        # By the link, not its sockets' fileno (the mesh may have closed them):
+        # a later connection may be given the same descriptor number.
+        for fd in [fd for fd, (ln, _) in self._fd_role.items() if ln is link]:
+            del self._fd_role[fd]
+            self._loop.forget(fd)
         self._matching.peer_down(link.peer, link.dead)
         affected += self._settle()
         if all(ln.dead is not None for ln in self._links.values()):
@@ -364,7 +491,7 @@ class P2PChannel:
             link.peer,
             error,
         )
-        if affected and self._stopped_by is None:
+        if affected and breaks_group and self._stopped_by is None:
             self._failures.append(link.dead)
 
     # ------------------------------------------------------------ stream callbacks

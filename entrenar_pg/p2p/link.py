@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..errors import EntrenarError, PeerConnectionError
 from ..transport.loop import LinkState
@@ -21,11 +22,21 @@ if TYPE_CHECKING:
 _TRIM_AT = 64  # moved pieces kept on a stream before its list is trimmed
 
 
+# A stream's socket until its connection exists (never pumped before:
+# ``out_open`` / ``in_open`` say when it is real).
+_NOT_CONNECTED = cast(socket.socket, None)
+
+
 @dataclass(eq=False)
 class PeerLink:
     """One peer's two streams, which the loop moves, and the messages framed on
     them: a ``wire.p2p_header`` (numbered, carrying the tag and the byte
-    count), then the payload; where sending and reading stand."""
+    count), then the payload; where sending and reading stand.
+
+    Each stream has its own connection, made on first use: ``out`` the one
+    this rank opened to the peer, ``inc`` the one the peer opened to it.
+    Messages can be queued on ``out`` and a header awaited on ``inc`` before
+    either exists."""
 
     peer: int
     out: LinkState  # header, payload, header, payload, ... of queued sends
@@ -37,6 +48,21 @@ class PeerLink:
     recv_index: int = 0
     last_progress: float = 0.0  # when a byte last moved either way
     dead: EntrenarError | None = None  # why the link is unusable (None while it works)
+    out_open: bool = False  # ``out`` has its connection
+    in_open: bool = False  # ``inc`` has its connection
+    connecting: bool = False  # ``out``'s connection is being opened
+
+    @classmethod
+    def unconnected(cls, peer: int) -> PeerLink:
+        out = LinkState(peer, _NOT_CONNECTED, [], 0)
+        return cls(peer, out, LinkState(peer, _NOT_CONNECTED, [], 0))
+
+    def attach(self, sock: socket.socket, *, outgoing: bool) -> None:
+        """Give a stream its connection (``outgoing``: the one this rank opened)."""
+        if outgoing:
+            self.out.sock, self.out_open = sock, True
+        else:
+            self.inc.sock, self.in_open = sock, True
 
     @property
     def what(self) -> str:
@@ -91,8 +117,12 @@ class PeerLink:
     def pump(self, loop: Links, *, receiving: bool) -> None:
         """Move what one stream can (raises the loop's error if the link fails)."""
         if receiving:
+            if not self.in_open:
+                return
             moved = loop.pump_recv(self.inc, self.what)
         else:
+            if not self.out_open:
+                return
             moved = loop.pump_send(self.out, self.what)
         if moved:
             self.last_progress = time.monotonic()
@@ -107,6 +137,23 @@ class PeerLink:
         recv_from = [self.peer] if self.incoming is not None or self.inc.offset else []
         send_to = [self.peer] if not self.out.idle() else []
         return causes.stalled(self.what, recv_from, send_to, timeout_s)
+
+    def out_ended(self, causes: Causes) -> EntrenarError | None:
+        """``out`` is readable: the peer never writes on it, so this is its
+        close (the error naming why) or garbage; None if nothing is there."""
+        try:
+            chunk = self.out.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            return causes.link_failed(self.peer, self.what, e)
+        if not chunk:
+            return causes.peer_closed(self.peer, self.what)
+        return PeerConnectionError(
+            f"rank {causes.rank}: {self.what}: rank {self.peer} wrote on this rank's own "
+            "connection: the stream is corrupt",
+            culprit=self.peer,
+        )
 
     def drop_pending(self) -> list[Op]:
         """Give up what is pending: the sends not yet sent (returned), a message half read."""

@@ -298,6 +298,14 @@ class Links:
         except OSError:
             pass  # already awake (buffer full) or closed
 
+    def add(self, peer: int, sock: socket.socket) -> None:
+        """Watch one more link to ``peer`` (a connection made on first use), from
+        the thread that sleeps here."""
+        fd = sock.fileno()
+        self._poller.register(fd, POLLRDHUP)
+        self._masks[fd] = POLLRDHUP
+        self._fd_peer[fd] = peer
+
     def forget(self, fd: int) -> None:
         """Stop watching link ``fd`` (its peer has left; a closed socket polls forever)."""
         if fd in self._masks:

@@ -1,10 +1,13 @@
 """The mesh: one rank's links to every other rank of a group, and the loop that drives them.
 
-Set-up (``rendezvous.py``) gives each pair of ranks three TCP sockets: *data*
-(collectives, driven by ``loop.Progress.run``), *control* (the abort
-protocol's frames, ``control.ControlChannel``) and *p2p* (send/recv, driven by
-the p2p thread with the same loop). One listen port, one store exchange and
-one secret per group serve all three.
+Set-up (``rendezvous.py``) gives each pair of ranks two TCP sockets: *data*
+(collectives, driven by ``loop.Progress.run``) and *control* (the abort
+protocol's frames, ``control.ControlChannel``). *p2p* (send/recv, driven by
+the p2p thread with the same loop) is connected on first use: each rank
+sends on a connection it opens to the peer (``p2p_connect``) and receives on
+the one the peer opened (``serve_p2p``), so a pair that never exchanges a
+message holds no p2p socket. One listen port (kept open for the p2p
+connections), one store exchange and one secret per group serve all three.
 
 Collective data between ranks on one host goes through shared memory
 instead (``shm/``, ``Options.transport``): the mesh hands the loop a ring
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -50,10 +54,22 @@ class Mesh:
         self._store = store
         self._close_lock = threading.Lock()
         self._links: dict[tuple[int, int], socket.socket] = {}
+        # p2p connections, made on first use (both directions); closed with the rest.
+        self._p2p_socks: list[socket.socket] = []
+        self._p2p_handler: Callable[[int, socket.socket], None] | None = None
+        self._p2p_early: list[tuple[int, socket.socket]] = []  # opened by peers before a handler
+        self._closed = False  # (under _close_lock) no p2p connection is taken any more
         timeout_s = timeout_seconds(timeout)  # set-up's bound (each job brings its own)
+        self._rendezvous: Rendezvous | None = None
         if world > 1:
-            channels = (DATA, CONTROL, P2P)
-            self._links = Rendezvous(store, rank, world, options, timeout_s, channels).connect_all()
+            self._rendezvous = Rendezvous(
+                store, rank, world, options, timeout_s, (DATA, CONTROL), (P2P,), self._p2p_opened
+            )
+            try:
+                self._links = self._rendezvous.connect_all()
+            except BaseException:
+                self._drop_setup()
+                raise
         data: dict[int, Any] = self._channel(DATA)
         # Peers whose collective data goes through shared memory (Options.transport).
         self.shm: dict[int, ShmLink] = {}
@@ -79,8 +95,7 @@ class Mesh:
                     sorted(set(data) - set(self.shm)),
                 )
             except BaseException:
-                for sock in self._links.values():
-                    sock.close()
+                self._drop_setup()
                 raise
         data.update(self.shm)
         ctrl = self._channel(CONTROL)
@@ -98,8 +113,52 @@ class Mesh:
         return self._store
 
     def p2p_links(self) -> Links:
-        """The p2p sockets with the loop's pumps and a wake-up, for the p2p thread."""
-        return Links(self.rank, self._channel(P2P), self.causes, wakeable=True)
+        """The loop's pumps and a wake-up for the p2p thread; its sockets come
+        later (``p2p_connect``, ``serve_p2p``)."""
+        return Links(self.rank, {}, self.causes, wakeable=True)
+
+    def p2p_connect(self, peer: int, timeout_s: float) -> socket.socket:
+        """This rank's p2p connection to ``peer`` (it carries this rank's
+        messages to it), made now within ``timeout_s``. Raises
+        ``PeerConnectionError`` (its ``__cause__`` the ``OSError``)."""
+        assert self._rendezvous is not None
+        sock = self._rendezvous.connect(peer, P2P, timeout_s)
+        with self._close_lock:
+            if self._closed:
+                sock.close()
+                raise self.causes.here_closed(f"p2p connection to rank {peer}")
+            self._p2p_socks.append(sock)
+        return sock
+
+    def serve_p2p(self, handler: Callable[[int, socket.socket], None]) -> None:
+        """Hand each p2p connection a peer opens to ``handler(peer, sock)``
+        (in the acceptor's thread), those already opened first."""
+        with self._close_lock:
+            self._p2p_handler = handler
+            early, self._p2p_early = self._p2p_early, []
+        for peer, sock in early:
+            handler(peer, sock)
+
+    def _p2p_opened(self, peer: int, channel: int, sock: socket.socket) -> None:
+        with self._close_lock:
+            if self._closed:
+                sock.close()
+                return
+            self._p2p_socks.append(sock)
+            handler = self._p2p_handler
+            if handler is None:
+                self._p2p_early.append((peer, sock))
+                return
+        handler(peer, sock)
+
+    def _drop_setup(self) -> None:
+        """Set-up failed: close whatever it opened."""
+        if self._rendezvous is not None:
+            self._rendezvous.stop()
+        with self._close_lock:
+            self._closed = True
+            for sock in [*self._links.values(), *self._p2p_socks]:
+                sock.close()
 
     # ------------------------------------------------------------------ ending
 
@@ -114,9 +173,12 @@ class Mesh:
         self._close(hard=hard, error=None)
 
     def _close(self, *, hard: bool, error: BaseException | None) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.stop()  # no more p2p connections (outside the lock: it joins)
         with self._close_lock:
             if self.causes.closed_here:
                 return
+            self._closed = True
             self.causes.closed_here = True
             self.causes.destroyed = error is None
             if self.control is not None:
@@ -125,9 +187,9 @@ class Mesh:
                 self.slots.mark_failed()  # after the ABORT frames: a peer reads the record
             for link in self.shm.values():
                 link.close()
-            for (_, ch), sock in self._links.items():
-                if ch == CONTROL:
-                    continue  # closed by the control channel, after its frame
+            data = [s for (_, ch), s in self._links.items() if ch != CONTROL]
+            # (control sockets are closed by the control channel, after its frame)
+            for sock in [*data, *self._p2p_socks]:
                 try:
                     if hard:
                         sock.shutdown(socket.SHUT_RDWR)

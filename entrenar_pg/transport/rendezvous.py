@@ -13,6 +13,13 @@ all of it under the secret, the acceptor answers with its own HMAC. Anything
 else is refused and closed, so a stray connection (or a process of another
 job) never becomes a peer.
 
+Channels named *lazy* (today p2p) are not connected at set-up: a rank
+connects such a channel to a peer on first use (``connect``), and the
+listener and its acceptor stay up for the group's life to admit them
+(``on_lazy`` receives each). Each end of a pair opens its own lazy
+connection when it first needs one, so there is no tie to break and no
+order to wait for: two ranks that both start at once just make two.
+
 Strangers cannot hold set-up hostage: the acceptor runs every handshake at
 once on one selector, each with its own short deadline, so a connection that
 connects and then says nothing (or a flood of connect-and-close) costs a
@@ -32,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -137,6 +145,8 @@ class Rendezvous:
         options: Options,
         timeout_s: float,
         channels: tuple[int, ...],
+        lazy: tuple[int, ...] = (),
+        on_lazy: Callable[[int, int, socket.socket], None] | None = None,
     ) -> None:
         self.rank = rank
         self.world = world
@@ -144,26 +154,44 @@ class Rendezvous:
         self._store = store
         self._options = options
         self._channels = channels
+        # Channels connected on first use; ``on_lazy(peer, channel, sock)``
+        # gets each one a peer opens (in the acceptor's thread).
+        self._lazy = lazy
+        self._on_lazy = on_lazy
         self.links: dict[tuple[int, int], socket.socket] = {}
         self._accept_error: list[BaseException] = []
+        self._addrs: dict[int, str] = {}  # every peer's listening address (lazy connects)
+        self._secret = b""
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._set_up = threading.Event()  # the set-up's expected connections are in
+        self._stopping = False
 
     def key(self, template: str, rank: int = 0) -> str:
         return template.format(attempt=self._options.attempt, rank=rank)
 
     def store_get(self, key: str, deadline: float) -> bytes:
         """``store.get`` bounded by the group's timeout, not the store's own."""
-        left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
-        try:
-            self._store.wait([key], timedelta(seconds=left))
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            raise PeerConnectionError(
-                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for {key!r} "
-                f"in the store (a rank of this group did not start or crashed): {e}"
-            ) from e
+        self.store_wait([key], deadline)
         return bytes(self._store.get(key))
 
+    def store_wait(self, keys: list[str], deadline: float) -> None:
+        """``store.wait`` bounded by the group's timeout, not the store's own."""
+        left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
+        what = repr(keys[0]) if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
+        try:
+            self._store.wait(keys, timedelta(seconds=left))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            raise PeerConnectionError(
+                f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
+                f"{what} in the store (a rank of this group "
+                f"did not start or crashed): {e}"
+            ) from e
+
     def connect_all(self) -> dict[tuple[int, int], socket.socket]:
-        """Every (peer, channel) socket, tuned and non-blocking; raises on timeout."""
+        """Every (peer, channel) socket of the set-up channels, tuned and
+        non-blocking; raises on timeout. With lazy channels the listener and
+        its acceptor stay up until ``stop``."""
         deadline = time.monotonic() + self.timeout_s
         host = choose_host(self._options)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -174,27 +202,32 @@ class Rendezvous:
             listener.close()
             raise PeerConnectionError(f"rank {self.rank}: cannot listen on {host}: {e}") from e
         listener.listen(_BACKLOG)
+        self._listener = listener
         port = listener.getsockname()[1]
-        acceptor: threading.Thread | None = None
         try:
             if self.rank == 0:
                 self._store.set(self.key(SECRET_KEY), secrets.token_hex(32))
-            secret = self.store_get(self.key(SECRET_KEY), deadline)
+            secret = self._secret = self.store_get(self.key(SECRET_KEY), deadline)
             self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
             expected = {(p, ch) for p in range(self.rank + 1, self.world) for ch in self._channels}
-            acceptor = threading.Thread(
+            self._acceptor = threading.Thread(
                 target=self._accept_loop,
                 args=(listener, secret, expected, deadline),
                 name=f"entrenar-accept-r{self.rank}",
                 daemon=True,
             )
-            acceptor.start()
+            self._acceptor.start()
             for peer in range(self.rank):
-                addr = self.store_get(self.key(ADDR_KEY, peer), deadline).decode()
+                addr = self._address(peer, deadline)
                 for ch in self._channels:
                     self.links[(peer, ch)] = self._connect_to(peer, ch, addr, secret, deadline)
-            acceptor.join(max(deadline - time.monotonic(), 0) + 1.0)
+            if self._lazy:
+                # Lazy connects go to any peer, later, when the store may be
+                # gone (only set-up uses it): learn every address now, in one
+                # wait and one round trip.
+                self._higher_addresses(deadline)
+            self._set_up.wait(max(deadline - time.monotonic(), 0) + 1.0)
             if self._accept_error:
                 raise self._accept_error[0]
             want = {(p, ch) for p in range(self.world) if p != self.rank for ch in self._channels}
@@ -205,17 +238,60 @@ class Rendezvous:
                     f"rank(s) {missing} to connect"
                 )
         except BaseException:
-            if acceptor is not None:
-                acceptor.join(2.0)
+            self.stop()
             for s in self.links.values():
                 s.close()
             raise
-        finally:
-            listener.close()
+        if not self._lazy:
+            self.stop()
         for sock in self.links.values():
             self._tune(sock)
             sock.setblocking(False)
         return self.links
+
+    def _address(self, peer: int, deadline: float) -> str:
+        addr = self._addrs.get(peer)
+        if addr is None:
+            addr = self._addrs[peer] = self.store_get(self.key(ADDR_KEY, peer), deadline).decode()
+        return addr
+
+    def _higher_addresses(self, deadline: float) -> None:
+        peers = list(range(self.rank + 1, self.world))
+        if not peers:
+            return
+        keys = [self.key(ADDR_KEY, p) for p in peers]
+        self.store_wait(keys, deadline)
+        for peer, addr in zip(peers, self._store.multi_get(keys), strict=True):
+            self._addrs[peer] = bytes(addr).decode()
+
+    def connect(self, peer: int, channel: int, timeout_s: float) -> socket.socket:
+        """A lazy channel's connection to ``peer``, made now, tuned and non-blocking.
+
+        The peer listened since set-up, so a refused connection means it is
+        gone: no retry. Bounded by ``timeout_s`` (a stopped peer's kernel
+        accepts, but nobody answers). Raises ``PeerConnectionError`` (its
+        ``__cause__`` the ``OSError``)."""
+        deadline = time.monotonic() + timeout_s
+        addr = self._addrs[peer]
+        sock = self._connect_to(peer, channel, addr, self._secret, deadline, retry=False)
+        self._tune(sock)
+        sock.setblocking(False)
+        return sock
+
+    def stop(self) -> None:
+        """Close the listener and end the acceptor (bounded; idempotent)."""
+        self._stopping = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's select (Linux)
+            except OSError:
+                pass
+        acceptor = self._acceptor
+        if acceptor is not None and acceptor is not threading.current_thread():
+            acceptor.join(2.0)
+        if listener is not None:
+            listener.close()
 
     def _tune(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -227,13 +303,20 @@ class Rendezvous:
     # ------------------------------------------------------------------ connector
 
     def _connect_to(
-        self, peer: int, channel: int, addr: str, secret: bytes, deadline: float
+        self,
+        peer: int,
+        channel: int,
+        addr: str,
+        secret: bytes,
+        deadline: float,
+        retry: bool = True,
     ) -> socket.socket:
         host, port = addr.rsplit(":", 1)
         last: Exception | None = None
         while time.monotonic() < deadline:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.settimeout(max(min(deadline - time.monotonic(), HANDSHAKE_S * 2), 0.01))
+            left = deadline - time.monotonic()
+            sock.settimeout(max(min(left, HANDSHAKE_S * 2) if retry else left, 0.01))
             try:
                 sock.connect((host, int(port)))
                 nonce = _recv_exact(sock, _NONCE_BYTES)
@@ -256,11 +339,13 @@ class Rendezvous:
             except OSError as e:
                 sock.close()
                 last = e
+                if not retry:
+                    break
                 time.sleep(0.05)
         raise PeerConnectionError(
             f"rank {self.rank}: could not connect to rank {peer} at {addr} "
             f"within {self.timeout_s:.0f}s: {last}"
-        )
+        ) from last
 
     # ------------------------------------------------------------------ acceptor
 
@@ -271,18 +356,28 @@ class Rendezvous:
         expected: set[tuple[int, int]],
         deadline: float,
     ) -> None:
-        """Accept and authenticate every connection at once, until ``expected`` is empty."""
-        sel = selectors.DefaultSelector()
+        """Accept and authenticate every connection at once: until ``expected``
+        is empty, and then, with lazy channels, until ``stop``."""
+        # poll, not epoll: no descriptor of its own (it lives as long as the group).
+        sel = selectors.PollSelector()
         pending: dict[int, _Handshake] = {}
         try:
             listener.setblocking(False)
             sel.register(listener, selectors.EVENT_READ)
-            while expected:
+            while not self._stopping:
+                if not expected:
+                    self._set_up.set()
+                    if not self._lazy:
+                        return
                 now = time.monotonic()
-                if now >= deadline:
+                if expected and now >= deadline:
                     return
-                soonest = min((h.deadline for h in pending.values()), default=deadline)
-                for key, _ in sel.select(max(min(soonest, deadline) - now, 0.0)):
+                end = deadline if expected else None
+                soonest = min((h.deadline for h in pending.values()), default=end)
+                wait = None if soonest is None else max(soonest - now, 0.0)
+                for key, _ in sel.select(wait):
+                    if self._stopping:
+                        return
                     if key.fileobj is listener:
                         self._accept_ready(listener, sel, pending)
                     else:
@@ -298,8 +393,12 @@ class Rendezvous:
                         )
                         self._drop(h, sel, pending)
         except BaseException as e:  # surfaced by the connecting thread
-            self._accept_error.append(e)
+            if not self._set_up.is_set():
+                self._accept_error.append(e)
+            elif not self._stopping:
+                log.exception("rank %d: the acceptor of lazy connections failed", self.rank)
         finally:
+            self._set_up.set()
             for h in list(pending.values()):
                 self._drop(h, sel, pending)
             sel.close()
@@ -356,7 +455,7 @@ class Rendezvous:
         if (
             magic != _HELLO_MAGIC
             or world != self.world
-            or (peer, channel) not in expected
+            or not ((peer, channel) in expected or self._admits_lazy(peer, channel))
             or not hmac.compare_digest(their_mac, mac(secret, h.nonce, b"C", peer, world, channel))
         ):
             log.warning(
@@ -378,8 +477,19 @@ class Rendezvous:
         except OSError:
             h.sock.close()
             return
-        expected.discard((peer, channel))
-        self.links[(int(peer), int(channel))] = h.sock
+        if (peer, channel) in expected:
+            expected.discard((peer, channel))
+            self.links[(int(peer), int(channel))] = h.sock
+            return
+        self._tune(h.sock)
+        h.sock.setblocking(False)
+        if self._on_lazy is None:
+            h.sock.close()
+            return
+        self._on_lazy(int(peer), int(channel), h.sock)
+
+    def _admits_lazy(self, peer: int, channel: int) -> bool:
+        return channel in self._lazy and 0 <= peer < self.world and peer != self.rank
 
     @staticmethod
     def _drop(h: _Handshake, sel: selectors.BaseSelector, pending: dict[int, _Handshake]) -> None:

@@ -3,6 +3,8 @@
 ``stall``: star allreduces in a loop; the victim rank SIGSTOPs itself mid-loop.
 ``kill``: allreduces in a loop; the victim rank SIGKILLs itself mid-loop, and
 every survivor exits right after its own error (rank 0 takes the store with it).
+``p2pkill``: every survivor waits in a recv from the victim (no p2p link
+existed: the recv makes the first); the victim SIGKILLs itself.
 
 Each survivor prints one line ``RESULT <rank> <ErrorClass> <culprit> <message>``
 (culprit: the error's ``culprit`` attribute, or ``-`` when it has none).
@@ -27,6 +29,10 @@ if rank == victim:
     threading.Timer(0.2, lambda: os.kill(os.getpid(), sig)).start()
 try:
     end = time.monotonic() + 60
+    if mode == "p2pkill":
+        if rank == victim:
+            time.sleep(60)
+        dist.irecv(torch.empty(4), src=victim).wait()
     while time.monotonic() < end:
         dist.all_reduce(torch.ones(1024))
     print(f"RESULT {rank} none - no error", flush=True)

@@ -1,0 +1,177 @@
+"""Connections made on first use (issue 26, item 4): what a rank holds, and that
+failures are still named without a p2p link between every pair.
+
+A rank holds a data and a control socket per peer from set-up; its p2p
+sockets come with the first send to or recv from a peer (each rank sends on
+the connection it opened and reads the one its peer opened). These tests
+count the process's socket descriptors in ``/proc/self/fd`` (the kernel's
+view: a leaked or lazily made socket counts whoever holds it), check p2p
+between ranks that never talked (both ways at once), and that a killed peer
+is named by every rank that waits on it with no link made before.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from conftest import make_groups
+from test_failures import run_blame
+
+from entrenar_pg import Options, PeerConnectionError
+
+# Sockets one rank's group holds after set-up and a collective, with no p2p
+# yet: data + control per peer, the listener kept for p2p connections, the
+# p2p loop's wake-up pair. (Before: 3(N - 1) + 2, a p2p socket per peer too.)
+
+
+def allreduce_only_sockets(world: int) -> int:
+    return 2 * (world - 1) + 3
+
+
+def socket_fds() -> int:
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+        except OSError:
+            pass  # the directory's own descriptor
+    return n
+
+
+def settled_socket_fds(want: int, within_s: float = 5.0) -> int:
+    """The socket count once it reaches ``want`` (connections made on first use
+    finish in their own threads, just after the message that started them), or
+    the last count seen after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (n := socket_fds()) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
+def allreduce_all(groups: list) -> list[float]:
+    """One 4-element allreduce on every rank (threads); each rank's first element."""
+    out: list[float] = [0.0] * len(groups)
+
+    def one(rank: int) -> None:
+        t = torch.full((4,), float(rank + 1))
+        groups[rank].allreduce([t]).wait()
+        out[rank] = t[0].item()
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [4, 8])
+def test_an_allreduce_only_group_holds_no_p2p_sockets(world: int) -> None:
+    """N thread ranks over TCP set up and allreduce: the process holds exactly
+    N(2(N - 1) + 3) new sockets (before: N(3(N - 1) + 2), 12 and 56 more).
+    One p2p message from rank 0 to rank 1 then adds exactly four: each end's
+    own connection to the other (the send's, and the recv's, which watches
+    for the sender's death)."""
+    before = socket_fds()
+    groups = make_groups(world, Options(transport="tcp"))
+    try:
+        total = world * (world + 1) / 2
+        assert allreduce_all(groups) == [total] * world
+        assert socket_fds() - before == world * allreduce_only_sockets(world)
+        got = torch.empty(3)
+        recv = groups[1].recv([got], 0, 5)
+        groups[0].send([torch.full((3,), 7.0)], 1, 5).wait(timeout=None)
+        recv.wait()
+        assert got.tolist() == [7.0] * 3
+        want = before + world * allreduce_only_sockets(world) + 4
+        assert settled_socket_fds(want) - before == want - before
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert socket_fds() == before, "every socket closed at shutdown"
+
+
+@pytest.mark.timeout(120)
+def test_first_p2p_both_ways_at_once_between_ranks_that_never_talked() -> None:
+    """Ranks 1 and 3 of 4 send to each other at the same instant, each its
+    first p2p message (no connection either way), then receive: both messages
+    arrive, in tag order, with no deadlock; ranks 0 and 2 make no p2p socket.
+    Then a second round over the connections now open."""
+    world = 4
+    groups = make_groups(world, Options(transport="tcp"))
+    try:
+        allreduce_all(groups)
+        before = socket_fds()
+        start = threading.Barrier(2)
+        got: dict[int, list[float]] = {}
+
+        def exchange(rank: int, peer: int) -> None:
+            bufs = [torch.empty(2) for _ in range(2)]
+            start.wait(10)
+            sends = [
+                groups[rank].send([torch.full((2,), 10.0 * rank + k)], peer, k) for k in (0, 1)
+            ]
+            recvs = [groups[rank].recv([bufs[k]], peer, k) for k in (1, 0)]  # posted out of order
+            for w in sends + recvs:
+                w.wait()
+            got[rank] = [b[0].item() for b in bufs]
+
+        for _ in range(2):
+            threads = [
+                threading.Thread(target=exchange, args=(r, p), daemon=True)
+                for r, p in ((1, 3), (3, 1))
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads), "the first p2p exchange hung"
+            assert got == {1: [30.0, 31.0], 3: [10.0, 11.0]}
+            # 1 -> 3 and 3 -> 1, both ends of each
+            assert settled_socket_fds(before + 4) - before == 4
+        for r in (0, 2):
+            p2p = groups[r]._runtime.p2p
+            assert not any(ln.out_open or ln.in_open for ln in p2p._links.values()), r
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_peer_is_named_by_every_rank_waiting_on_it_with_no_link_before() -> None:
+    """N = 4 processes; ranks 0, 1 and 3 wait in a recv from rank 2, which never
+    sends and is SIGKILLed. No p2p link existed (the recvs open the first):
+    every survivor still fails, naming rank 2, instead of waiting out its
+    timeout (the group's is 30 s; the job is failed at 60 s as hung)."""
+    results = run_blame("p2pkill", 2, world=4, timeout_s=30.0, transport="tcp")
+    assert sorted(results) == [0, 1, 3]
+    for rank, (cls, culprit, message) in results.items():
+        assert cls == "PeerConnectionError", (rank, message)
+        assert culprit == "2", f"rank {rank} blamed {culprit}: {message}"
+        assert "recv from rank 2" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_a_first_send_to_a_rank_that_left_names_it() -> None:
+    """Rank 2 of 3 destroys its group; rank 0 then sends to it for the first
+    time: the connection is refused, and the send fails at once naming rank 2
+    as gone (from its goodbye on the control link), not after a timeout."""
+    groups = make_groups(3, Options(transport="tcp"), timeout_s=20.0)
+    try:
+        allreduce_all(groups)
+        groups[2].shutdown()
+        start = time.monotonic()
+        with pytest.raises(PeerConnectionError, match=r"rank 0: .*rank 2 left the group") as info:
+            groups[0].send([torch.ones(2)], 2, 0).wait()
+        assert time.monotonic() - start < 5
+        assert info.value.culprit == 2
+    finally:
+        for g in groups:
+            g.abort()
