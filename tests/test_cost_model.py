@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.model import check, cli, costs, fit, plan
 from benchmarks.model.links import GLOO_NET, KINDS, NET, REDUCE, SHM, LinkParams, LinkTable
+from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
 from entrenar_pg.transport.topology import Topology
@@ -67,7 +68,9 @@ def test_host_link_bytes(h: int, local: int) -> None:
         assert star == pytest.approx((h - 1) * local * s)  # rank 0's host link; fill moves none
 
 
-@pytest.mark.parametrize(("s", "pieces"), [(1 << 20, 1), (8 << 20, 2), (20 << 20, 5), (1 << 30, 8)])
+@pytest.mark.parametrize(
+    ("s", "pieces"), [(1 << 20, 1), (8 << 20, 2), (20 << 20, 5), (1 << 30, hierarchical.MAX_PIECES)]
+)
 def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
     """The slices' plans: PIECE_BYTES pieces (at most MAX_PIECES), count + 2 plans pipelined;
     every piece's cross-host rings pay their 2(H-1) steps again, one piece's rings only once;

@@ -79,7 +79,7 @@ LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
 # many pieces (each piece's plan is a round trip of every phase: fewer,
 # larger pieces cost less Python; more hide the local phases better).
 PIECE_BYTES = 4 << 20
-MAX_PIECES = 8
+MAX_PIECES = 16
 SEGMENTS_PER_CHUNK = 4
 MIN_SEGMENT_BYTES = 64 << 10
 
