@@ -8,16 +8,12 @@ pair, set up with the others) and one thread that drives it with the
 transport's progress loop (``transport.loop``): the same pumps, the same
 sleep, the same errno classifier and the same naming of causes as the
 collectives. Which recv a message is for is ``matching.Matching``'s
-decision; this module does the I/O around it:
+decision, carried out by ``inbox.Inbox``; this module does the I/O around it:
 
-- connections are made on first use, not at set-up (most pairs of a job
-  never exchange a message): the first send to a peer, or recv from it,
-  opens this rank's connection to it (``Mesh.p2p_connect``, in a short-lived
-  thread of its own: the caller never waits for a peer, even a stopped one;
-  sends queue meanwhile; bounded by the group's timeout). A rank sends on the
-  connection it opened and reads the one the peer opened (``Mesh.serve_p2p``),
-  so two ranks starting at once never wait on each other. A recv opens one
-  too: its hang-up is how a peer that dies before sending is noticed;
+- connections are made on first use, not at set-up (``connections.py``):
+  the first send to a peer, or recv from it, opens this rank's connection
+  to it; sends queue meanwhile. A recv opens one too: its hang-up is how a
+  peer that dies before sending is noticed;
 
 - a send is queued on its peer's stream as a framed message (a
   ``wire.p2p_header`` carrying the tag and byte count, then the payload). Its
@@ -47,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -61,19 +56,10 @@ from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import FlightRecorder
 from ..transport.loop import POLLHANG, Links
 from ..transport.mesh import Mesh
-from ..transport.plan import Recv, bytes_of
+from .connections import Connections
+from .inbox import Inbox
 from .link import PeerLink
-from .matching import (
-    ANY_SOURCE,
-    Discarded,
-    Failed,
-    IntoRecv,
-    Matching,
-    Message,
-    PostedRecv,
-    failure_class,
-    op_error,
-)
+from .matching import ANY_SOURCE, failure_class, op_error
 from .ops import Done, Op, Staging, complete, new_op
 
 log = logging.getLogger(__name__)
@@ -106,32 +92,26 @@ class P2PChannel:
         # Why the channel stopped (close(): the group was destroyed; abort():
         # the group's failure; the thread's own failure); None while it runs.
         self._stopped_by: EntrenarError | None = None
-        self._matching = Matching(self.rank)
-        self._recvs: dict[int, Op] = {}  # the recvs the matching knows, by PostedRecv.id
-        self._buffers: dict[int, torch.Tensor] = {}  # message payloads, by Message.id
-        self._next_recv = 0
+        self._inbox = Inbox(self.rank)
         self._done: list[Done] = []  # finished ops, completed outside the lock
         self._failures: list[EntrenarError] = []  # link failures to report, likewise
         self._loop: Links = mesh.p2p_links()
         self._mesh = mesh
         self._causes = mesh.causes
+        self._conns = Connections(mesh, self._loop, timeout, self._lock, self._stopped)
         # Every peer's link, without connections until first use.
         self._links: dict[int, PeerLink] = {}
         for peer in range(self.world):
             if peer != self.rank:
                 link = PeerLink.unconnected(peer)
-                self._expect_header(link)
+                self._inbox.expect_header(link)
                 self._links[peer] = link
-        self._active: list[PeerLink] = []  # the links with a connection, in the loop's poll
-        self._fd_role: dict[int, tuple[PeerLink, bool]] = {}  # fd -> (link, this rank's own)
-        self._unwatched: list[PeerLink] = []  # links given a connection the loop must watch
-        # Connects that failed: (link, why, whether the group breaks).
-        self._unreached: list[tuple[PeerLink, EntrenarError, bool]] = []
+                self._conns.register(link)
         self._thread = threading.Thread(
             target=self._run, name=f"entrenar-p2p-r{self.rank}-{name or 'pg'}", daemon=True
         )
         self._thread.start()
-        mesh.serve_p2p(self._opened)
+        mesh.serve_p2p(self._conns.opened)
 
     # ------------------------------------------------------------ caller side
 
@@ -142,7 +122,7 @@ class P2PChannel:
         op = self._new_op(tensor, dst, tag, f"send to rank {dst} (tag {tag})", is_recv=False)
         with self._lock:
             if dst == self.rank:
-                self._deliver_local(op)
+                self._inbox.deliver_local(op, self._done)
             else:
                 link = self._links[dst]
                 cause = link.dead or self._stopped_by
@@ -150,7 +130,7 @@ class P2PChannel:
                     self._done.append((op, op_error(self.rank, op.what, cause)))
                 else:
                     link.queue(op, partial(self._sent, link, op))
-                    self._reach(link)
+                    self._conns.reach(link)
             done, self._done = self._done, []
         complete(done)
         self._loop.wake()
@@ -161,110 +141,21 @@ class P2PChannel:
         who = "any rank" if src == ANY_SOURCE else f"rank {src}"
         op = self._new_op(tensor, src, tag, f"recv from {who} (tag {tag})", is_recv=True)
         with self._lock:
-            recv = PostedRecv(
-                self._next_recv,
-                src,
-                tag,
-                op.nbytes,
-                op.host.dtype,
-                time.monotonic() + self.timeout.seconds,
-                op.what,
-            )
-            self._next_recv += 1
+            recv = self._inbox.new_recv(op, src, time.monotonic() + self.timeout.seconds)
             gone = self._cannot_arrive(src)
-            if gone is not None and not self._matching.has_message_for(recv):
+            if gone is not None and not self._inbox.matching.has_message_for(recv):
                 self._done.append((op, op_error(self.rank, op.what, *gone)))
             else:
-                self._recvs[recv.id] = op
-                self._matching.post(recv)
-                self._settle()
+                self._inbox.post(recv, op, self._done)
                 if src not in (ANY_SOURCE, self.rank):
-                    self._reach(self._links[src])
+                    self._conns.reach(self._links[src])
             done, self._done = self._done, []
         complete(done)
         self._loop.wake()  # the loop recomputes its next deadline
         return op.work
 
-    # ------------------------------------------------------------ connections
-
-    def _reach(self, link: PeerLink) -> None:
-        """Start opening this rank's connection to ``link``'s peer if it has
-        none and none is under way (under the lock)."""
-        if link.out_open or link.connecting or link.dead is not None:
-            return
-        link.connecting = True
-        threading.Thread(
-            target=self._connect,
-            args=(link,),
-            name=f"entrenar-p2p-connect-r{self.rank}-{link.peer}",
-            daemon=True,
-        ).start()
-
-    def _connect(self, link: PeerLink) -> None:
-        """Open this rank's connection to ``link``'s peer (its own thread). A
-        peer that cannot be reached takes the link down, as a hang-up does."""
-        timeout_s = self.timeout.seconds
-        try:
-            sock = self._mesh.p2p_connect(link.peer, timeout_s)
-        except EntrenarError as e:
-            stalled = isinstance(e.__cause__, TimeoutError)
-            error = self._unreachable(link, e, timeout_s, stalled)
-            with self._lock:
-                link.connecting = False
-                # The p2p thread takes the link down: only it touches the poller.
-                self._unreached.append((link, error, stalled))
-            self._loop.wake()
-            return
-        with self._lock:
-            link.connecting = False
-            if self._stopped_by is not None or link.dead is not None:
-                sock.close()
-                return
-            link.attach(sock, outgoing=True)
-            self._unwatched.append(link)
-        self._loop.wake()
-
-    def _unreachable(
-        self, link: PeerLink, e: EntrenarError, timeout_s: float, stalled: bool
-    ) -> EntrenarError:
-        """Why ``link``'s peer could not be reached: no answer within the timeout
-        is a stall (the wait-for walk names whom; it breaks the group, as a
-        stalled link does); a refusal is its abort, goodbye or death, as its
-        control link tells it (the ops on it fail alone, as on a link that
-        ended while idle)."""
-        if self._causes.closed_here:
-            return self._causes.here_closed(link.what)
-        if stalled:
-            return self._causes.stalled(link.what, [], [link.peer], timeout_s)
-        ended = self._causes.how_ended(link.peer)
-        if ended is not None:
-            return self._causes.peer_closed(link.peer, link.what, ended)
-        return PeerConnectionError(f"{e}; culprit: rank {link.peer}", culprit=link.peer)
-
-    def _opened(self, peer: int, sock: socket.socket) -> None:
-        """``peer`` opened its connection to this rank (the acceptor's thread)."""
-        with self._lock:
-            link = self._links[peer]
-            if link.in_open or link.dead is not None or self._stopped_by is not None:
-                sock.close()  # (a second one would be a confused peer; the mesh owns it)
-                return
-            link.attach(sock, outgoing=False)
-            self._unwatched.append(link)
-        self._loop.wake()
-
-    def _watch(self) -> None:
-        """Put the connections made since the last turn into the loop's poll
-        (the p2p thread, under the lock: only it touches the poller)."""
-        for link in self._unwatched:
-            if link.dead is not None:
-                continue
-            for st, own, up in ((link.out, True, link.out_open), (link.inc, False, link.in_open)):
-                if up and st.sock.fileno() not in self._fd_role:
-                    self._fd_role[st.sock.fileno()] = (link, own)
-                    self._loop.add(link.peer, st.sock)
-            if link not in self._active:
-                self._active.append(link)
-        self._unwatched.clear()
+    def _stopped(self) -> bool:
+        return self._stopped_by is not None
 
     def close(self) -> None:
         """Stop the thread and fail what is pending (the transport owns the sockets)."""
@@ -304,41 +195,6 @@ class P2PChannel:
             return self._links[src].dead, ""
         return None
 
-    def _deliver_local(self, op: Op) -> None:
-        """A send to this rank: the matching places it like an arriving message."""
-        data = op.host.view(torch.uint8) if op.nbytes else torch.empty(0, dtype=torch.uint8)
-        place = self._matching.arrive(self.rank, op.tag, op.nbytes, op.host.dtype)
-        if isinstance(place, IntoRecv):
-            if op.nbytes:
-                self._recvs[place.recv.id].host.view(torch.uint8).copy_(data)
-        else:
-            self._buffers[place.msg.id] = data.clone()
-        self._matching.arrived(place.msg)
-        self._done.append((op, None))
-        self._settle()
-
-    def _settle(self) -> int:
-        """Act on the matching's outcomes (under the lock): copy buffered
-        payloads into their recvs, queue completions, drop buffers. Returns
-        how many recvs failed."""
-        failed = 0
-        for outcome in self._matching.take():
-            if isinstance(outcome, Discarded):
-                self._buffers.pop(outcome.msg.id, None)
-                continue
-            op = self._recvs.pop(outcome.recv.id)
-            if isinstance(outcome, Failed):
-                self._done.append((op, outcome.error))
-                failed += 1
-                continue
-            op.work.src = outcome.msg.peer
-            if outcome.buffered:
-                buf = self._buffers.pop(outcome.msg.id)
-                if op.nbytes:
-                    op.host.view(torch.uint8).copy_(buf)
-            self._done.append((op, None))
-        return failed
-
     def _stop(self, error: EntrenarError, join_s: float) -> None:
         with self._lock:
             if self._stopped_by is not None:
@@ -358,8 +214,8 @@ class P2PChannel:
         for link in self._links.values():
             for op in link.drop_pending():
                 self._done.append((op, op_error(self.rank, op.what, error, why)))
-        self._matching.close(error, why)
-        self._settle()
+        self._inbox.matching.close(error, why)
+        self._inbox.settle(self._done)
 
     # ------------------------------------------------------------ the thread
 
@@ -369,16 +225,10 @@ class P2PChannel:
                 with self._lock:
                     if self._stopped_by is not None:
                         return
-                    if self._unwatched:
-                        self._watch()
-                    for link, error, breaks in self._unreached:
+                    self._conns.watch()
+                    for link, error, breaks in self._conns.take_unreached():
                         self._link_down(link, error, breaks_group=breaks)
-                    self._unreached.clear()
-                    want = {
-                        fd: select.POLLIN | (select.POLLOUT if own and not link.out.idle() else 0)
-                        for fd, (link, own) in self._fd_role.items()
-                        if link.dead is None
-                    }
+                    want = self._conns.poll_mask()
                     wait_s = self._next_deadline() - time.monotonic()
                     if self._done or self._failures:
                         wait_s = 0.0  # (a failed connect's ops: complete them now)
@@ -386,11 +236,10 @@ class P2PChannel:
                 with self._lock:
                     if self._stopped_by is not None:
                         return
-                    if self._unwatched:
-                        self._watch()  # (new sends' connections: pumped below)
+                    self._conns.watch()  # (new sends' connections: pumped below)
                     for fd, ev in events:
-                        role = self._fd_role.get(fd)
-                        if role is None or role[0].dead is not None:
+                        role = self._conns.role(fd)
+                        if role is None:
                             continue  # the wake-up (drained by sleep), or a link given up
                         link, own = role
                         if own:
@@ -400,11 +249,11 @@ class P2PChannel:
                                 self._pump(link, receiving=False)
                         elif ev & (select.POLLIN | POLLHANG):
                             self._pump(link, receiving=True)
-                    for link in self._active:
+                    for link in self._conns.active:
                         if not link.out.idle() and link.dead is None:
                             self._pump(link, receiving=False)  # new sends: try at once
                     self._expire()
-                    self._settle()
+                    self._inbox.settle(self._done)
                     done, self._done = self._done, []
                     failures, self._failures = self._failures, []
                 # The group breaks before the failed ops complete: whoever
@@ -441,10 +290,10 @@ class P2PChannel:
         """The earliest time a posted recv or a busy link times out."""
         deadlines = [
             ln.last_progress + self.timeout.seconds
-            for ln in self._active
+            for ln in self._conns.active
             if ln.busy() and ln.dead is None
         ]
-        posted = self._matching.next_deadline()
+        posted = self._inbox.matching.next_deadline()
         if posted is not None:
             deadlines.append(posted)
         return min(deadlines) if deadlines else time.monotonic() + 3600.0
@@ -454,8 +303,8 @@ class P2PChannel:
         nothing moved, for the timeout."""
         now = time.monotonic()
         timeout_s = self.timeout.seconds
-        self._matching.expire(now, timeout_s)
-        for link in self._active:
+        self._inbox.matching.expire(now, timeout_s)
+        for link in self._conns.active:
             error = link.stall(now, timeout_s, self._causes)
             if error is not None:
                 self._link_down(link, error)
@@ -468,21 +317,17 @@ class P2PChannel:
             return
         link.dead = failure_class(error)(str(error), culprit=error.culprit)
         # Outcomes so far first, so the count below is this link's alone.
-        self._settle()
+        self._inbox.settle(self._done)
         dropped = link.drop_pending()
         for op in dropped:
             self._done.append((op, op_error(self.rank, op.what, link.dead)))
         affected = len(dropped)
-        # By the link, not its sockets' fileno (the mesh may have closed them):
-        # a later connection may be given the same descriptor number.
-        for fd in [fd for fd, (ln, _) in self._fd_role.items() if ln is link]:
-            del self._fd_role[fd]
-            self._loop.forget(fd)
-        self._matching.peer_down(link.peer, link.dead)
-        affected += self._settle()
+        self._conns.forget(link)
+        self._inbox.matching.peer_down(link.peer, link.dead)
+        affected += self._inbox.settle(self._done)
         if all(ln.dead is not None for ln in self._links.values()):
-            self._matching.all_peers_down()  # not this link's ops: no group failure
-            self._settle()
+            self._inbox.matching.all_peers_down()  # not this link's ops: no group failure
+            self._inbox.settle(self._done)
         # A peer that finished and destroyed its group closes its links: normal.
         log.log(
             logging.WARNING if affected else logging.DEBUG,
@@ -494,29 +339,7 @@ class P2PChannel:
         if affected and breaks_group and self._stopped_by is None:
             self._failures.append(link.dead)
 
-    # ------------------------------------------------------------ stream callbacks
-
-    def _expect_header(self, link: PeerLink) -> None:
-        link.expect_header(partial(self._header_in, link))
-
     def _sent(self, link: PeerLink, op: Op) -> None:
         """A send's last byte left: its Work completes."""
         link.sent(op)
         self._done.append((op, None))
-
-    def _header_in(self, link: PeerLink) -> None:
-        header = link.read_header(self.rank)
-        place = self._matching.arrive(link.peer, header.aux, header.numel, header.dtype)
-        if isinstance(place, IntoRecv):
-            view = bytes_of(self._recvs[place.recv.id].host)
-        else:
-            buf = torch.empty(header.numel, dtype=torch.uint8)
-            self._buffers[place.msg.id] = buf
-            view = bytes_of(buf)
-        link.incoming = place.msg
-        link.inc.push(Recv(view, partial(self._payload_in, link, place.msg)))
-
-    def _payload_in(self, link: PeerLink, msg: Message) -> None:
-        link.incoming = None
-        self._matching.arrived(msg)
-        self._expect_header(link)
