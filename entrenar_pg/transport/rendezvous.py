@@ -28,24 +28,20 @@ socket for a few seconds, never a peer's turn.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import hmac
 import logging
-import os
 import secrets
-import selectors
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from ..config import MIN_TIMEOUT_S, Options
 from ..errors import PeerConnectionError
+from .acceptor import HANDSHAKE_S, HELLO, HELLO_MAGIC, MAC_BYTES, NONCE_BYTES, Acceptor, mac
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +50,11 @@ CONTROL = 1  # the abort protocol's frames (control.py)
 P2P = 2  # send / recv
 CHANNEL_NAMES = {DATA: "data", CONTROL: "control", P2P: "p2p"}
 
-_HELLO = struct.Struct("<4sIII")  # magic, rank, world size, channel
-_HELLO_MAGIC = b"ENTR"
-_NONCE_BYTES = 16
-_MAC_BYTES = 32
-_HELLO_AND_MAC = _HELLO.size + _MAC_BYTES
 SECRET_KEY = "entrenar/a{attempt}/secret"
 ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
-# One handshake may take this long at most (a legitimate peer answers in
-# microseconds; the bound only limits what a silent stranger costs).
-HANDSHAKE_S = 5.0
-# Handshakes in progress at once; beyond this the oldest is dropped (a flood).
-_MAX_PENDING = 1024
 # The listen backlog: a flood of strangers must not fill the kernel's queue
 # and make a peer's connect wait for a SYN retransmission (1 s and more).
 _BACKLOG = 1024
-
-
-def mac(secret: bytes, nonce: bytes, role: bytes, rank: int, world: int, channel: int) -> bytes:
-    msg = nonce + role + struct.pack("<III", rank, world, channel)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -123,17 +104,6 @@ def _ifname_address(ifname: str) -> str:
         s.close()
 
 
-@dataclass(slots=True)
-class _Handshake:
-    """One accepted connection, not yet authenticated."""
-
-    sock: socket.socket
-    addr: Any
-    nonce: bytes
-    deadline: float
-    got: bytearray = field(default_factory=bytearray)
-
-
 class Rendezvous:
     """Forms one authenticated socket per (peer, channel); see the module docstring."""
 
@@ -159,13 +129,11 @@ class Rendezvous:
         self._lazy = lazy
         self._on_lazy = on_lazy
         self.links: dict[tuple[int, int], socket.socket] = {}
-        self._accept_error: list[BaseException] = []
         self._addrs: dict[int, str] = {}  # every peer's listening address (lazy connects)
         self._secret = b""
         self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._set_up = threading.Event()  # the set-up's expected connections are in
-        self._stopping = False
+        self._acceptor: Acceptor | None = None
+        self._accept_thread: threading.Thread | None = None
 
     def key(self, template: str, rank: int = 0) -> str:
         return template.format(attempt=self._options.attempt, rank=rank)
@@ -211,13 +179,22 @@ class Rendezvous:
             self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
             expected = {(p, ch) for p in range(self.rank + 1, self.world) for ch in self._channels}
-            self._acceptor = threading.Thread(
-                target=self._accept_loop,
-                args=(listener, secret, expected, deadline),
-                name=f"entrenar-accept-r{self.rank}",
-                daemon=True,
+            acceptor = self._acceptor = Acceptor(
+                self.rank,
+                self.world,
+                listener,
+                secret,
+                expected,
+                deadline,
+                self.links,
+                self._lazy,
+                self._on_lazy,
+                self._tune,
             )
-            self._acceptor.start()
+            self._accept_thread = threading.Thread(
+                target=acceptor.run, name=f"entrenar-accept-r{self.rank}", daemon=True
+            )
+            self._accept_thread.start()
             for peer in range(self.rank):
                 addr = self._address(peer, deadline)
                 for ch in self._channels:
@@ -227,9 +204,9 @@ class Rendezvous:
                 # gone (only set-up uses it): learn every address now, in one
                 # wait and one round trip.
                 self._higher_addresses(deadline)
-            self._set_up.wait(max(deadline - time.monotonic(), 0) + 1.0)
-            if self._accept_error:
-                raise self._accept_error[0]
+            acceptor.set_up.wait(max(deadline - time.monotonic(), 0) + 1.0)
+            if acceptor.errors:
+                raise acceptor.errors[0]
             want = {(p, ch) for p in range(self.world) if p != self.rank for ch in self._channels}
             missing = sorted({p for (p, ch) in want - set(self.links)})
             if missing:
@@ -280,16 +257,17 @@ class Rendezvous:
 
     def stop(self) -> None:
         """Close the listener and end the acceptor (bounded; idempotent)."""
-        self._stopping = True
+        if self._acceptor is not None:
+            self._acceptor.stopping = True
         listener, self._listener = self._listener, None
         if listener is not None:
             try:
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's select (Linux)
             except OSError:
                 pass
-        acceptor = self._acceptor
-        if acceptor is not None and acceptor is not threading.current_thread():
-            acceptor.join(2.0)
+        thread = self._accept_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2.0)
         if listener is not None:
             listener.close()
 
@@ -319,12 +297,12 @@ class Rendezvous:
             sock.settimeout(max(min(left, HANDSHAKE_S * 2) if retry else left, 0.01))
             try:
                 sock.connect((host, int(port)))
-                nonce = _recv_exact(sock, _NONCE_BYTES)
+                nonce = _recv_exact(sock, NONCE_BYTES)
                 sock.sendall(
-                    _HELLO.pack(_HELLO_MAGIC, self.rank, self.world, channel)
+                    HELLO.pack(HELLO_MAGIC, self.rank, self.world, channel)
                     + mac(secret, nonce, b"C", self.rank, self.world, channel)
                 )
-                answer = _recv_exact(sock, _MAC_BYTES)
+                answer = _recv_exact(sock, MAC_BYTES)
                 if not hmac.compare_digest(
                     answer, mac(secret, nonce, b"A", peer, self.world, channel)
                 ):
@@ -346,157 +324,3 @@ class Rendezvous:
             f"rank {self.rank}: could not connect to rank {peer} at {addr} "
             f"within {self.timeout_s:.0f}s: {last}"
         ) from last
-
-    # ------------------------------------------------------------------ acceptor
-
-    def _accept_loop(
-        self,
-        listener: socket.socket,
-        secret: bytes,
-        expected: set[tuple[int, int]],
-        deadline: float,
-    ) -> None:
-        """Accept and authenticate every connection at once: until ``expected``
-        is empty, and then, with lazy channels, until ``stop``."""
-        # poll, not epoll: no descriptor of its own (it lives as long as the group).
-        sel = selectors.PollSelector()
-        pending: dict[int, _Handshake] = {}
-        try:
-            listener.setblocking(False)
-            sel.register(listener, selectors.EVENT_READ)
-            while not self._stopping:
-                if not expected:
-                    self._set_up.set()
-                    if not self._lazy:
-                        return
-                now = time.monotonic()
-                if expected and now >= deadline:
-                    return
-                end = deadline if expected else None
-                soonest = min((h.deadline for h in pending.values()), default=end)
-                wait = None if soonest is None else max(soonest - now, 0.0)
-                for key, _ in sel.select(wait):
-                    if self._stopping:
-                        return
-                    if key.fileobj is listener:
-                        self._accept_ready(listener, sel, pending)
-                    else:
-                        self._advance(pending[key.fd], sel, pending, secret, expected)
-                now = time.monotonic()
-                for h in list(pending.values()):
-                    if now >= h.deadline:
-                        log.warning(
-                            "rank %d: dropped connection from %s: no handshake within %.0fs",
-                            self.rank,
-                            h.addr,
-                            HANDSHAKE_S,
-                        )
-                        self._drop(h, sel, pending)
-        except BaseException as e:  # surfaced by the connecting thread
-            if not self._set_up.is_set():
-                self._accept_error.append(e)
-            elif not self._stopping:
-                log.exception("rank %d: the acceptor of lazy connections failed", self.rank)
-        finally:
-            self._set_up.set()
-            for h in list(pending.values()):
-                self._drop(h, sel, pending)
-            sel.close()
-
-    def _accept_ready(
-        self, listener: socket.socket, sel: selectors.BaseSelector, pending: dict[int, _Handshake]
-    ) -> None:
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue  # the stranger left before we got to it
-                raise
-            sock.setblocking(False)
-            nonce = os.urandom(_NONCE_BYTES)
-            try:
-                sock.send(nonce)  # 16 bytes into a fresh socket's buffer: never partial
-            except OSError:
-                sock.close()
-                continue
-            if len(pending) >= _MAX_PENDING:
-                oldest = min(pending.values(), key=lambda h: h.deadline)
-                self._drop(oldest, sel, pending)
-            h = _Handshake(sock, addr, nonce, time.monotonic() + HANDSHAKE_S)
-            pending[sock.fileno()] = h
-            sel.register(sock, selectors.EVENT_READ)
-
-    def _advance(
-        self,
-        h: _Handshake,
-        sel: selectors.BaseSelector,
-        pending: dict[int, _Handshake],
-        secret: bytes,
-        expected: set[tuple[int, int]],
-    ) -> None:
-        """Read what the connector sent; once hello and MAC are in, admit or refuse it."""
-        try:
-            chunk = h.sock.recv(_HELLO_AND_MAC - len(h.got))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop(h, sel, pending)
-            return
-        h.got += chunk
-        if len(h.got) < _HELLO_AND_MAC:
-            return
-        magic, peer, world, channel = _HELLO.unpack(bytes(h.got[: _HELLO.size]))
-        their_mac = bytes(h.got[_HELLO.size :])
-        if (
-            magic != _HELLO_MAGIC
-            or world != self.world
-            or not ((peer, channel) in expected or self._admits_lazy(peer, channel))
-            or not hmac.compare_digest(their_mac, mac(secret, h.nonce, b"C", peer, world, channel))
-        ):
-            log.warning(
-                "rank %d: refused connection from %s (claims rank %s of %s, channel %s)",
-                self.rank,
-                h.addr,
-                peer,
-                world,
-                channel,
-            )
-            self._drop(h, sel, pending)
-            return
-        sel.unregister(h.sock)
-        del pending[h.sock.fileno()]
-        try:
-            h.sock.setblocking(True)
-            h.sock.settimeout(HANDSHAKE_S)
-            h.sock.sendall(mac(secret, h.nonce, b"A", self.rank, self.world, channel))
-        except OSError:
-            h.sock.close()
-            return
-        if (peer, channel) in expected:
-            expected.discard((peer, channel))
-            self.links[(int(peer), int(channel))] = h.sock
-            return
-        self._tune(h.sock)
-        h.sock.setblocking(False)
-        if self._on_lazy is None:
-            h.sock.close()
-            return
-        self._on_lazy(int(peer), int(channel), h.sock)
-
-    def _admits_lazy(self, peer: int, channel: int) -> bool:
-        return channel in self._lazy and 0 <= peer < self.world and peer != self.rank
-
-    @staticmethod
-    def _drop(h: _Handshake, sel: selectors.BaseSelector, pending: dict[int, _Handshake]) -> None:
-        fd = h.sock.fileno()
-        if pending.pop(fd, None) is not None:
-            try:
-                sel.unregister(h.sock)
-            except (KeyError, ValueError):
-                pass
-        h.sock.close()
