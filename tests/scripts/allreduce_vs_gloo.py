@@ -64,6 +64,13 @@ def compare(members: int, gloo: dist.ProcessGroup) -> None:
                 else:
                     x = torch.randint(1, 4, (n,), generator=g).to(dt)
                 ref = x.clone()
+                if dt == torch.bool and name == "AVG":
+                    # gloo divides the bool tensor in place after the sum: always an
+                    # error, raised in its work thread, and now and then only at the
+                    # next wait (the final barrier); the same "unsupported" as a
+                    # gloo call that raises here.
+                    unsupported += 1
+                    continue
                 try:
                     dist.all_reduce(ref, op=op, group=gloo)
                 except Exception:
