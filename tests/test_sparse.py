@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, run_ranks, torchrun
+from conftest import GLOO_EXIT_ABORT, REPO, run_ranks, torchrun
 
 from entrenar_pg import CollectiveMismatchError, Options
 
@@ -355,9 +355,6 @@ def test_public_api_async_work_and_stats() -> None:
 
 
 # ----------------------------------------------------------------------------- DDP
-
-
-GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_session
+from conftest import GLOO_EXIT_ABORT, run_session
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
@@ -90,14 +90,20 @@ def reference(reference_run: Path) -> dict:
     return end
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(220)
 @pytest.mark.parametrize("backend", ["entrenar", "gloo"])
 def test_smoke_ddp_mode_outputs(tmp_path, backend):
     """Default (DDP, overlapping) mode: loss falls, every output is written."""
-    out = tmp_path / "run"
-    args = ["--steps", "10", "--grad-accum", "2", "--out-dir", str(out), "--plot"]
+    args = ["--steps", "10", "--grad-accum", "2", "--plot"]
     args += ["--sample-bytes", "40", "--eval-every", "5"]
-    proc = torchrun(2, args, timeout=100, backend=backend)
+    out = tmp_path / "run"
+    proc = torchrun(2, [*args, "--out-dir", str(out)], timeout=100, backend=backend, check=False)
+    if backend == "gloo" and proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
+        out = tmp_path / "rerun"  # (conftest: gloo's teardown abort; a fresh run, not a resume)
+        proc = torchrun(
+            2, [*args, "--out-dir", str(out)], timeout=100, backend=backend, check=False
+        )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     recs = records(out / "metrics.jsonl")
     steps = [r for r in recs if "event" not in r]
     assert [r["step"] for r in steps] == list(range(1, 11))
