@@ -5,7 +5,7 @@
 Two bench runs of different trees are separate jobs, and on a shared
 machine the load between them moves even unchanged code by 20-40%. Here
 both algorithms run in one job, on the same slot areas: each rank loads the
-baseline's ``collectives/shm_allreduce.py`` and ``transport/slots.py`` (from
+baseline's ``collectives/shm_allreduce.py`` and ``transport/shm/slots.py`` (from
 ``DIR/entrenar_pg``) beside this checkout's, builds a baseline ``SlotArea``
 over the same mapped memory, and swaps the group's slot area and SHM
 allreduce between the two every ``--per`` calls (the phase counter lives in
@@ -54,7 +54,7 @@ class _Swap:
         from entrenar_pg.wire import Algo
 
         old_slots = _load(
-            "entrenar_pg.transport._baseline_slots", f"{baseline_dir}/transport/slots.py"
+            "entrenar_pg.transport.shm._baseline_slots", f"{baseline_dir}/transport/shm/slots.py"
         )
         old_alg = _load(
             "entrenar_pg.collectives._baseline_shm_allreduce",
