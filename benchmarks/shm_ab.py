@@ -64,12 +64,23 @@ class _Swap:
         links = {link.peer: link for link in new_area._links}
         old_area = old_slots.SlotArea(new_area.rank, dict(enumerate(new_area._areas)), links)
         self._mesh, self._table, self._key = mesh, jobs._ALLREDUCE, Algo.SHM
+        self._scratch: Any = None  # the group's ScratchPool (set by ``_rank``)
+        self._plans: dict[str, dict[Any, Any]] = {"baseline": {}, "new": {}}
+        self._using = "new"
         self.variants = {
             "baseline": (old_area, old_alg.allreduce_shm),
             "new": (new_area, jobs._ALLREDUCE[Algo.SHM]),
         }
 
     def use(self, name: str) -> None:
+        if self._scratch is not None:  # each variant keeps its own cached shapes
+            plans = self._scratch._plans
+            mine = {k: v for k, v in plans.items() if k and k[0] == "shm"}
+            self._plans[self._using] = mine
+            for k in mine:
+                del plans[k]
+            plans.update(self._plans[name])
+        self._using = name
         area, fn = self.variants[name]
         area.phase = int(area._own[_ARRIVED])  # the shared truth
         self._mesh.slots = area
@@ -92,6 +103,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
     assert group is not None
     backend: Any = group._get_backend(torch.device("cpu"))  # the EntrenarProcessGroup
     swap = _Swap(backend._runtime.mesh, args["dirs"])
+    swap._scratch = backend._runtime.scratch
     names = list(swap.variants)
     out: dict[int, dict[str, list[float]]] = {}
     for nbytes in args["sizes"]:

@@ -226,7 +226,12 @@ SLOT_OPS = [
 ]
 SLOT_SIZES = [0, 1, 1001]
 # Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
-BIG_SIZES = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5, 5 * slots.SLOT_DATA_BYTES // 8 + 1]
+BIG_SIZES = [
+    100_003,  # float32: past the two-rank small path's size (sliced at N=2, one phase at N=3)
+    (1 << 18) + 3,
+    slots.SLOT_DATA_BYTES // 4 + 5,
+    5 * slots.SLOT_DATA_BYTES // 8 + 1,
+]
 BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
 
 
@@ -336,6 +341,7 @@ def test_chunked_large_path_at_chunk_boundaries(
     bits of the single-process reference in the order the mode promises
     (rank order; the canonical tree when deterministic)."""
     monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
+    monkeypatch.setattr(shm_allreduce, "PAIR_SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
     ran: list[int] = []
     original = shm_allreduce._chunked
