@@ -371,6 +371,68 @@ def test_chunked_large_path_at_chunk_boundaries(
             assert torch.equal(got[rank][i], want), (dtype, op, factor, n, rank)
 
 
+@pytest.mark.timeout(60)
+def test_two_rank_sum_path_follows_the_callers_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks summing small messages copy in and sum without torch, through
+    views of the caller's buffer remembered by address (``_Pair.host``): the
+    right bits whichever tensor lies at an address now. Views at other
+    offsets of one storage, tensors freed and new ones made (often at a freed
+    address), a buffer refilled in place, and more buffers than are
+    remembered; every result against the sum made here, every call through
+    that path, and one float16 sum (not numpy's: torch's kernel) alongside."""
+    made: list[int] = []  # views made of a caller's buffer
+    by_torch: list[int] = []  # two-slot sums through torch's kernel
+    views, combine = shm_allreduce._host_views, shm_allreduce.combine_into
+
+    def counting_views(*args: Any) -> Any:
+        made.append(1)
+        return views(*args)
+
+    def counting_combine(*args: Any) -> None:
+        by_torch.append(1)
+        combine(*args)
+
+    monkeypatch.setattr(shm_allreduce, "_host_views", counting_views)
+    monkeypatch.setattr(shm_allreduce, "combine_into", counting_combine)
+    n, rounds = 1001, 12
+    spans = [(0, n), (n, 2 * n), (5, n + 5)]  # views of one storage at other offsets
+
+    def inputs(rank: int, i: int) -> list[torch.Tensor]:
+        return [_data(rank, n, torch.float32) + i, _data(rank, n, torch.int64) + i]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        store = torch.zeros(2 * n + 5)
+        for i in range(rounds):
+            for t in inputs(rank, i):  # fresh tensors, freed after (an address to reuse)
+                pg.allreduce([t]).wait()
+                out.append(t.clone())
+                del t
+            a, b = spans[i % len(spans)]
+            view = store[a:b]
+            view.copy_(_data(rank, n, torch.float32) * (i + 1))  # refilled in place
+            pg.allreduce([view]).wait()
+            out.append(view.clone())
+            half = _data(rank, n, torch.float16)
+            pg.allreduce([half]).wait()
+            out.append(half)
+        return out
+
+    got = _run(2, Options(transport="shm"), fn, True)
+    for i in range(rounds):
+        want = [x + y for x, y in zip(inputs(0, i), inputs(1, i), strict=True)]
+        want.append(sum(_data(r, n, torch.float32) * (i + 1) for r in (0, 1)))
+        want.append(_data(0, n, torch.float16) + _data(1, n, torch.float16))
+        for rank in (0, 1):
+            for j, w in enumerate(want):
+                g = got[rank][4 * i + j]
+                assert g.dtype == w.dtype and torch.equal(g, w), (i, j, rank)
+    # Only float16 went through torch; the views of ``store`` were met again
+    # (so remembered views were used), fresh tensors were met too.
+    assert len(by_torch) == 2 * rounds, len(by_torch)
+    assert 2 <= len(made) < 2 * 3 * rounds, len(made)
+
+
 @pytest.mark.timeout(120)
 def test_back_to_back_calls_with_skew() -> None:
     """Calls queued without waiting, one rank delayed before some of them:
