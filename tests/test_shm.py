@@ -319,6 +319,16 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
+def _counting(fn: Any, ran: list[str]) -> Any:
+    """``fn``, noting its name in ``ran`` at each call."""
+
+    def counted(*args: Any) -> None:
+        ran.append(fn.__name__)
+        fn(*args)
+
+    return counted
+
+
 # The chunked large path with 64-byte chunks: one element, a chunk less one,
 # a chunk, a chunk and one, several chunks and a tail; a chunk's slices are
 # uneven or empty where the world does not divide it.
@@ -343,14 +353,10 @@ def test_chunked_large_path_at_chunk_boundaries(
     monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "PAIR_SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
-    ran: list[int] = []
-    original = shm_allreduce._chunked
-
-    def counting(*args: Any) -> None:
-        ran.append(1)
-        original(*args)
-
-    monkeypatch.setattr(shm_allreduce, "_chunked", counting)
+    ran: list[str] = []
+    # Two ranks summing one chunk take its memcpy/numpy twin (_sliced_pair).
+    for name in ("_chunked", "_sliced_pair"):
+        monkeypatch.setattr(shm_allreduce, name, _counting(getattr(shm_allreduce, name), ran))
     cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
@@ -364,6 +370,14 @@ def test_chunked_large_path_at_chunk_boundaries(
 
     got = _run(world, Options(transport="shm", deterministic=deterministic), fn, True)
     assert len(ran) == world * len(cases), "not every allreduce ran the chunked path"
+    one_chunk_sums = [
+        c
+        for c in cases
+        if c[0] in shm_allreduce._NUMPY_SUM and c[1] in (R.SUM, R.AVG, R.PREMUL_SUM)
+    ]
+    one_chunk_sums = [c for c in one_chunk_sums if c[3] <= shm_allreduce.chunk_elems(c[0])]
+    want_pair = world * len(one_chunk_sums) if world == 2 else 0
+    assert ran.count("_sliced_pair") == want_pair, (ran.count("_sliced_pair"), want_pair)
     for i, (dtype, op, factor, n) in enumerate(cases):
         want = _reference(world, dtype, op, factor, n, deterministic)
         for rank in range(world):
@@ -528,6 +542,34 @@ def test_a_mismatch_raises_in_the_call_on_every_rank(
             assert "allreduce#" in str(e) and f"rank {rank}:" in str(e), e
             if not rings_only and differs != "collective":  # it names both calls
                 assert "this rank called allreduce#" in str(e), e
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [1001, 100_003], ids=["small", "sliced"])
+@pytest.mark.parametrize("differs", ["size", "dtype"])
+def test_a_two_rank_mismatch_raises_on_both_ranks(differs: str, numel: int) -> None:
+    """Two ranks on the memcpy/numpy paths (one phase; one chunk in slices)
+    call different sums: both raise CollectiveMismatchError in that call,
+    naming both calls, before either reads the other's data."""
+    groups = make_groups(2, Options(transport="shm"), timeout_s=20)
+    try:
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+            odd = rank == 1
+            t = torch.ones(numel + (odd and differs == "size"))
+            if odd and differs == "dtype":
+                t = t.int()  # the same bytes, another dtype
+            pg.allreduce([torch.ones(8)]).wait()  # one good call first
+            pg.allreduce([t]).wait()
+
+        got = _each_rank(groups, fn, [0, 1])
+        for rank in range(2):
+            e = got[rank]
+            assert isinstance(e, CollectiveMismatchError), (rank, e)
+            assert f"rank {rank}:" in str(e) and "this rank called allreduce#" in str(e), e
     finally:
         for g in groups:
             g.abort()

@@ -79,6 +79,7 @@ class _Shape:
     chunk: int  # elements per chunk (large)
     cuts: dict[int, _Cut]  # chunk length -> its slices (large: a full chunk's, the tail's)
     pair: _Pair | None  # two ranks summing a small message: its copies without torch
+    pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
 
 def allreduce_shm(
@@ -95,6 +96,8 @@ def allreduce_shm(
     stamp_seq(shape.packed, call.seq)
     if shape.small:
         _small(call, area, buf, shape, op)
+    elif shape.pair_cut is not None and buf.is_contiguous():
+        _sliced_pair(call, area, buf, shape.pair_cut, shape.packed, op)
     else:
         _chunked(call, area, buf, shape, op)
     if red.kind is Kind.AVG:
@@ -111,10 +114,14 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
         pair = _new_pair(area, dtype, nbytes, red.combine_kind)
-        return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair)
+        return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
     lengths = {min(chunk, numel), numel % chunk or chunk}
     cuts = {m: _cut(area, dtype, m) for m in lengths}
-    return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None)
+    pair_cut = None
+    if numel <= chunk:
+        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
+        pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
+    return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
 
 def small_max_bytes(world: int) -> int:
@@ -179,6 +186,7 @@ _MAX_HOST_VIEWS = 8  # caller buffers remembered per shape (a training loop reus
 class _Pair:
     """The two-rank SUM small path's views of the slots, and of callers' buffers."""
 
+    raw: list[list[memoryview]]  # [parity][rank]: the slot data, as bytes
     own: list[memoryview]  # [parity]: this rank's slot data, as bytes
     slots: list[tuple[np.ndarray, np.ndarray]]  # [parity]: rank 0's and rank 1's slot data
     dtype: type  # numpy's
@@ -198,7 +206,7 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
         (np.frombuffer(raw[p][0], dtype=np_dtype), np.frombuffer(raw[p][1], dtype=np_dtype))
         for p in (0, 1)
     ]
-    return _Pair([raw[p][area.rank] for p in (0, 1)], slots, np_dtype, nbytes, {})
+    return _Pair(raw, [raw[p][area.rank] for p in (0, 1)], slots, np_dtype, nbytes, {})
 
 
 def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]:
@@ -211,6 +219,93 @@ def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]
         pair.host.clear()
     pair.host[address] = views
     return views
+
+
+@dataclass(slots=True)
+class _PairCut:
+    """Two ranks summing a one-chunk message: ``_chunked``'s slices as bytes
+    and numpy views (``_Pair``), indexed by phase A's parity."""
+
+    pair: _Pair  # the slot views, and the callers' buffers by address
+    mine: tuple[int, int]  # this rank's slice, elements
+    theirs: tuple[int, int]  # the peer's slice, elements
+    host_first: bool  # this rank is rank 0: its input is the sum's left operand
+    send: list[memoryview]  # [p]: this rank's slot p, the peer's slice (copied in)
+    peer_in: list[np.ndarray]  # [p]: the peer's slot p, this rank's slice
+    reduced: list[np.ndarray]  # [p]: this rank's slot p ^ 1, its slice (the sum)
+    own_out: list[memoryview]  # [p]: the same, as bytes
+    peer_out: list[memoryview]  # [p]: the peer's slot p ^ 1, its slice (its sum)
+    host: dict[int, tuple[memoryview, memoryview, np.ndarray]]  # address -> its slices
+
+
+def _new_pair_cut(area: SlotArea, pair: _Pair, numel: int) -> _PairCut:
+    r, peer = area.rank, 1 - area.rank
+    bounds = chunk_bounds(numel, 2)
+    (lo, hi), (tlo, thi) = bounds[r], bounds[peer]
+    size = pair.nbytes // numel
+    arrays: list[list[np.ndarray]] = [
+        [np.frombuffer(pair.raw[p][q], dtype=pair.dtype) for q in (0, 1)] for p in (0, 1)
+    ]
+    return _PairCut(
+        pair,
+        (lo, hi),
+        (tlo, thi),
+        r == 0,
+        send=[pair.raw[p][r][tlo * size : thi * size] for p in (0, 1)],
+        peer_in=[arrays[p][peer][lo:hi] for p in (0, 1)],
+        reduced=[arrays[p ^ 1][r][lo:hi] for p in (0, 1)],
+        own_out=[pair.raw[p ^ 1][r][lo * size : hi * size] for p in (0, 1)],
+        peer_out=[pair.raw[p ^ 1][peer][tlo * size : thi * size] for p in (0, 1)],
+        host={},
+    )
+
+
+def _sliced_pair(
+    call: Call, area: SlotArea, buf: torch.Tensor, cut: _PairCut, packed: bytearray, op: OpCode
+) -> None:
+    """``_chunked`` for two ranks summing one chunk, with memcpy and numpy
+    (``_NUMPY_SUM``: the same bits) on views made once: no torch op, no split."""
+    host = cut.host.get(buf.data_ptr()) or _pair_cut_host(cut, buf)
+    mine, theirs, mine_sum = host
+    began = time.perf_counter()
+    phase = area.phase + 1
+    p = phase & 1
+    cut.send[p][:] = theirs  # phase A: the peer's slice of this rank's input
+    area.publish(phase, packed)
+    _await(area, phase, call, op, packed, began)
+    _check_headers(area, call, p, packed)
+    began = time.perf_counter()  # phase B: this rank's slice, summed in rank order
+    if cut.host_first:
+        np.add(mine_sum, cut.peer_in[p], out=cut.reduced[p])
+    else:
+        np.add(cut.peer_in[p], mine_sum, out=cut.reduced[p])
+    area.publish(phase + 1)
+    mine[:] = cut.own_out[p]  # this rank's own sum out while the peer finishes its
+    _await(area, phase + 1, call, op, packed, began)
+    theirs[:] = cut.peer_out[p]
+
+
+def _pair_cut_host(cut: _PairCut, buf: torch.Tensor) -> tuple[memoryview, memoryview, np.ndarray]:
+    """``buf``'s slices (``_PairCut.host``; made from its address, like ``_Pair.host``)."""
+    raw, array = _host_views(cut.pair, buf)
+    size = cut.pair.nbytes // buf.numel()
+    (lo, hi), (tlo, thi) = cut.mine, cut.theirs
+    views = (raw[lo * size : hi * size], raw[tlo * size : thi * size], array[lo:hi])
+    if len(cut.host) >= _MAX_HOST_VIEWS:
+        cut.host.clear()
+    cut.host[buf.data_ptr()] = views
+    return views
+
+
+def _await(
+    area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray, began: float
+) -> None:
+    """Every peer published ``phase`` (spinning for a multiple of the work
+    since ``began``), and none failed since."""
+    if not area.ready(phase):
+        _wait(area, phase, call, op, packed, _spin_for(began))
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
 
 
 def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
@@ -234,12 +329,9 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
             if q != r:
                 dst.copy_(pieces[q])
         area.publish(phase, shape.packed if start == 0 else None)
-        if not area.ready(phase):
-            _wait(area, phase, call, op, shape.packed, _spin_for(began))
+        _await(area, phase, call, op, shape.packed, began)
         if start == 0:
             _check_headers(area, call, parity, shape.packed)
-        if area.failed_peer() is not None:
-            _raise_failed(area, call, op)
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
         parts = cut.mine_in[parity].copy()
@@ -248,10 +340,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _combine(outs[r], parts, kind, tree, call.scratch)
         area.publish(phase + 1)
         pieces[r].copy_(outs[r])  # this rank's own slice out while the peers finish theirs
-        if not area.ready(phase + 1):
-            _wait(area, phase + 1, call, op, shape.packed, _spin_for(began))
-        if area.failed_peer() is not None:
-            _raise_failed(area, call, op)
+        _await(area, phase + 1, call, op, shape.packed, began)
         for q, src in enumerate(outs):  # every peer's reduced slice out
             if q != r:
                 pieces[q].copy_(src)
