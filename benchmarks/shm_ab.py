@@ -5,7 +5,7 @@
 Two bench runs of different trees are separate jobs, and on a shared
 machine the load between them moves even unchanged code by 20-40%. Here
 both algorithms run in one job, on the same slot areas: each rank loads the
-baseline's ``collectives/shm_allreduce.py`` and ``transport/slots.py`` (from
+baseline's ``collectives/shm_allreduce.py`` and ``transport/shm/slots.py`` (from
 ``DIR/entrenar_pg``) beside this checkout's, builds a baseline ``SlotArea``
 over the same mapped memory, and swaps the group's slot area and SHM
 allreduce between the two every ``--per`` calls (the phase counter lives in
@@ -54,7 +54,7 @@ class _Swap:
         from entrenar_pg.wire import Algo
 
         old_slots = _load(
-            "entrenar_pg.transport._baseline_slots", f"{baseline_dir}/transport/slots.py"
+            "entrenar_pg.transport.shm._baseline_slots", f"{baseline_dir}/transport/shm/slots.py"
         )
         old_alg = _load(
             "entrenar_pg.collectives._baseline_shm_allreduce",
@@ -64,12 +64,23 @@ class _Swap:
         links = {link.peer: link for link in new_area._links}
         old_area = old_slots.SlotArea(new_area.rank, dict(enumerate(new_area._areas)), links)
         self._mesh, self._table, self._key = mesh, jobs._ALLREDUCE, Algo.SHM
+        self._scratch: Any = None  # the group's ScratchPool (set by ``_rank``)
+        self._plans: dict[str, dict[Any, Any]] = {"baseline": {}, "new": {}}
+        self._using = "new"
         self.variants = {
             "baseline": (old_area, old_alg.allreduce_shm),
             "new": (new_area, jobs._ALLREDUCE[Algo.SHM]),
         }
 
     def use(self, name: str) -> None:
+        if self._scratch is not None:  # each variant keeps its own cached shapes
+            plans = self._scratch._plans
+            mine = {k: v for k, v in plans.items() if k and k[0] == "shm"}
+            self._plans[self._using] = mine
+            for k in mine:
+                del plans[k]
+            plans.update(self._plans[name])
+        self._using = name
         area, fn = self.variants[name]
         area.phase = int(area._own[_ARRIVED])  # the shared truth
         self._mesh.slots = area
@@ -92,6 +103,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
     assert group is not None
     backend: Any = group._get_backend(torch.device("cpu"))  # the EntrenarProcessGroup
     swap = _Swap(backend._runtime.mesh, args["dirs"])
+    swap._scratch = backend._runtime.scratch
     names = list(swap.variants)
     out: dict[int, dict[str, list[float]]] = {}
     for nbytes in args["sizes"]:

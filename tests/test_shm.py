@@ -226,7 +226,12 @@ SLOT_OPS = [
 ]
 SLOT_SIZES = [0, 1, 1001]
 # Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
-BIG_SIZES = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5, 5 * slots.SLOT_DATA_BYTES // 8 + 1]
+BIG_SIZES = [
+    100_003,  # float32: past the two-rank small path's size (sliced at N=2, one phase at N=3)
+    (1 << 18) + 3,
+    slots.SLOT_DATA_BYTES // 4 + 5,
+    5 * slots.SLOT_DATA_BYTES // 8 + 1,
+]
 BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
 
 
@@ -314,6 +319,16 @@ def test_shm_native_allreduce_matches_tcp_and_the_reference(
                 assert torch.allclose(got.double(), tcp[rank][i].double(), atol=1e-4), where
 
 
+def _counting(fn: Any, ran: list[str]) -> Any:
+    """``fn``, noting its name in ``ran`` at each call."""
+
+    def counted(*args: Any) -> None:
+        ran.append(fn.__name__)
+        fn(*args)
+
+    return counted
+
+
 # The chunked large path with 64-byte chunks: one element, a chunk less one,
 # a chunk, a chunk and one, several chunks and a tail; a chunk's slices are
 # uneven or empty where the world does not divide it.
@@ -336,15 +351,12 @@ def test_chunked_large_path_at_chunk_boundaries(
     bits of the single-process reference in the order the mode promises
     (rank order; the canonical tree when deterministic)."""
     monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
+    monkeypatch.setattr(shm_allreduce, "PAIR_SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
-    ran: list[int] = []
-    original = shm_allreduce._chunked
-
-    def counting(*args: Any) -> None:
-        ran.append(1)
-        original(*args)
-
-    monkeypatch.setattr(shm_allreduce, "_chunked", counting)
+    ran: list[str] = []
+    # Two ranks summing one chunk take its memcpy/numpy twin (_sliced_pair).
+    for name in ("_chunked", "_sliced_pair"):
+        monkeypatch.setattr(shm_allreduce, name, _counting(getattr(shm_allreduce, name), ran))
     cases = [(dt, op, f, n) for dt, op, f in SLOT_OPS for n in _chunk_sizes(dt)]
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
@@ -358,11 +370,81 @@ def test_chunked_large_path_at_chunk_boundaries(
 
     got = _run(world, Options(transport="shm", deterministic=deterministic), fn, True)
     assert len(ran) == world * len(cases), "not every allreduce ran the chunked path"
+    one_chunk_sums = [
+        c
+        for c in cases
+        if c[0] in shm_allreduce._NUMPY_SUM and c[1] in (R.SUM, R.AVG, R.PREMUL_SUM)
+    ]
+    one_chunk_sums = [c for c in one_chunk_sums if c[3] <= shm_allreduce.chunk_elems(c[0])]
+    want_pair = world * len(one_chunk_sums) if world == 2 else 0
+    assert ran.count("_sliced_pair") == want_pair, (ran.count("_sliced_pair"), want_pair)
     for i, (dtype, op, factor, n) in enumerate(cases):
         want = _reference(world, dtype, op, factor, n, deterministic)
         for rank in range(world):
             assert got[rank][i].dtype == dtype, (dtype, op, n, rank)
             assert torch.equal(got[rank][i], want), (dtype, op, factor, n, rank)
+
+
+@pytest.mark.timeout(60)
+def test_two_rank_sum_path_follows_the_callers_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks summing small messages copy in and sum without torch, through
+    views of the caller's buffer remembered by address (``_Pair.host``): the
+    right bits whichever tensor lies at an address now. Views at other
+    offsets of one storage, tensors freed and new ones made (often at a freed
+    address), a buffer refilled in place, and more buffers than are
+    remembered; every result against the sum made here, every call through
+    that path, and one float16 sum (not numpy's: torch's kernel) alongside."""
+    made: list[int] = []  # views made of a caller's buffer
+    by_torch: list[int] = []  # two-slot sums through torch's kernel
+    views, combine = shm_allreduce._host_views, shm_allreduce.combine_into
+
+    def counting_views(*args: Any) -> Any:
+        made.append(1)
+        return views(*args)
+
+    def counting_combine(*args: Any) -> None:
+        by_torch.append(1)
+        combine(*args)
+
+    monkeypatch.setattr(shm_allreduce, "_host_views", counting_views)
+    monkeypatch.setattr(shm_allreduce, "combine_into", counting_combine)
+    n, rounds = 1001, 12
+    spans = [(0, n), (n, 2 * n), (5, n + 5)]  # views of one storage at other offsets
+
+    def inputs(rank: int, i: int) -> list[torch.Tensor]:
+        return [_data(rank, n, torch.float32) + i, _data(rank, n, torch.int64) + i]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        store = torch.zeros(2 * n + 5)
+        for i in range(rounds):
+            for t in inputs(rank, i):  # fresh tensors, freed after (an address to reuse)
+                pg.allreduce([t]).wait()
+                out.append(t.clone())
+                del t
+            a, b = spans[i % len(spans)]
+            view = store[a:b]
+            view.copy_(_data(rank, n, torch.float32) * (i + 1))  # refilled in place
+            pg.allreduce([view]).wait()
+            out.append(view.clone())
+            half = _data(rank, n, torch.float16)
+            pg.allreduce([half]).wait()
+            out.append(half)
+        return out
+
+    got = _run(2, Options(transport="shm"), fn, True)
+    for i in range(rounds):
+        want = [x + y for x, y in zip(inputs(0, i), inputs(1, i), strict=True)]
+        want.append(sum(_data(r, n, torch.float32) * (i + 1) for r in (0, 1)))
+        want.append(_data(0, n, torch.float16) + _data(1, n, torch.float16))
+        for rank in (0, 1):
+            for j, w in enumerate(want):
+                g = got[rank][4 * i + j]
+                assert g.dtype == w.dtype and torch.equal(g, w), (i, j, rank)
+    # Only float16 went through torch; the views of ``store`` were met again
+    # (so remembered views were used), fresh tensors were met too.
+    assert len(by_torch) == 2 * rounds, len(by_torch)
+    assert 2 <= len(made) < 2 * 3 * rounds, len(made)
 
 
 @pytest.mark.timeout(120)
@@ -460,6 +542,34 @@ def test_a_mismatch_raises_in_the_call_on_every_rank(
             assert "allreduce#" in str(e) and f"rank {rank}:" in str(e), e
             if not rings_only and differs != "collective":  # it names both calls
                 assert "this rank called allreduce#" in str(e), e
+    finally:
+        for g in groups:
+            g.abort()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [1001, 100_003], ids=["small", "sliced"])
+@pytest.mark.parametrize("differs", ["size", "dtype"])
+def test_a_two_rank_mismatch_raises_on_both_ranks(differs: str, numel: int) -> None:
+    """Two ranks on the memcpy/numpy paths (one phase; one chunk in slices)
+    call different sums: both raise CollectiveMismatchError in that call,
+    naming both calls, before either reads the other's data."""
+    groups = make_groups(2, Options(transport="shm"), timeout_s=20)
+    try:
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> None:
+            odd = rank == 1
+            t = torch.ones(numel + (odd and differs == "size"))
+            if odd and differs == "dtype":
+                t = t.int()  # the same bytes, another dtype
+            pg.allreduce([torch.ones(8)]).wait()  # one good call first
+            pg.allreduce([t]).wait()
+
+        got = _each_rank(groups, fn, [0, 1])
+        for rank in range(2):
+            e = got[rank]
+            assert isinstance(e, CollectiveMismatchError), (rank, e)
+            assert f"rank {rank}:" in str(e) and "this rank called allreduce#" in str(e), e
     finally:
         for g in groups:
             g.abort()

@@ -41,9 +41,9 @@ from benchmarks.model.links import (
     LinkTable,
 )
 from entrenar_pg.collectives.hierarchical import MAX_PIECES, PIECE_BYTES
+from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
-SHM_SMALL_MAX_BYTES = 1 << 20  # shm_allreduce.SMALL_MAX_BYTES: one phase up to here
 SLOT_DATA_BYTES = 4 << 20  # transport/shm/slots.SLOT_DATA_BYTES: the chunk of the large path
 
 
@@ -210,9 +210,10 @@ def _shm_all_gather(s: int) -> list[Phase]:
 def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
     """The shm-native allreduce (collectives/shm_allreduce.py), one host (H must be 1).
 
-    Up to 1 MiB, one phase: 1 publish, S copied in per rank, (L-1) x S
-    combined per rank. Above, per slot-sized chunk: copy in, each rank sums
-    its 1/L slice across the L slots, copy out: 2 publishes per chunk,
+    Up to ``small_max_bytes(L)`` (256 KiB for two ranks, else 1 MiB), one
+    phase: 1 publish, S copied in per rank, (L-1) x S combined per rank.
+    Above, per slot-sized chunk: copy in, each rank sums its 1/L slice
+    across the L slots, copy out: 2 publishes per chunk,
     (2L-1)/L x S copied and (L-1)/L x S combined per rank. Assumes a core
     and its share of memory bandwidth per rank.
     """
@@ -220,7 +221,7 @@ def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
         raise ValueError(f"shm allreduce needs every rank on one host, got {shape.hosts} hosts")
     if shape.local == 1:
         return []
-    if shape.nbytes <= SHM_SMALL_MAX_BYTES:
+    if shape.nbytes <= small_max_bytes(shape.local):
         return _shm_small(shape.local, shape.nbytes, fabric)
     return _shm_reduce_scatter(shape.local, shape.nbytes, fabric) + _shm_all_gather(shape.nbytes)
 

@@ -9,13 +9,14 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
 A wait spins for a multiple of this rank's own work in the phase before it
 sleeps (``_spin_for``).
 
-- Small (<= ``SMALL_MAX_BYTES``), one phase: each rank writes its 32-byte
-  wire header and its input into its slot, publishes, waits for every peer,
-  compares every peer's header byte for byte with its own (so a mismatch
-  raises ``CollectiveMismatchError`` on every rank, in the call), then
-  combines all N slots into its output, in rank order left to right (the
-  canonical tree order when ``call.choice.tree``): the operations and
-  operands of ``direct.py``, so the bits equal TCP's.
+- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, else 1 MiB), one
+  phase: each rank writes its 32-byte wire header and its input into its
+  slot, publishes, waits for every peer, compares every peer's header byte
+  for byte with its own (so a mismatch raises ``CollectiveMismatchError``
+  on every rank, in the call), then combines all N slots into its output,
+  in rank order left to right (the canonical tree order when
+  ``call.choice.tree``): the operations and operands of ``direct.py``, so
+  the bits equal TCP's.
 - Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB slice
   algorithm, whose chunks also run one after another): copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
@@ -26,6 +27,19 @@ sleeps (``_spin_for``).
   phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
   MiB (the reduction then reads a chunk copied in a phase earlier, after
   another chunk went through the caches), so the chunks stay in sequence.
+  Two ranks slice above 256 KiB (the reduction halves; measured in
+  ``PAIR_SMALL_MAX_BYTES``' comment); more ranks on this 2-core machine
+  gain nothing from it below 1 MiB.
+- Two ranks summing (SUM, AVG, PREMUL_SUM) a dtype numpy adds alike
+  (``_NUMPY_SUM``), small or one chunk: the same phases with no torch op.
+  The copies are memcpys between memoryviews and the sum is ``np.add`` on
+  views made once per shape (``_Pair``, ``_PairCut``); the caller's buffer
+  is viewed through its address (remembered per shape), which is right for
+  whatever contiguous tensor of the shape's size lies there. At 4 KiB a
+  torch op costs ~0.7-0.9 us of dispatch and these ~0.1-0.3 us; at 1 MiB the
+  sliced one-chunk call also drops a ``split`` and runs ~25% less CPU.
+  Like gloo's, these writes leave the tensor's autograd version counter as
+  it was (torch's ``out=`` ops bump it).
 
 PREMUL_SUM's scale was applied to the input before (``reduce_ops.prepare_``,
 by the job), AVG's division is applied once to the result here
@@ -38,9 +52,11 @@ when the peers are already there.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import CollectiveMismatchError
@@ -51,8 +67,12 @@ from .common import Call, ScratchPool, chunk_bounds
 
 # Up to this size every rank reduces the whole message in one phase; above,
 # each rank reduces a slice of each chunk (N-fold less reduction work, one
-# more phase).
+# more phase). Measured (benchmarks/shm_ab.py, docs/benchmarks.md): two ranks
+# gain from the slices from 512 KiB on (0.88x at 512 KiB, 0.78x at 1 MiB, and
+# 1.04x at 256 KiB); with more ranks than this machine's two cores the second
+# phase costs more than the slices save up to 1 MiB, so they keep 1 MiB.
 SMALL_MAX_BYTES = 1 << 20
+PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # A large message's chunk: a slot (``chunk_elems``).
 CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
@@ -69,8 +89,11 @@ class _Shape:
     packed: bytearray  # this shape's wire header; each call restamps the sequence number
     kind: Kind  # the pairwise combine
     small: bool  # one phase (else chunks)
-    slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements
+    slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements (small)
     chunk: int  # elements per chunk (large)
+    cuts: dict[int, _Cut]  # chunk length -> its slices (large: a full chunk's, the tail's)
+    pair: _Pair | None  # two ranks summing a small message: its copies without torch
+    pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
 
 def allreduce_shm(
@@ -87,6 +110,8 @@ def allreduce_shm(
     stamp_seq(shape.packed, call.seq)
     if shape.small:
         _small(call, area, buf, shape, op)
+    elif shape.pair_cut is not None and buf.is_contiguous():
+        _sliced_pair(call, area, buf, shape.pair_cut, shape.packed, op)
     else:
         _chunked(call, area, buf, shape, op)
     if red.kind is Kind.AVG:
@@ -97,11 +122,25 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     numel, dtype = buf.numel(), buf.dtype
     packed = bytearray(HEADER_BYTES)
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
-    small = numel * dtype.itemsize <= SMALL_MAX_BYTES
+    nbytes = numel * dtype.itemsize
     chunk = chunk_elems(dtype)
-    views = area.views(dtype, numel if small else chunk)  # [rank][parity]
-    by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-    return _Shape(packed, red.combine_kind, small, by_parity, chunk)
+    if nbytes <= small_max_bytes(area.world):
+        views = area.views(dtype, numel)  # [rank][parity]
+        by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
+        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
+        return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
+    lengths = {min(chunk, numel), numel % chunk or chunk}
+    cuts = {m: _cut(area, dtype, m) for m in lengths}
+    pair_cut = None
+    if numel <= chunk:
+        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
+        pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
+    return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
+
+
+def small_max_bytes(world: int) -> int:
+    """The largest message the one-phase small path takes at ``world`` ranks."""
+    return PAIR_SMALL_MAX_BYTES if world == 2 else SMALL_MAX_BYTES
 
 
 def chunk_elems(dtype: torch.dtype) -> int:
@@ -114,7 +153,13 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
     phase = area.phase + 1
     parity = phase & 1
     parts = shape.slot_views[parity]
-    parts[area.rank].copy_(buf)
+    pair = shape.pair
+    if pair is not None and buf.is_contiguous():
+        host = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
+        pair.own[parity][:] = host[0]  # memcpy
+    else:
+        host = None
+        parts[area.rank].copy_(buf)
     area.publish(phase, shape.packed)
     if not area.ready(phase):
         _wait(area, phase, call, op, shape.packed, _spin_for(began))
@@ -124,55 +169,219 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
             _check_headers(area, call, parity, packed)
     if area.failed_peer() is not None:
         _raise_failed(area, call, op)
-    if len(parts) == 2:  # rank order is the tree order
+    if host is not None:
+        first, second = pair.slots[parity]  # type: ignore[union-attr]
+        np.add(first, second, out=host[1])  # rank order
+    elif len(parts) == 2:  # rank order is the tree order
         combine_into(buf, parts[0], parts[1], shape.kind)
     else:
         _combine(buf, parts, shape.kind, call.choice.tree, call.scratch)
+
+
+# Two ranks summing a small message of these dtypes copy it in with a
+# memoryview (a memcpy) and sum the two slots with numpy, not torch: each is
+# ~0.5 us cheaper per call than a torch op at 4 KiB (no dispatch), and the
+# bits are the same (one IEEE-754 addition of two operands per element,
+# correctly rounded; integers wrap alike). Not float16/bfloat16 (numpy has no
+# bfloat16, and a float16 sum need not round like torch's), nor bool.
+_NUMPY_SUM: dict[torch.dtype, type] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+}
+_MAX_HOST_VIEWS = 8  # caller buffers remembered per shape (a training loop reuses a few)
+
+
+@dataclass(slots=True)
+class _Pair:
+    """The two-rank SUM small path's views of the slots, and of callers' buffers."""
+
+    raw: list[list[memoryview]]  # [parity][rank]: the slot data, as bytes
+    own: list[memoryview]  # [parity]: this rank's slot data, as bytes
+    slots: list[tuple[np.ndarray, np.ndarray]]  # [parity]: rank 0's and rank 1's slot data
+    dtype: type  # numpy's
+    nbytes: int
+    # A caller buffer's address -> its bytes and its numpy view. Made from the
+    # address alone, so right for whatever tensor lies there now: a contiguous
+    # buffer of this shape's size at that address is exactly those bytes.
+    host: dict[int, tuple[memoryview, np.ndarray]]
+
+
+def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _Pair | None:
+    np_dtype = _NUMPY_SUM.get(dtype)
+    if area.world != 2 or kind is not Kind.SUM or np_dtype is None or not nbytes:
+        return None
+    raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
+    slots: list[tuple[np.ndarray, np.ndarray]] = [
+        (np.frombuffer(raw[p][0], dtype=np_dtype), np.frombuffer(raw[p][1], dtype=np_dtype))
+        for p in (0, 1)
+    ]
+    return _Pair(raw, [raw[p][area.rank] for p in (0, 1)], slots, np_dtype, nbytes, {})
+
+
+def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]:
+    """``buf``'s bytes and numpy view, remembered by address (``_Pair.host``)."""
+    address = buf.data_ptr()
+    raw = memoryview((ctypes.c_char * pair.nbytes).from_address(address)).cast("B")
+    array: np.ndarray = np.frombuffer(raw, dtype=pair.dtype)
+    views = (raw, array)
+    if len(pair.host) >= _MAX_HOST_VIEWS:
+        pair.host.clear()
+    pair.host[address] = views
+    return views
+
+
+@dataclass(slots=True)
+class _PairCut:
+    """Two ranks summing a one-chunk message: ``_chunked``'s slices as bytes
+    and numpy views (``_Pair``), indexed by phase A's parity."""
+
+    pair: _Pair  # the slot views, and the callers' buffers by address
+    mine: tuple[int, int]  # this rank's slice, elements
+    theirs: tuple[int, int]  # the peer's slice, elements
+    host_first: bool  # this rank is rank 0: its input is the sum's left operand
+    send: list[memoryview]  # [p]: this rank's slot p, the peer's slice (copied in)
+    peer_in: list[np.ndarray]  # [p]: the peer's slot p, this rank's slice
+    reduced: list[np.ndarray]  # [p]: this rank's slot p ^ 1, its slice (the sum)
+    own_out: list[memoryview]  # [p]: the same, as bytes
+    peer_out: list[memoryview]  # [p]: the peer's slot p ^ 1, its slice (its sum)
+    host: dict[int, tuple[memoryview, memoryview, np.ndarray]]  # address -> its slices
+
+
+def _new_pair_cut(area: SlotArea, pair: _Pair, numel: int) -> _PairCut:
+    r, peer = area.rank, 1 - area.rank
+    bounds = chunk_bounds(numel, 2)
+    (lo, hi), (tlo, thi) = bounds[r], bounds[peer]
+    size = pair.nbytes // numel
+    arrays: list[list[np.ndarray]] = [
+        [np.frombuffer(pair.raw[p][q], dtype=pair.dtype) for q in (0, 1)] for p in (0, 1)
+    ]
+    return _PairCut(
+        pair,
+        (lo, hi),
+        (tlo, thi),
+        r == 0,
+        send=[pair.raw[p][r][tlo * size : thi * size] for p in (0, 1)],
+        peer_in=[arrays[p][peer][lo:hi] for p in (0, 1)],
+        reduced=[arrays[p ^ 1][r][lo:hi] for p in (0, 1)],
+        own_out=[pair.raw[p ^ 1][r][lo * size : hi * size] for p in (0, 1)],
+        peer_out=[pair.raw[p ^ 1][peer][tlo * size : thi * size] for p in (0, 1)],
+        host={},
+    )
+
+
+def _sliced_pair(
+    call: Call, area: SlotArea, buf: torch.Tensor, cut: _PairCut, packed: bytearray, op: OpCode
+) -> None:
+    """``_chunked`` for two ranks summing one chunk, with memcpy and numpy
+    (``_NUMPY_SUM``: the same bits) on views made once: no torch op, no split."""
+    host = cut.host.get(buf.data_ptr()) or _pair_cut_host(cut, buf)
+    mine, theirs, mine_sum = host
+    began = time.perf_counter()
+    phase = area.phase + 1
+    p = phase & 1
+    cut.send[p][:] = theirs  # phase A: the peer's slice of this rank's input
+    area.publish(phase, packed)
+    _await(area, phase, call, op, packed, began)
+    _check_headers(area, call, p, packed)
+    began = time.perf_counter()  # phase B: this rank's slice, summed in rank order
+    if cut.host_first:
+        np.add(mine_sum, cut.peer_in[p], out=cut.reduced[p])
+    else:
+        np.add(cut.peer_in[p], mine_sum, out=cut.reduced[p])
+    area.publish(phase + 1)
+    mine[:] = cut.own_out[p]  # this rank's own sum out while the peer finishes its
+    _await(area, phase + 1, call, op, packed, began)
+    theirs[:] = cut.peer_out[p]
+
+
+def _pair_cut_host(cut: _PairCut, buf: torch.Tensor) -> tuple[memoryview, memoryview, np.ndarray]:
+    """``buf``'s slices (``_PairCut.host``; made from its address, like ``_Pair.host``)."""
+    raw, array = _host_views(cut.pair, buf)
+    size = cut.pair.nbytes // buf.numel()
+    (lo, hi), (tlo, thi) = cut.mine, cut.theirs
+    views = (raw[lo * size : hi * size], raw[tlo * size : thi * size], array[lo:hi])
+    if len(cut.host) >= _MAX_HOST_VIEWS:
+        cut.host.clear()
+    cut.host[buf.data_ptr()] = views
+    return views
+
+
+def _await(
+    area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray, began: float
+) -> None:
+    """Every peer published ``phase`` (spinning for a multiple of the work
+    since ``began``), and none failed since."""
+    if not area.ready(phase):
+        _wait(area, phase, call, op, packed, _spin_for(began))
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
 
 
 def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
     """The large path (module docstring): per chunk, phase A copies it in
     (but for this rank's slice), phase B reduces this rank's slice into its
     other slot, then every rank's reduced slice is copied out."""
-    n, r = area.world, area.rank
+    r = area.rank
     numel, step = buf.numel(), shape.chunk
-    full = chunk_bounds(step, n)
-    tree = call.choice.tree
+    tree, kind = call.choice.tree, shape.kind
     for start in range(0, numel, step):
         m = min(step, numel - start)
-        bounds = full if m == step else chunk_bounds(m, n)
-        chunk = buf[start : start + m]
-        lo, hi = bounds[r]
+        cut = shape.cuts[m]
+        pieces = buf[start : start + m].split(cut.sizes)  # [q]: rank q's slice of the chunk
         # Phase A: the chunk into this rank's slot, but for the slice this
         # rank reduces itself (read from ``buf`` directly: 1/N less copying).
         began = time.perf_counter()
         phase = area.phase + 1
-        ins = shape.slot_views[phase & 1]
-        mine = ins[r]
-        if lo:
-            mine[:lo].copy_(chunk[:lo])
-        if hi < m:
-            mine[hi:m].copy_(chunk[hi:])
+        parity = phase & 1
+        for q, dst in enumerate(cut.own_in[parity]):
+            if q != r:
+                dst.copy_(pieces[q])
         area.publish(phase, shape.packed if start == 0 else None)
-        if not area.ready(phase):
-            _wait(area, phase, call, op, shape.packed, _spin_for(began))
+        _await(area, phase, call, op, shape.packed, began)
         if start == 0:
-            _check_headers(area, call, phase & 1, shape.packed)
-        if area.failed_peer() is not None:
-            _raise_failed(area, call, op)
+            _check_headers(area, call, parity, shape.packed)
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
-        outs = shape.slot_views[(phase + 1) & 1]
-        parts = [ins[q][lo:hi] if q != r else chunk[lo:hi] for q in range(n)]
-        _combine(outs[r][lo:hi], parts, shape.kind, tree, call.scratch)
+        parts = cut.mine_in[parity].copy()
+        parts[r] = pieces[r]
+        outs = cut.out[parity ^ 1]
+        _combine(outs[r], parts, kind, tree, call.scratch)
         area.publish(phase + 1)
-        if not area.ready(phase + 1):
-            _wait(area, phase + 1, call, op, shape.packed, _spin_for(began))
-        if area.failed_peer() is not None:
-            _raise_failed(area, call, op)
-        for q, (a, b) in enumerate(bounds):  # every rank's reduced slice out
-            if b > a:
-                chunk[a:b].copy_(outs[q][a:b])
+        _await(area, phase + 1, call, op, shape.packed, began)
+        for q, src in enumerate(outs):  # every rank's reduced slice out
+            pieces[q].copy_(src)
+
+
+@dataclass(slots=True)
+class _Cut:
+    """One chunk length's slices of the slot areas (rank q reduces slice q).
+
+    Views made once per shape, so a chunk costs one ``split`` of the
+    caller's tensor and the copies and combines themselves."""
+
+    sizes: list[int]  # elements of each rank's slice
+    own_in: list[list[torch.Tensor]]  # [parity][q]: this rank's slot, slice q (copied in)
+    mine_in: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, this rank's slice
+    out: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, slice q (its reduced slice)
+
+
+def _cut(area: SlotArea, dtype: torch.dtype, m: int) -> _Cut:
+    """The slices of an ``m``-element chunk (``chunk_bounds``: the same on every rank)."""
+    bounds = chunk_bounds(m, area.world)
+    views = area.views(dtype, m)  # [q][parity]
+    r = area.rank
+    lo, hi = bounds[r]
+    return _Cut(
+        sizes=[b - a for a, b in bounds],
+        own_in=[[views[r][p][a:b] for a, b in bounds] for p in (0, 1)],
+        mine_in=[[views[q][p][lo:hi] for q in range(area.world)] for p in (0, 1)],
+        out=[[views[q][p][a:b] for q, (a, b) in enumerate(bounds)] for p in (0, 1)],
+    )
 
 
 def _spin_for(began: float) -> float:

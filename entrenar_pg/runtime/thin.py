@@ -157,7 +157,9 @@ class ThinPath:
         ):
             return None
         dtype = t.dtype
-        red = self._reductions.get((opts.reduceOp.op.value, dtype))  # type: ignore[attr-defined]
+        # hash(ReduceOp) is its op's value (torch's __hash__; checked when learnt):
+        # half the cost of ``.op.value``, which makes a RedOpType first.
+        red = self._reductions.get((hash(opts.reduceOp), dtype))
         if red is None:
             self._learn_reduction(opts.reduceOp, dtype)
             return None  # this time the long path (it checks the op itself)
@@ -210,10 +212,11 @@ class ThinPath:
             red = resolve(op, dtype, where="thin path")
         except ValueError:
             return
-        if red.kind is not Kind.PREMUL_SUM:
+        key = hash(op)  # what ``allreduce`` looks up: only where it is the op's value
+        if red.kind is not Kind.PREMUL_SUM and key == int(red.kind):
             if len(self._reductions) >= _MAX_CACHED:
                 self._reductions.clear()
-            self._reductions[(int(red.kind), dtype)] = red
+            self._reductions[(key, dtype)] = red
 
     def _call(self, seq: int, nbytes: int) -> Call:
         """The Call of ``nbytes`` (the runtime's: its cached policy choice),

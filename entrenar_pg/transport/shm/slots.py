@@ -152,6 +152,12 @@ class SlotArea:
             self._views[key] = got
         return got
 
+    def data_bytes(self, q: int, parity: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of rank q's slot ``parity``, as bytes."""
+        assert nbytes <= SLOT_DATA_BYTES, "internal: more than a slot"
+        start = _PAGE + parity * _SLOT_STRIDE + SLOT_HEADER_BYTES
+        return self._areas[q][start : start + nbytes]
+
     # ---------------------------------------------------------------- phases
 
     def publish(self, phase: int, header: bytes | bytearray | None = None) -> None:
