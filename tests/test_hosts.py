@@ -17,7 +17,9 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
   PRODUCT on floats and ints and for messages smaller than the host;
   ``topology="flat"`` turns it off.
 - Reduce-scatter and all-gather across hosts (contiguous hosts or not):
-  exact results; deterministic reduce-scatter keeps the tree exchange.
+  exact results; deterministic reduce-scatter host-aware where the hosts
+  are subtrees of the canonical tree (2 x 2, 4 x 2: the tree sum's bits,
+  the flat exchange's), the tree exchange elsewhere.
 - Deterministic: 1 x 4, 2 x 2 and 4 x 1 give the bits of the canonical tree
   sum (``tree_sum``) and of the flat algorithms, small and large; so does
   4 x 2 (host-aware); 3 x 2 keeps
@@ -138,7 +140,10 @@ def test_policy_rows_for_hosts() -> None:
         (A, 64, Topology.from_keys(list("abcd")), o, Algo.STAR),  # one rank per host
         (A, 64, Topology.flat(4), o, Algo.STAR),  # one host, no slot areas
         (RS, 64, two, o, Algo.HOST_SLICES),
-        (RS, 64, two, det, Algo.DIRECT),
+        (RS, 64, two, det, Algo.HOST_SLICES),  # hosts are subtrees: the tree's order kept
+        (RS, 64, mixed, det, Algo.DIRECT),
+        (RS, 64, three, det, Algo.DIRECT),
+        (RS, 64, three, o, Algo.HOST_SLICES),
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
         (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
@@ -234,9 +239,10 @@ def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
     try:
         for op in (OpCode.REDUCE_SCATTER, OpCode.ALLGATHER):
             assert _algo_of(gs[0], op, 4000) is Algo.HOST_SLICES
-        # Deterministic, the reduce-scatter keeps the tree exchange (its order).
+        # Deterministic, host-aware only where the hosts are subtrees of the tree.
         det, topo = Options(deterministic=True), gs[0]._runtime.mesh.topology
-        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is Algo.DIRECT
+        want = Algo.HOST_SLICES if layout == "aabb" else Algo.DIRECT
+        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is want
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
             oks = []
@@ -319,6 +325,63 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
     for per_size in results:
         for ref, t in zip(refs, per_size, strict=True):
             assert torch.equal(t, ref), t.numel()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["aabb", "aabbccdd"])
+def test_deterministic_reduce_scatter_is_host_aware_with_the_tree_bits(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 x 2 and 4 x 2, deterministic: the reduce-scatter runs host-aware
+    (HOST_SLICES headers on the wire, no flat DIRECT exchange among all
+    ranks) and every rank's chunk has the bits of the canonical tree sum of
+    that chunk over all ranks, which the flat deterministic group gives too;
+    SUM and AVG, chunks of one element, of a few, and of several segments."""
+    world = len(layout)
+    m_big = Options().segment_bytes // 4 + 333  # two segments
+    cases = [(R.SUM, 1), (R.AVG, 5), (R.SUM, 777), (R.AVG, m_big)]
+    data = {m: _inputs(world, m * world) for _, m in cases}
+    packed: set[tuple[OpCode, Algo]] = set()
+    pack = Header.pack_into
+
+    def spy(self: Header, buf: Any) -> None:
+        packed.add((self.op, self.algo))
+        pack(self, buf)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for op, m in cases:
+            got = torch.empty(m)
+            opts = c10d.ReduceScatterOptions()
+            opts.reduceOp = op
+            pg._reduce_scatter_base(got, data[m][rank].clone(), opts).wait()
+            out.append(got)
+        return out
+
+    monkeypatch.setattr(Header, "pack_into", spy)
+    hosts = _groups(layout, deterministic=True)
+    try:
+        got = run_ranks(world, fn, groups=hosts)
+    finally:
+        for g in hosts:
+            g.shutdown()
+    rs = {algo for op, algo in packed if op is OpCode.REDUCE_SCATTER}
+    # The hosts' exchange, then the counterparts' (their DIRECT plan): never all ranks at once.
+    assert Algo.HOST_SLICES in rs, rs
+    flat_groups = _groups(layout, deterministic=True, topology="flat")
+    try:
+        flat = run_ranks(world, fn, groups=flat_groups)
+    finally:
+        for g in flat_groups:
+            g.shutdown()
+    for i, (op, m) in enumerate(cases):
+        total = tree_sum(data[m])
+        if op == R.AVG:
+            total = total / world
+        for r in range(world):
+            want = total[r * m : (r + 1) * m]
+            assert torch.equal(got[r][i], want), (layout, op, m, r)
+            assert torch.equal(flat[r][i], want), (layout, op, m, r)
 
 
 @pytest.mark.timeout(180)

@@ -33,9 +33,10 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
   deterministic), then each rank's chunk straight to the root.
-- ``REDUCE_SCATTER``: ``RING``; several hosts (``several_hosts``, as above
-  without the order condition) ``HOST_SLICES``; ``DIRECT`` (the tree
-  exchange) when deterministic, on any layout.
+- ``REDUCE_SCATTER``: ``RING``, ``DIRECT`` (the tree exchange) when
+  deterministic; several hosts (``host_aware``, as for the allreduce:
+  deterministic only where the hosts are subtrees of the canonical tree)
+  ``HOST_SLICES``.
 - ``ALLGATHER``: ``RING``; several hosts ``HOST_SLICES``. Everything else
   (gather, scatter, all-to-all, sparse allreduce, the checker's exchange): ``DIRECT``.
 - Every row: ``tree`` and the header's ``DETERMINISTIC`` flag follow
@@ -130,10 +131,10 @@ def choose(
         else:
             algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.REDUCE_SCATTER:
-        if tree:
-            algo = Algo.DIRECT  # the host-aware one's order is not the tree's
+        if host_aware(topology, options):  # deterministic: the tree's order kept
+            algo = Algo.HOST_SLICES
         else:
-            algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
+            algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.ALLGATHER:
         algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:
