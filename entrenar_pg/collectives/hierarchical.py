@@ -304,11 +304,12 @@ def _reduce_scatter_in_tree_order(
     """
     topology = call.mesh.topology
     me = call.mesh.rank
-    host = call.on(topology.local_peers(me))
+    local = topology.local_peers(me)
+    host = call.on(local)
     kind = red.combine_kind
     numel = sum(c.numel() for c in chunks)
     # Position j's staging: the chunks of position j's counterparts, host order.
-    groups = [[chunks[r] for r in topology.counterparts(p)] for p in host.team]
+    groups = [[chunks[r] for r in topology.counterparts(p)] for p in local]
     sizes = [sum(c.numel() for c in g) for g in groups]
     stage = call.scratch.get("hosts_rs", numel, chunks[0].dtype)
     at, staged = 0, []
