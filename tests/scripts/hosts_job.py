@@ -9,7 +9,8 @@ Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
   group equal the flat group's within rounding;
 - deterministic: the host-aware group's bits equal the flat deterministic
   group's and the canonical tree sum of every rank's input, computed here
-  in one process from the same seeds (``tree_sum``).
+  in one process from the same seeds (``tree_sum``); the same for the
+  deterministic reduce-scatter, which runs host-aware (HOST_SLICES).
 """
 
 import os
@@ -42,12 +43,10 @@ def inputs(n: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(11 + r)) for r in range(world)]
 
 
-def algo(g: dist.ProcessGroup, nbytes: int) -> Algo:
+def algo(g: dist.ProcessGroup, nbytes: int, op: OpCode = OpCode.ALLREDUCE) -> Algo:
     rt = backend(g)._runtime
     mesh = rt.mesh
-    return choose(
-        OpCode.ALLREDUCE, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology
-    ).algo
+    return choose(op, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology).algo
 
 
 hosts, flat = group(), group(topology="flat")
@@ -76,6 +75,20 @@ for n in SIZES:
     torch.testing.assert_close(floats["hosts"], floats["flat"])
     assert torch.equal(floats["det"], floats["det_flat"]), n
     assert torch.equal(floats["det"], tree_sum(inputs(n))), n
+
+# Deterministic reduce-scatter: host-aware, the flat tree exchange's bits.
+assert algo(det, 4000, OpCode.REDUCE_SCATTER) is Algo.HOST_SLICES
+assert algo(det_flat, 4000, OpCode.REDUCE_SCATTER) is Algo.DIRECT
+for n in SIZES:
+    src = inputs(n * world)
+    scattered = {}
+    for name, g in (("det", det), ("det_flat", det_flat)):
+        out = torch.empty(n)
+        dist.reduce_scatter_tensor(out, src[rank].clone(), group=g)
+        scattered[name] = out
+    want = tree_sum(src)[rank * n : (rank + 1) * n]
+    assert torch.equal(scattered["det"], want), n
+    assert torch.equal(scattered["det_flat"], want), n
 
 print(f"HOSTS-OK {rank} {mesh.topology.describe()} {os.environ.get('GROUP_RANK')}", flush=True)
 dist.barrier()
