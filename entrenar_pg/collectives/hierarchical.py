@@ -26,7 +26,9 @@ a team unchanged):
   host's sum of the chunks of the ranks at position i on every host), then
   reduce-scatters those across hosts among the counterparts; the all-gather
   is the reverse. Each host link carries (H-1)/H of the whole buffer each
-  way, the bound (the flat ring: (N-1)/N).
+  way, the bound (the flat ring: (N-1)/N). Deterministic, the
+  reduce-scatter is two tree exchanges (inside the host, then among the
+  counterparts), the same bytes; the flat tree exchange sends L times them.
 - ``allreduce_host_leaders`` (small messages, where hops and copies cost
   more than bytes): (1) every rank's buffer to its host's leader (its lowest
   rank), which combines them, (2) the leaders' direct exchange (each leader
