@@ -164,7 +164,8 @@ def test_check_asks_the_policy_with_the_topology() -> None:
         shape = costs.Shape(h, local, s)
         return check.entrenar_algorithm(shape, "auto", check.options_of(variant))[0]
 
-    assert algo("entrenar", 2, 2, 64 << 10) == "host_leaders"
+    assert algo("entrenar", 2, 2, 64 << 10) == "star"  # two hosts: one hop fewer
+    assert algo("entrenar", 2, 2, 16 << 10) == "star"
     assert algo("entrenar", 4, 2, t) == "host_leaders"
     assert algo("entrenar", 4, 2, t + 1) == "host_slices"
     assert algo("entrenar", 1024, 8, 64 << 20) == "host_slices"

@@ -63,7 +63,13 @@ JOB = REPO / "tests" / "scripts" / "hosts_job.py"
 
 
 def _groups(layout: str, **opts: Any) -> list[EntrenarProcessGroup]:
-    """One group per rank; rank r's host is ``layout[r]`` (``"aabb"``: 2 x 2)."""
+    """One group per rank; rank r's host is ``layout[r]`` (``"aabb"``: 2 x 2).
+
+    The star row for small messages is off (``host_star_max_bytes=0``), so
+    small messages run the leaders these tests are about; the policy test
+    checks the row.
+    """
+    opts = {"host_star_max_bytes": 0, **opts}
     return make_groups(len(layout), [Options(host_id=h, **opts) for h in layout])
 
 
@@ -123,11 +129,22 @@ def test_policy_rows_for_hosts() -> None:
     two = Topology.from_keys(["a", "a", "b", "b"])
     mixed = Topology.from_keys(["a", "b", "a", "b"])
     three = Topology.from_keys(list("aabbcc"))
+    four = Topology.from_keys(list("aabbccdd"))
+    two_by_four = Topology.from_keys(list("aaaabbbb"))
     o, det = Options(), Options(deterministic=True)
     limit = o.host_leaders_max_bytes
     A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
+    leaders = Options(host_star_max_bytes=0)
     rows = [
-        (A, limit, two, o, Algo.HOST_LEADERS),
+        # Two hosts: the star while its extra bytes on host 0's link, (L - 1) x S,
+        # stay within host_star_max_bytes (64 KiB); more hosts: the leaders.
+        (A, limit, two, o, Algo.STAR),
+        (A, limit, two, det, Algo.STAR),
+        (A, limit, two, leaders, Algo.HOST_LEADERS),
+        (A, limit // 3, two_by_four, o, Algo.STAR),  # 3 x S <= 64 KiB
+        (A, limit // 3 + 4, two_by_four, o, Algo.HOST_LEADERS),
+        (A, 64, four, o, Algo.HOST_LEADERS),
+        (A, 64, three, o, Algo.HOST_LEADERS),
         (A, limit + 4, two, o, Algo.HOST_SLICES),
         (A, limit + 4, mixed, o, Algo.HOST_SLICES),  # any uniform layout
         (A, 64, mixed, det, Algo.STAR),  # deterministic: hosts not consecutive
@@ -434,7 +451,8 @@ def test_uneven_hosts_run_flat() -> None:
 @pytest.mark.timeout(60)
 def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
     opts = [
-        Options(host_id=h, topology=("flat" if r == 3 else "auto")) for r, h in enumerate("aabb")
+        Options(host_id=h, topology=("flat" if r == 3 else "auto"), host_star_max_bytes=0)
+        for r, h in enumerate("aabb")
     ]
     gs = make_groups(4, opts, timeout_s=10)
     errors: dict[int, BaseException] = {}

@@ -18,7 +18,9 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
   deterministic also each host's ranks consecutive and one subtree of the
   canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
-  ``host_leaders_max_bytes``, ``HOST_SLICES`` above
+  ``host_leaders_max_bytes`` (``STAR`` instead on two hosts while the
+  star's extra bytes on the root host's link stay within
+  ``host_star_max_bytes``: ``star_beats_leaders``), ``HOST_SLICES`` above
   (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
   docs/benchmarks.md); uneven hosts, one host without shared memory
   between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
@@ -93,6 +95,27 @@ def several_hosts(topology: Topology | None, options: Options) -> bool:
     return shape is not None and shape[0] >= 2 and shape[1] >= 2
 
 
+def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> bool:
+    """Whether the flat star serves a message meant for the host-aware leaders better.
+
+    The star is one hop shorter (2 against the leaders' 3, each a wake-up of
+    a process) and moves (N - L - H + 1) x ``nbytes`` more through the root
+    host's link, each way, than the leaders' (H - 1) x ``nbytes``. Its root
+    handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1): no more
+    only on two hosts ((H - 2)(L - 1) <= 0). So: two hosts, and the extra
+    bytes at most ``host_star_max_bytes``. Measured on 2 emulated hosts x 2
+    (docs/benchmarks.md, "Issue 26, small messages"): at 4-64 KiB the star
+    ties the leaders on 1 Gbit/s links and beats them on unshaped ones;
+    at 4 x 2 and 64 KiB (192 KiB more at the root) it took twice as long
+    at 1 Gbit/s.
+    """
+    shape = topology.shape
+    assert shape is not None
+    hosts, local = shape
+    extra = (hosts * local - local - hosts + 1) * nbytes
+    return hosts == 2 and extra <= options.host_star_max_bytes
+
+
 def choose(
     op: OpCode,
     nbytes: int,
@@ -115,8 +138,13 @@ def choose(
         elif local:
             algo = Algo.SHM
         elif host_aware(topology, options):
-            small = nbytes <= options.host_leaders_max_bytes
-            algo = Algo.HOST_LEADERS if small else Algo.HOST_SLICES
+            assert topology is not None
+            if nbytes > options.host_leaders_max_bytes:
+                algo = Algo.HOST_SLICES
+            elif star_beats_leaders(topology, nbytes, options):
+                algo = Algo.STAR
+            else:
+                algo = Algo.HOST_LEADERS
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
         else:

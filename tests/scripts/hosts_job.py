@@ -3,8 +3,10 @@
 Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - the topology is 2 hosts x 2 ranks, torchrun's placement (ranks 2h, 2h+1
   on host h), and shared memory joins exactly the rank on its own host;
-- a host-aware group (default options) picks HOST_LEADERS for a small
-  message and HOST_SLICES for a large one; a ``topology="flat"`` group does not;
+- a host-aware group (the star row for small messages off) picks
+  HOST_LEADERS for a small message and HOST_SLICES for a large one; a
+  ``topology="flat"`` group does not; default options pick the star for
+  the small one (two hosts);
 - integer sums are exact on both groups; float sums of the host-aware
   group equal the flat group's within rounding;
 - deterministic: the host-aware group's bits equal the flat deterministic
@@ -49,8 +51,11 @@ def algo(g: dist.ProcessGroup, nbytes: int, op: OpCode = OpCode.ALLREDUCE) -> Al
     return choose(op, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology).algo
 
 
-hosts, flat = group(), group(topology="flat")
-det, det_flat = group(deterministic=True), group(deterministic=True, topology="flat")
+# The leaders' path for small messages (two hosts pick the star by default:
+# host_star_max_bytes; checked below).
+hosts, flat = group(host_star_max_bytes=0), group(topology="flat")
+det = group(deterministic=True, host_star_max_bytes=0)
+det_flat = group(deterministic=True, topology="flat")
 mesh = backend(hosts)._runtime.mesh
 assert mesh.topology.hosts == ((0, 1), (2, 3)), mesh.topology
 assert sorted(mesh.shm) == [rank ^ 1], (rank, sorted(mesh.shm))
@@ -58,6 +63,8 @@ for g in (hosts, det):
     assert [algo(g, n * 4) for n in SIZES] == [Algo.HOST_LEADERS, Algo.HOST_SLICES]
 for g in (flat, det_flat):
     assert Algo.HOST_LEADERS not in [algo(g, n * 4) for n in SIZES]
+small = choose(OpCode.ALLREDUCE, SIZES[0] * 4, world, Options(), False, mesh.topology).algo
+assert small is Algo.STAR, small
 
 for n in SIZES:
     ints = {}
