@@ -47,7 +47,7 @@ from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
 from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
-from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
+from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
 from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, Header, OpCode
@@ -175,6 +175,9 @@ def test_options_topology_and_host_id_from_env() -> None:
     assert Options.from_env({}).topology == "auto"
     assert Options.from_env({ENV_TOPOLOGY: " FLAT "}).topology == "flat"
     assert Options.from_env({ENV_HOST_ID: "node-7"}).host_id == "node-7"
+    assert Options.from_env({ENV_HOST_STAR_MAX_BYTES: "0"}).host_star_max_bytes == 0
+    with pytest.raises(ValueError, match="host_star_max_bytes must be >= 0"):
+        Options(host_star_max_bytes=-1)
     with pytest.raises(ValueError, match="ENTRENAR_TOPOLOGY/topology must be one of"):
         Options.from_env({ENV_TOPOLOGY: "tree"})
 

@@ -104,7 +104,7 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
     handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1): no more
     only on two hosts ((H - 2)(L - 1) <= 0). So: two hosts, and the extra
     bytes at most ``host_star_max_bytes``. Measured on 2 emulated hosts x 2
-    (docs/benchmarks.md, "Issue 26, small messages"): at 4-64 KiB the star
+    (docs/benchmarks.md, "Issue 26, small messages on two hosts"): at 4-64 KiB the star
     ties the leaders on 1 Gbit/s links and beats them on unshaped ones;
     at 4 x 2 and 64 KiB (192 KiB more at the root) it took twice as long
     at 1 Gbit/s.
