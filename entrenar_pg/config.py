@@ -187,11 +187,12 @@ class Options:
             per rank of the host (2(H-1)/H x the bytes, more hops). Measured
             crossover: docs/benchmarks.md, "Emulated clusters".
             Env ``ENTRENAR_HOST_LEADERS_MAX_BYTES``.
-        host_star_max_bytes: host-aware allreduce on two hosts, messages
-            for the leaders: the flat star (2 hops, not 3) instead, while the
-            bytes it adds on the root host's link, (L - 1) x the message,
-            are at most this many (0: always the leaders;
-            ``collectives.policy.star_beats_leaders``).
+        host_star_max_bytes: host-aware allreduce on few hosts (its root
+            handling at most 2 more messages than a leader: 2 x L, 4 x 2),
+            messages for the leaders: the flat star (2 hops, not 3) instead,
+            while the bytes it adds on the root host's link,
+            (N - L - H + 1) x the message, are at most this many (0: always
+            the leaders; ``collectives.policy.star_beats_leaders``).
             Env ``ENTRENAR_HOST_STAR_MAX_BYTES``.
         host_id: a label added to this rank's host identity: ranks with
             different labels are never one host (no shared memory between

@@ -136,15 +136,18 @@ def test_policy_rows_for_hosts() -> None:
     A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
     leaders = Options(host_star_max_bytes=0)
     rows = [
-        # Two hosts: the star while its extra bytes on host 0's link, (L - 1) x S,
-        # stay within host_star_max_bytes (64 KiB); more hosts: the leaders.
+        # The star while its root handles at most 2 messages more than a leader,
+        # (H - 2)(L - 1), and its extra bytes on host 0's link, (N - L - H + 1) x S,
+        # stay within host_star_max_bytes (64 KiB); else the leaders.
         (A, limit, two, o, Algo.STAR),
         (A, limit, two, det, Algo.STAR),
         (A, limit, two, leaders, Algo.HOST_LEADERS),
         (A, limit // 3, two_by_four, o, Algo.STAR),  # 3 x S <= 64 KiB
         (A, limit // 3 + 4, two_by_four, o, Algo.HOST_LEADERS),
-        (A, 64, four, o, Algo.HOST_LEADERS),
-        (A, 64, three, o, Algo.HOST_LEADERS),
+        (A, limit // 3, four, o, Algo.STAR),  # 4 x 2: 2 more messages, 3 x S
+        (A, limit // 3 + 4, four, o, Algo.HOST_LEADERS),
+        (A, 64, Topology.from_keys(list("aabbccddee")), o, Algo.HOST_LEADERS),  # 3 more
+        (A, 64, Topology.from_keys(list("aaabbbcccddd")), o, Algo.HOST_LEADERS),  # 4 more
         (A, limit + 4, two, o, Algo.HOST_SLICES),
         (A, limit + 4, mixed, o, Algo.HOST_SLICES),  # any uniform layout
         (A, 64, mixed, det, Algo.STAR),  # deterministic: hosts not consecutive

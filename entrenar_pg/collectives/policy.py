@@ -18,7 +18,7 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
   deterministic also each host's ranks consecutive and one subtree of the
   canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
-  ``host_leaders_max_bytes`` (``STAR`` instead on two hosts while the
+  ``host_leaders_max_bytes`` (``STAR`` instead on few hosts while the
   star's extra bytes on the root host's link stay within
   ``host_star_max_bytes``: ``star_beats_leaders``), ``HOST_SLICES`` above
   (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
@@ -95,25 +95,34 @@ def several_hosts(topology: Topology | None, options: Options) -> bool:
     return shape is not None and shape[0] >= 2 and shape[1] >= 2
 
 
+# How many more messages than a leader the star's root may handle (each a
+# few tens of µs of Python) for its hop fewer (a process wake-up, 100-300 µs
+# on the 2 loaded cores measured): 4 hosts x 2 (two more) measured, below.
+STAR_MORE_MESSAGES = 2
+
+
 def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> bool:
     """Whether the flat star serves a message meant for the host-aware leaders better.
 
     The star is one hop shorter (2 against the leaders' 3, each a wake-up of
     a process) and moves (N - L - H + 1) x ``nbytes`` more through the root
-    host's link, each way, than the leaders' (H - 1) x ``nbytes``. Its root
-    handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1): no more
-    only on two hosts ((H - 2)(L - 1) <= 0). So: two hosts, and the extra
-    bytes at most ``host_star_max_bytes``. Measured on 2 emulated hosts x 2
-    (docs/benchmarks.md, "Issue 26, small messages on two hosts"): at 4-64 KiB the star
-    ties the leaders on 1 Gbit/s links and beats them on unshaped ones;
-    at 4 x 2 and 64 KiB (192 KiB more at the root) it took twice as long
-    at 1 Gbit/s.
+    host's link, each way, than the leaders' (H - 1) x ``nbytes``; its root
+    handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1), so
+    (H - 2)(L - 1) more. The star, then, where that is at most
+    ``STAR_MORE_MESSAGES`` (2 x L, 3 x 2, 3 x 3, 4 x 2) and the extra bytes
+    at most ``host_star_max_bytes`` (2 x 2: up to 64 KiB; 4 x 2: 21 KiB).
+    Measured on emulated hosts (docs/benchmarks.md, "Issue 26, small
+    messages on two hosts"): 2 x 2 at 4-64 KiB and 4 x 2 at 4-16 KiB, the
+    star at or under the leaders' time on 1 Gbit/s links and unshaped; at
+    4 x 2 and 64 KiB (192 KiB more at host 0) runs disagree (2.25x the
+    leaders' time in one, 0.6-0.9x in three), so the leaders keep it.
     """
     shape = topology.shape
     assert shape is not None
     hosts, local = shape
+    more_messages = (hosts - 2) * (local - 1)
     extra = (hosts * local - local - hosts + 1) * nbytes
-    return hosts == 2 and extra <= options.host_star_max_bytes
+    return more_messages <= STAR_MORE_MESSAGES and extra <= options.host_star_max_bytes
 
 
 def choose(
