@@ -112,7 +112,7 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
     ``STAR_MORE_MESSAGES`` (2 x L, 3 x 2, 3 x 3, 4 x 2) and the extra bytes
     at most ``host_star_max_bytes`` (2 x 2: up to 64 KiB; 4 x 2: 21 KiB).
     Measured on emulated hosts (docs/benchmarks.md, "Issue 26, small
-    messages on two hosts"): 2 x 2 at 4-64 KiB and 4 x 2 at 4-16 KiB, the
+    messages on few hosts"): 2 x 2 at 4-64 KiB and 4 x 2 at 4-16 KiB, the
     star at or under the leaders' time on 1 Gbit/s links and unshaped; at
     4 x 2 and 64 KiB (192 KiB more at host 0) runs disagree (2.25x the
     leaders' time in one, 0.6-0.9x in three), so the leaders keep it.

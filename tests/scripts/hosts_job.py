@@ -6,7 +6,7 @@ Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - a host-aware group (the star row for small messages off) picks
   HOST_LEADERS for a small message and HOST_SLICES for a large one; a
   ``topology="flat"`` group does not; default options pick the star for
-  the small one (two hosts);
+  the small one (few hosts);
 - integer sums are exact on both groups; float sums of the host-aware
   group equal the flat group's within rounding;
 - deterministic: the host-aware group's bits equal the flat deterministic
@@ -51,7 +51,7 @@ def algo(g: dist.ProcessGroup, nbytes: int, op: OpCode = OpCode.ALLREDUCE) -> Al
     return choose(op, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology).algo
 
 
-# The leaders' path for small messages (two hosts pick the star by default:
+# The leaders' path for small messages (few hosts pick the star by default:
 # host_star_max_bytes; checked below).
 hosts, flat = group(host_star_max_bytes=0), group(topology="flat")
 det = group(deterministic=True, host_star_max_bytes=0)
