@@ -33,6 +33,7 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -549,3 +550,29 @@ def test_netns_two_hosts_of_two(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
     ok = sorted(int(line.split()[1]) for line in logs.splitlines() if line.startswith("HOSTS-OK "))
     assert ok == [0, 1, 2, 3], logs[-4000:]
+
+
+def test_cluster_trainer_verdict_reads_ranks_and_compares_runs(tmp_path: Path) -> None:
+    """benchmarks.cluster_trainer (the trainer at 1, 2, 4 and 4 x 2 emulated hosts,
+    outside CI): rank lines read even when two ranks' writes share a line, and
+    a differing hash, a rank without host-aware gradients, a short run each fail."""
+    from benchmarks import cluster_trainer as ct
+
+    def run(layout: str, world: int, digest: str, sent: str) -> ct.Run:
+        out = tmp_path / f"{layout}-{world}-{digest}"
+        out.mkdir()
+        end = {"event": "end", "step": 6, "param_hash": digest, "final_loss": 4.5}
+        (out / "metrics.jsonl").write_text(json.dumps({**end, "replicas_agree": True}) + "\n")
+        return ct.finish(ct.Run(layout, world, 0), out, sent)
+
+    slices = '{"ALLREDUCE/HOST_SLICES": 6}'
+    both = f"{ct.MARK} 0 2 {slices}{ct.MARK} 1 2 {slices}\n"  # one line, two writes
+    runs = [run("1 host x 1", 1, "aa", ""), run("2 hosts x 1", 2, "aa", both)]
+    assert runs[1].sent == {0: {"ALLREDUCE/HOST_SLICES": 6}, 1: {"ALLREDUCE/HOST_SLICES": 6}}
+    assert ct.verdict(runs, 6) == []
+    assert "yes" in ct.table(runs)[-1]
+    flat = f'{ct.MARK} 0 2 {{"ALLREDUCE/STAR": 6}}\n{ct.MARK} 1 2 {slices}\n'
+    bad = [runs[0], run("2 hosts x 2", 2, "ab", both), run("2 hosts x 3", 2, "aa", flat)]
+    found = ct.verdict(bad, 6)
+    assert any("other bits" in f for f in found) and any("host-aware" in f for f in found)
+    assert ct.verdict(runs, 7)  # fewer steps than asked
