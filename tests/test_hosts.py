@@ -11,7 +11,10 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
   uniform / contiguous, an empty key alone; identical on every rank of a
   real group.
 - ``tree_has_blocks`` against a symbolic re-derivation of the canonical tree.
-- Options: ``ENTRENAR_TOPOLOGY`` / ``ENTRENAR_HOST_ID``.
+- Options: ``ENTRENAR_TOPOLOGY`` / ``ENTRENAR_HOST_ID`` /
+  ``ENTRENAR_HOST_STAR_MAX_BYTES``; the policy's star row for small
+  messages on few hosts (2 x L, 4 x 2), which the other tests here turn
+  off (``_groups``) to exercise the leaders.
 - 2 x 2: the policy picks HOST_LEADERS / HOST_SLICES (and the headers on
   the wire say so), results equal the flat groups' for SUM, AVG, MAX,
   PRODUCT on floats and ints and for messages smaller than the host;
@@ -29,6 +32,8 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
 - A rank whose options say ``topology="flat"`` beside host-aware ones: every
   rank raises, none hangs; a rank that aborts during a host-aware
   allreduce is named on every host at once.
+- ``benchmarks.cluster_trainer``'s verdict (the trainer's bits at 1, 2, 4
+  and 4 x 2 emulated hosts; the run itself lives outside the suite).
 """
 
 from __future__ import annotations
