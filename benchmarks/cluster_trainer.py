@@ -74,10 +74,10 @@ class Run:
         return set(self.sent) == ranks and all(self.sent[r].get(GRADIENTS, 0) > 0 for r in ranks)
 
 
-def trainer_args(steps: int, micro_batches: int, out_dir: Path) -> list[str]:
+def trainer_args(steps: int, micro_batches: int, out_dir: Path, backend: str) -> list[str]:
     """The one training command line (only the output directory differs per run)."""
     return [
-        *TINY,
+        *TINY, "--backend", backend,
         "--micro-batches", str(micro_batches), "--steps", str(steps),
         "--lr-decay-steps", str(steps), "--out-dir", str(out_dir),
     ]  # fmt: skip
@@ -110,13 +110,15 @@ def finish(run: Run, out_dir: Path, output: str) -> Run:
     return run
 
 
-def run_one_host(world: int, steps: int, micro_batches: int, out: Path, timeout_s: float) -> Run:
+def run_one_host(
+    world: int, steps: int, micro_batches: int, out: Path, timeout_s: float, backend: str
+) -> Run:
     """The run at ``world`` ranks on this host (one standalone torchrun)."""
     out_dir = out / f"n{world}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={world}", str(RANK_SCRIPT),
-        *trainer_args(steps, micro_batches, out_dir),
+        *trainer_args(steps, micro_batches, out_dir, backend),
     ]  # fmt: skip
     done = run_in_session(cmd, timeout_s=timeout_s, env=rank_environment())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,10 +135,11 @@ def run_hosts(
     out: Path,
     timeout_s: float,
     shaping: netns.Shaping,
+    backend: str,
 ) -> Run:
     """The run at ``hosts`` x ``local`` ranks, one torchrun per emulated host."""
     out_dir = out / f"{hosts}x{local}"
-    args = " ".join(trainer_args(steps, micro_batches, out_dir))
+    args = " ".join(trainer_args(steps, micro_batches, out_dir, backend))
     env = rank_environment()
     node_cmd = (
         f"ENTRENAR_IFNAME={netns.HOST_IFNAME} GLOO_SOCKET_IFNAME={netns.HOST_IFNAME} "
@@ -204,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=8, help="M, a power of two (default 8)")
     p.add_argument("--rate", default="", help="every host link's rate, both ways (e.g. 1gbit)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run (default 300)")
+    p.add_argument(
+        "--backend", default="entrenar", help="the trainer's backend (gloo: a control that differs)"
+    )
     p.add_argument("--out", default="runs/cluster-trainer", help="output directory")
     return p.parse_args(argv)
 
@@ -215,10 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         return 77
     out = Path(a.out).resolve()
     runs = [
-        run_one_host(int(n), a.steps, a.micro_batches, out, a.timeout) for n in a.worlds.split(",")
+        run_one_host(int(n), a.steps, a.micro_batches, out, a.timeout, a.backend)
+        for n in a.worlds.split(",")
     ]
     shaping = netns.Shaping(rate=a.rate)
-    runs.append(run_hosts(a.hosts, a.local, a.steps, a.micro_batches, out, a.timeout, shaping))
+    runs.append(
+        run_hosts(a.hosts, a.local, a.steps, a.micro_batches, out, a.timeout, shaping, a.backend)
+    )
     lines = table(runs)
     bad = verdict(runs, a.steps)
     out.mkdir(parents=True, exist_ok=True)
