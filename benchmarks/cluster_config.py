@@ -28,7 +28,9 @@ CLUSTER_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant(ENTRENAR, "entrenar"),
     Variant(ENTRENAR_FLAT, "entrenar", FLAT_OVERRIDES),
-    Variant(ENTRENAR_LEADERS, "entrenar", {"host_leaders_max_bytes": 1 << 40}),
+    Variant(
+        ENTRENAR_LEADERS, "entrenar", {"host_leaders_max_bytes": 1 << 40, "host_star_max_bytes": 0}
+    ),
     Variant(ENTRENAR_SLICES, "entrenar", {"host_leaders_max_bytes": 0}),
 )
 DEFAULT_VARIANTS: tuple[str, ...] = (GLOO, ENTRENAR, ENTRENAR_FLAT)

@@ -32,6 +32,7 @@ ENV_LEDGER = "ENTRENAR_LEDGER"
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_TOPOLOGY = "ENTRENAR_TOPOLOGY"
 ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
+ENV_HOST_STAR_MAX_BYTES = "ENTRENAR_HOST_STAR_MAX_BYTES"
 ENV_HOST_ID = "ENTRENAR_HOST_ID"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
@@ -186,6 +187,13 @@ class Options:
             per rank of the host (2(H-1)/H x the bytes, more hops). Measured
             crossover: docs/benchmarks.md, "Emulated clusters".
             Env ``ENTRENAR_HOST_LEADERS_MAX_BYTES``.
+        host_star_max_bytes: host-aware allreduce on few hosts (its root
+            handling at most 2 more messages than a leader: 2 x L, 4 x 2),
+            messages for the leaders: the flat star (2 hops, not 3) instead,
+            while the bytes it adds on the root host's link,
+            (N - L - H + 1) x the message, are at most this many (0: always
+            the leaders; ``collectives.policy.star_beats_leaders``).
+            Env ``ENTRENAR_HOST_STAR_MAX_BYTES``.
         host_id: a label added to this rank's host identity: ranks with
             different labels are never one host (no shared memory between
             them, different hosts for the topology), even on one machine.
@@ -230,6 +238,7 @@ class Options:
     transport: str = "auto"
     topology: str = "auto"
     host_leaders_max_bytes: int = 64 << 10
+    host_star_max_bytes: int = 64 << 10
     host_id: str = ""
     fr_buffer_size: int = 0
     fr_dump_on_timeout: bool = False
@@ -262,6 +271,7 @@ class Options:
             "caller_spin_us",
             "inline_max_bytes",
             "host_leaders_max_bytes",
+            "host_star_max_bytes",
             "fr_buffer_size",
         ):
             if getattr(self, name) < 0:
@@ -291,6 +301,7 @@ class Options:
             (ENV_CALLER_SPIN_US, "caller_spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
             (ENV_HOST_LEADERS_MAX_BYTES, "host_leaders_max_bytes"),
+            (ENV_HOST_STAR_MAX_BYTES, "host_star_max_bytes"),
         ):
             if var in env:
                 kw[name] = _parse_int(var, env[var])

@@ -164,7 +164,8 @@ def test_check_asks_the_policy_with_the_topology() -> None:
         shape = costs.Shape(h, local, s)
         return check.entrenar_algorithm(shape, "auto", check.options_of(variant))[0]
 
-    assert algo("entrenar", 2, 2, 64 << 10) == "host_leaders"
+    assert algo("entrenar", 2, 2, 64 << 10) == "star"  # two hosts: one hop fewer
+    assert algo("entrenar", 2, 2, 16 << 10) == "star"
     assert algo("entrenar", 4, 2, t) == "host_leaders"
     assert algo("entrenar", 4, 2, t + 1) == "host_slices"
     assert algo("entrenar", 1024, 8, 64 << 20) == "host_slices"
@@ -271,6 +272,6 @@ def test_scale_table_is_the_policy_against_the_flat_ring() -> None:
 def test_predict_command_names_the_policys_pick(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["predict", "--hosts", "4", "--local", "2", "--sizes", "4K,1M"]) == 0
     out = capsys.readouterr().out
-    assert "4096 B: the policy picks host_leaders" in out
+    assert "4096 B: the policy picks star" in out  # 4 x 2: the star row (policy.star_beats_leaders)
     assert "1048576 B: the policy picks host_slices" in out
     assert "leaders doubling (proposal)" in out

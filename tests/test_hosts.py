@@ -11,13 +11,18 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
   uniform / contiguous, an empty key alone; identical on every rank of a
   real group.
 - ``tree_has_blocks`` against a symbolic re-derivation of the canonical tree.
-- Options: ``ENTRENAR_TOPOLOGY`` / ``ENTRENAR_HOST_ID``.
+- Options: ``ENTRENAR_TOPOLOGY`` / ``ENTRENAR_HOST_ID`` /
+  ``ENTRENAR_HOST_STAR_MAX_BYTES``; the policy's star row for small
+  messages on few hosts (2 x L, 4 x 2), which the other tests here turn
+  off (``_groups``) to exercise the leaders.
 - 2 x 2: the policy picks HOST_LEADERS / HOST_SLICES (and the headers on
   the wire say so), results equal the flat groups' for SUM, AVG, MAX,
   PRODUCT on floats and ints and for messages smaller than the host;
   ``topology="flat"`` turns it off.
 - Reduce-scatter and all-gather across hosts (contiguous hosts or not):
-  exact results; deterministic reduce-scatter keeps the tree exchange.
+  exact results; deterministic reduce-scatter host-aware where the hosts
+  are subtrees of the canonical tree (2 x 2, 4 x 2: the tree sum's bits,
+  the flat exchange's), the tree exchange elsewhere.
 - Deterministic: 1 x 4, 2 x 2 and 4 x 1 give the bits of the canonical tree
   sum (``tree_sum``) and of the flat algorithms, small and large; so does
   4 x 2 (host-aware); 3 x 2 keeps
@@ -27,10 +32,13 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
 - A rank whose options say ``topology="flat"`` beside host-aware ones: every
   rank raises, none hangs; a rank that aborts during a host-aware
   allreduce is named on every host at once.
+- ``benchmarks.cluster_trainer``'s verdict (the trainer's bits at 1, 2, 4
+  and 4 x 2 emulated hosts; the run itself lives outside the suite).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,7 +53,7 @@ from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
 from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
-from entrenar_pg.config import ENV_HOST_ID, ENV_TOPOLOGY
+from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
 from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, Header, OpCode
@@ -61,7 +69,13 @@ JOB = REPO / "tests" / "scripts" / "hosts_job.py"
 
 
 def _groups(layout: str, **opts: Any) -> list[EntrenarProcessGroup]:
-    """One group per rank; rank r's host is ``layout[r]`` (``"aabb"``: 2 x 2)."""
+    """One group per rank; rank r's host is ``layout[r]`` (``"aabb"``: 2 x 2).
+
+    The star row for small messages is off (``host_star_max_bytes=0``), so
+    small messages run the leaders these tests are about; the policy test
+    checks the row.
+    """
+    opts = {"host_star_max_bytes": 0, **opts}
     return make_groups(len(layout), [Options(host_id=h, **opts) for h in layout])
 
 
@@ -121,11 +135,25 @@ def test_policy_rows_for_hosts() -> None:
     two = Topology.from_keys(["a", "a", "b", "b"])
     mixed = Topology.from_keys(["a", "b", "a", "b"])
     three = Topology.from_keys(list("aabbcc"))
+    four = Topology.from_keys(list("aabbccdd"))
+    two_by_four = Topology.from_keys(list("aaaabbbb"))
     o, det = Options(), Options(deterministic=True)
     limit = o.host_leaders_max_bytes
     A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
+    leaders = Options(host_star_max_bytes=0)
     rows = [
-        (A, limit, two, o, Algo.HOST_LEADERS),
+        # The star while its root handles at most 2 messages more than a leader,
+        # (H - 2)(L - 1), and its extra bytes on host 0's link, (N - L - H + 1) x S,
+        # stay within host_star_max_bytes (64 KiB); else the leaders.
+        (A, limit, two, o, Algo.STAR),
+        (A, limit, two, det, Algo.STAR),
+        (A, limit, two, leaders, Algo.HOST_LEADERS),
+        (A, limit // 3, two_by_four, o, Algo.STAR),  # 3 x S <= 64 KiB
+        (A, limit // 3 + 4, two_by_four, o, Algo.HOST_LEADERS),
+        (A, limit // 3, four, o, Algo.STAR),  # 4 x 2: 2 more messages, 3 x S
+        (A, limit // 3 + 4, four, o, Algo.HOST_LEADERS),
+        (A, 64, Topology.from_keys(list("aabbccddee")), o, Algo.HOST_LEADERS),  # 3 more
+        (A, 64, Topology.from_keys(list("aaabbbcccddd")), o, Algo.HOST_LEADERS),  # 4 more
         (A, limit + 4, two, o, Algo.HOST_SLICES),
         (A, limit + 4, mixed, o, Algo.HOST_SLICES),  # any uniform layout
         (A, 64, mixed, det, Algo.STAR),  # deterministic: hosts not consecutive
@@ -138,7 +166,10 @@ def test_policy_rows_for_hosts() -> None:
         (A, 64, Topology.from_keys(list("abcd")), o, Algo.STAR),  # one rank per host
         (A, 64, Topology.flat(4), o, Algo.STAR),  # one host, no slot areas
         (RS, 64, two, o, Algo.HOST_SLICES),
-        (RS, 64, two, det, Algo.DIRECT),
+        (RS, 64, two, det, Algo.HOST_SLICES),  # hosts are subtrees: the tree's order kept
+        (RS, 64, mixed, det, Algo.DIRECT),
+        (RS, 64, three, det, Algo.DIRECT),
+        (RS, 64, three, o, Algo.HOST_SLICES),
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
         (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
@@ -153,6 +184,9 @@ def test_options_topology_and_host_id_from_env() -> None:
     assert Options.from_env({}).topology == "auto"
     assert Options.from_env({ENV_TOPOLOGY: " FLAT "}).topology == "flat"
     assert Options.from_env({ENV_HOST_ID: "node-7"}).host_id == "node-7"
+    assert Options.from_env({ENV_HOST_STAR_MAX_BYTES: "0"}).host_star_max_bytes == 0
+    with pytest.raises(ValueError, match="host_star_max_bytes must be >= 0"):
+        Options(host_star_max_bytes=-1)
     with pytest.raises(ValueError, match="ENTRENAR_TOPOLOGY/topology must be one of"):
         Options.from_env({ENV_TOPOLOGY: "tree"})
 
@@ -234,9 +268,10 @@ def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
     try:
         for op in (OpCode.REDUCE_SCATTER, OpCode.ALLGATHER):
             assert _algo_of(gs[0], op, 4000) is Algo.HOST_SLICES
-        # Deterministic, the reduce-scatter keeps the tree exchange (its order).
+        # Deterministic, host-aware only where the hosts are subtrees of the tree.
         det, topo = Options(deterministic=True), gs[0]._runtime.mesh.topology
-        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is Algo.DIRECT
+        want = Algo.HOST_SLICES if layout == "aabb" else Algo.DIRECT
+        assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is want
 
         def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
             oks = []
@@ -322,6 +357,63 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["aabb", "aabbccdd"])
+def test_deterministic_reduce_scatter_is_host_aware_with_the_tree_bits(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 x 2 and 4 x 2, deterministic: the reduce-scatter runs host-aware
+    (HOST_SLICES headers on the wire, no flat DIRECT exchange among all
+    ranks) and every rank's chunk has the bits of the canonical tree sum of
+    that chunk over all ranks, which the flat deterministic group gives too;
+    SUM and AVG, chunks of one element, of a few, and of several segments."""
+    world = len(layout)
+    m_big = Options().segment_bytes // 4 + 333  # two segments
+    cases = [(R.SUM, 1), (R.AVG, 5), (R.SUM, 777), (R.AVG, m_big)]
+    data = {m: _inputs(world, m * world) for _, m in cases}
+    packed: set[tuple[OpCode, Algo]] = set()
+    pack = Header.pack_into
+
+    def spy(self: Header, buf: Any) -> None:
+        packed.add((self.op, self.algo))
+        pack(self, buf)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for op, m in cases:
+            got = torch.empty(m)
+            opts = c10d.ReduceScatterOptions()
+            opts.reduceOp = op
+            pg._reduce_scatter_base(got, data[m][rank].clone(), opts).wait()
+            out.append(got)
+        return out
+
+    monkeypatch.setattr(Header, "pack_into", spy)
+    hosts = _groups(layout, deterministic=True)
+    try:
+        got = run_ranks(world, fn, groups=hosts)
+    finally:
+        for g in hosts:
+            g.shutdown()
+    rs = {algo for op, algo in packed if op is OpCode.REDUCE_SCATTER}
+    # The hosts' exchange, then the counterparts' (their DIRECT plan): never all ranks at once.
+    assert Algo.HOST_SLICES in rs, rs
+    flat_groups = _groups(layout, deterministic=True, topology="flat")
+    try:
+        flat = run_ranks(world, fn, groups=flat_groups)
+    finally:
+        for g in flat_groups:
+            g.shutdown()
+    for i, (op, m) in enumerate(cases):
+        total = tree_sum(data[m])
+        if op == R.AVG:
+            total = total / world
+        for r in range(world):
+            want = total[r * m : (r + 1) * m]
+            assert torch.equal(got[r][i], want), (layout, op, m, r)
+            assert torch.equal(flat[r][i], want), (layout, op, m, r)
+
+
+@pytest.mark.timeout(180)
 def test_three_hosts_of_two_keep_the_bits_by_falling_back() -> None:
     """3 x 2: the canonical tree over 6 splits host 1; deterministic runs flat
     (and gives the tree's bits), non-deterministic runs host-aware."""
@@ -371,7 +463,8 @@ def test_uneven_hosts_run_flat() -> None:
 @pytest.mark.timeout(60)
 def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
     opts = [
-        Options(host_id=h, topology=("flat" if r == 3 else "auto")) for r, h in enumerate("aabb")
+        Options(host_id=h, topology=("flat" if r == 3 else "auto"), host_star_max_bytes=0)
+        for r, h in enumerate("aabb")
     ]
     gs = make_groups(4, opts, timeout_s=10)
     errors: dict[int, BaseException] = {}
@@ -462,3 +555,29 @@ def test_netns_two_hosts_of_two(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
     ok = sorted(int(line.split()[1]) for line in logs.splitlines() if line.startswith("HOSTS-OK "))
     assert ok == [0, 1, 2, 3], logs[-4000:]
+
+
+def test_cluster_trainer_verdict_reads_ranks_and_compares_runs(tmp_path: Path) -> None:
+    """benchmarks.cluster_trainer (the trainer at 1, 2, 4 and 4 x 2 emulated hosts,
+    outside CI): rank lines read even when two ranks' writes share a line, and
+    a differing hash, a rank without host-aware gradients, a short run each fail."""
+    from benchmarks import cluster_trainer as ct
+
+    def run(layout: str, world: int, digest: str, sent: str) -> ct.Run:
+        out = tmp_path / f"{layout}-{world}-{digest}"
+        out.mkdir()
+        end = {"event": "end", "step": 6, "param_hash": digest, "final_loss": 4.5}
+        (out / "metrics.jsonl").write_text(json.dumps({**end, "replicas_agree": True}) + "\n")
+        return ct.finish(ct.Run(layout, world, 0), out, sent)
+
+    slices = '{"ALLREDUCE/HOST_SLICES": 6}'
+    both = f"{ct.MARK} 0 2 {slices}{ct.MARK} 1 2 {slices}\n"  # one line, two writes
+    runs = [run("1 host x 1", 1, "aa", ""), run("2 hosts x 1", 2, "aa", both)]
+    assert runs[1].sent == {0: {"ALLREDUCE/HOST_SLICES": 6}, 1: {"ALLREDUCE/HOST_SLICES": 6}}
+    assert ct.verdict(runs, 6) == []
+    assert "yes" in ct.table(runs)[-1]
+    flat = f'{ct.MARK} 0 2 {{"ALLREDUCE/STAR": 6}}\n{ct.MARK} 1 2 {slices}\n'
+    bad = [runs[0], run("2 hosts x 2", 2, "ab", both), run("2 hosts x 3", 2, "aa", flat)]
+    found = ct.verdict(bad, 6)
+    assert any("other bits" in f for f in found) and any("host-aware" in f for f in found)
+    assert ct.verdict(runs, 7)  # fewer steps than asked

@@ -26,7 +26,9 @@ a team unchanged):
   host's sum of the chunks of the ranks at position i on every host), then
   reduce-scatters those across hosts among the counterparts; the all-gather
   is the reverse. Each host link carries (H-1)/H of the whole buffer each
-  way, the bound (the flat ring: (N-1)/N).
+  way, the bound (the flat ring: (N-1)/N). Deterministic, the
+  reduce-scatter is two tree exchanges (inside the host, then among the
+  counterparts), the same bytes; the flat tree exchange sends L times them.
 - ``allreduce_host_leaders`` (small messages, where hops and copies cost
   more than bytes): (1) every rank's buffer to its host's leader (its lowest
   rank), which combines them, (2) the leaders' direct exchange (each leader
@@ -72,7 +74,7 @@ from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
 from .ring import allgather_ring, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
-from .tree import allreduce_tree_ring, exchange
+from .tree import allreduce_tree_ring, exchange, reduce_scatter_tree
 
 LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
 # The host slices' pipeline: pieces of at least this many bytes, at most this
@@ -264,9 +266,12 @@ def reduce_scatter_hosts(
     at position i on every host); then a ring reduce-scatter of those among
     the counterparts. Bytes per host link, each way: (H-1)/H x the whole
     buffer (the bound). Latency: H x (L-1) local hops + H-1 cross-host hops.
-    Rank and ring order: not the canonical tree (the policy keeps the flat
-    direct exchange when deterministic). ``aux`` goes into the headers.
+    Deterministic: ``_reduce_scatter_in_tree_order``. ``aux`` goes into the
+    headers.
     """
+    if call.choice.tree:
+        _reduce_scatter_in_tree_order(call, chunks, red, op, aux)
+        return
     me = call.mesh.rank
     numel = sum(c.numel() for c in chunks)
     kind = red.combine_kind
@@ -278,6 +283,61 @@ def reduce_scatter_hosts(
     if len(team) > 1:
         theirs = [chunks[r] for r in team]
         reduce_scatter_ring(call.on(team), theirs, Reduction(kind), op, aux=aux)
+    finish_(chunks[me], red, call.world)
+
+
+def _reduce_scatter_in_tree_order(
+    call: Call, chunks: Sequence[torch.Tensor], red: Reduction, op: OpCode, aux: int
+) -> None:
+    """``reduce_scatter_hosts`` in the canonical tree order: the flat tree exchange's bits.
+
+    Two direct exchanges (``exchange``: each element combined by its owner,
+    its contributions in tree order over the team): inside the host, local
+    rank j ends with its host's sum (tree order over the host's ranks) of
+    the chunks of the ranks at position j on every host, which it receives
+    into one staging buffer (those chunks side by side, host order); then
+    among the counterparts each rank combines its own chunk's host sums in
+    tree order over the hosts. With every host one subtree of the canonical
+    tree over all ranks (``reduce_ops.tree_has_blocks``, the policy's
+    condition), that is the canonical tree over all ranks. AVG's division
+    once, at the end. Bytes per host link, each way: (H-1)/H x the whole
+    buffer (the flat exchange: L times that). Cost: one copy of the buffer
+    into the staging areas. Latency: two hops, one local, one cross-host.
+    """
+    topology = call.mesh.topology
+    me = call.mesh.rank
+    local = topology.local_peers(me)
+    host = call.on(local)
+    kind = red.combine_kind
+    numel = sum(c.numel() for c in chunks)
+    # Position j's staging: the chunks of position j's counterparts, host order.
+    groups = [[chunks[r] for r in topology.counterparts(p)] for p in local]
+    sizes = [sum(c.numel() for c in g) for g in groups]
+    stage = call.scratch.get("hosts_rs", numel, chunks[0].dtype)
+    at, staged = 0, []
+    for g, size in zip(groups, sizes, strict=True):
+        part = stage[at : at + size]
+        torch.cat(g, out=part)
+        staged.append(part)
+        at += size
+    header = call.header(
+        op, Algo.HOST_SLICES, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
+    )
+    plan = host.plan()
+    exchange(host, plan, staged, Reduction(kind), header)
+    call.mesh.run(plan, call.what(op), call)
+    mine = staged[host.rank]
+    team = topology.counterparts(me)
+    across = call.on(team)
+    if across.world > 1:
+        bounds = [chunks[r].numel() for r in team]
+        parts, at = [], 0
+        for size in bounds:
+            parts.append(mine[at : at + size])
+            at += size
+        reduce_scatter_tree(across, parts, Reduction(kind), op, aux=aux)
+        mine = parts[across.rank]
+    chunks[me].copy_(mine)
     finish_(chunks[me], red, call.world)
 
 

@@ -18,7 +18,9 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
   deterministic also each host's ranks consecutive and one subtree of the
   canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
-  ``host_leaders_max_bytes``, ``HOST_SLICES`` above
+  ``host_leaders_max_bytes`` (``STAR`` instead on few hosts while the
+  star's extra bytes on the root host's link stay within
+  ``host_star_max_bytes``: ``star_beats_leaders``), ``HOST_SLICES`` above
   (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
   docs/benchmarks.md); uneven hosts, one host without shared memory
   between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
@@ -33,9 +35,10 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
   deterministic), then each rank's chunk straight to the root.
-- ``REDUCE_SCATTER``: ``RING``; several hosts (``several_hosts``, as above
-  without the order condition) ``HOST_SLICES``; ``DIRECT`` (the tree
-  exchange) when deterministic, on any layout.
+- ``REDUCE_SCATTER``: ``RING``, ``DIRECT`` (the tree exchange) when
+  deterministic; several hosts (``host_aware``, as for the allreduce:
+  deterministic only where the hosts are subtrees of the canonical tree)
+  ``HOST_SLICES``.
 - ``ALLGATHER``: ``RING``; several hosts ``HOST_SLICES``. Everything else
   (gather, scatter, all-to-all, sparse allreduce, the checker's exchange): ``DIRECT``.
 - Every row: ``tree`` and the header's ``DETERMINISTIC`` flag follow
@@ -92,6 +95,36 @@ def several_hosts(topology: Topology | None, options: Options) -> bool:
     return shape is not None and shape[0] >= 2 and shape[1] >= 2
 
 
+# How many more messages than a leader the star's root may handle (each a
+# few tens of µs of Python) for its hop fewer (a process wake-up, 100-300 µs
+# on the 2 loaded cores measured): 4 hosts x 2 (two more) measured, below.
+STAR_MORE_MESSAGES = 2
+
+
+def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> bool:
+    """Whether the flat star serves a message meant for the host-aware leaders better.
+
+    The star is one hop shorter (2 against the leaders' 3, each a wake-up of
+    a process) and moves (N - L - H + 1) x ``nbytes`` more through the root
+    host's link, each way, than the leaders' (H - 1) x ``nbytes``; its root
+    handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1), so
+    (H - 2)(L - 1) more. The star, then, where that is at most
+    ``STAR_MORE_MESSAGES`` (2 x L, 3 x 2, 3 x 3, 4 x 2) and the extra bytes
+    at most ``host_star_max_bytes`` (2 x 2: up to 64 KiB; 4 x 2: 21 KiB).
+    Measured on emulated hosts (docs/benchmarks.md, "Issue 26, small
+    messages on few hosts"): 2 x 2 at 4-64 KiB and 4 x 2 at 4-16 KiB, the
+    star at or under the leaders' time on 1 Gbit/s links and unshaped; at
+    4 x 2 and 64 KiB (192 KiB more at host 0) runs disagree (2.25x the
+    leaders' time in one, 0.6-0.9x in three), so the leaders keep it.
+    """
+    shape = topology.shape
+    assert shape is not None
+    hosts, local = shape
+    more_messages = (hosts - 2) * (local - 1)
+    extra = (hosts * local - local - hosts + 1) * nbytes
+    return more_messages <= STAR_MORE_MESSAGES and extra <= options.host_star_max_bytes
+
+
 def choose(
     op: OpCode,
     nbytes: int,
@@ -114,8 +147,13 @@ def choose(
         elif local:
             algo = Algo.SHM
         elif host_aware(topology, options):
-            small = nbytes <= options.host_leaders_max_bytes
-            algo = Algo.HOST_LEADERS if small else Algo.HOST_SLICES
+            assert topology is not None
+            if nbytes > options.host_leaders_max_bytes:
+                algo = Algo.HOST_SLICES
+            elif star_beats_leaders(topology, nbytes, options):
+                algo = Algo.STAR
+            else:
+                algo = Algo.HOST_LEADERS
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
         else:
@@ -130,10 +168,10 @@ def choose(
         else:
             algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.REDUCE_SCATTER:
-        if tree:
-            algo = Algo.DIRECT  # the host-aware one's order is not the tree's
+        if host_aware(topology, options):  # deterministic: the tree's order kept
+            algo = Algo.HOST_SLICES
         else:
-            algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
+            algo = Algo.DIRECT if tree else Algo.RING
     elif op is OpCode.ALLGATHER:
         algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:

@@ -3,13 +3,16 @@
 Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - the topology is 2 hosts x 2 ranks, torchrun's placement (ranks 2h, 2h+1
   on host h), and shared memory joins exactly the rank on its own host;
-- a host-aware group (default options) picks HOST_LEADERS for a small
-  message and HOST_SLICES for a large one; a ``topology="flat"`` group does not;
+- a host-aware group (the star row for small messages off) picks
+  HOST_LEADERS for a small message and HOST_SLICES for a large one; a
+  ``topology="flat"`` group does not; default options pick the star for
+  the small one (few hosts);
 - integer sums are exact on both groups; float sums of the host-aware
   group equal the flat group's within rounding;
 - deterministic: the host-aware group's bits equal the flat deterministic
   group's and the canonical tree sum of every rank's input, computed here
-  in one process from the same seeds (``tree_sum``).
+  in one process from the same seeds (``tree_sum``); the same for the
+  deterministic reduce-scatter, which runs host-aware (HOST_SLICES).
 """
 
 import os
@@ -42,16 +45,17 @@ def inputs(n: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(11 + r)) for r in range(world)]
 
 
-def algo(g: dist.ProcessGroup, nbytes: int) -> Algo:
+def algo(g: dist.ProcessGroup, nbytes: int, op: OpCode = OpCode.ALLREDUCE) -> Algo:
     rt = backend(g)._runtime
     mesh = rt.mesh
-    return choose(
-        OpCode.ALLREDUCE, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology
-    ).algo
+    return choose(op, nbytes, mesh.world, rt.options, mesh.all_local, mesh.topology).algo
 
 
-hosts, flat = group(), group(topology="flat")
-det, det_flat = group(deterministic=True), group(deterministic=True, topology="flat")
+# The leaders' path for small messages (few hosts pick the star by default:
+# host_star_max_bytes; checked below).
+hosts, flat = group(host_star_max_bytes=0), group(topology="flat")
+det = group(deterministic=True, host_star_max_bytes=0)
+det_flat = group(deterministic=True, topology="flat")
 mesh = backend(hosts)._runtime.mesh
 assert mesh.topology.hosts == ((0, 1), (2, 3)), mesh.topology
 assert sorted(mesh.shm) == [rank ^ 1], (rank, sorted(mesh.shm))
@@ -59,6 +63,8 @@ for g in (hosts, det):
     assert [algo(g, n * 4) for n in SIZES] == [Algo.HOST_LEADERS, Algo.HOST_SLICES]
 for g in (flat, det_flat):
     assert Algo.HOST_LEADERS not in [algo(g, n * 4) for n in SIZES]
+small = choose(OpCode.ALLREDUCE, SIZES[0] * 4, world, Options(), False, mesh.topology).algo
+assert small is Algo.STAR, small
 
 for n in SIZES:
     ints = {}
@@ -76,6 +82,20 @@ for n in SIZES:
     torch.testing.assert_close(floats["hosts"], floats["flat"])
     assert torch.equal(floats["det"], floats["det_flat"]), n
     assert torch.equal(floats["det"], tree_sum(inputs(n))), n
+
+# Deterministic reduce-scatter: host-aware, the flat tree exchange's bits.
+assert algo(det, 4000, OpCode.REDUCE_SCATTER) is Algo.HOST_SLICES
+assert algo(det_flat, 4000, OpCode.REDUCE_SCATTER) is Algo.DIRECT
+for n in SIZES:
+    src = inputs(n * world)
+    scattered = {}
+    for name, g in (("det", det), ("det_flat", det_flat)):
+        out = torch.empty(n)
+        dist.reduce_scatter_tensor(out, src[rank].clone(), group=g)
+        scattered[name] = out
+    want = tree_sum(src)[rank * n : (rank + 1) * n]
+    assert torch.equal(scattered["det"], want), n
+    assert torch.equal(scattered["det_flat"], want), n
 
 print(f"HOSTS-OK {rank} {mesh.topology.describe()} {os.environ.get('GROUP_RANK')}", flush=True)
 dist.barrier()
