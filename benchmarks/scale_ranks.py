@@ -55,6 +55,9 @@ class Spec:
     store_port: int
     timeout_s: float
     transport: str  # entrenar's Options.transport ("" = its default)
+    # Emulated hosts: ranks split into this many contiguous blocks, each with
+    # its own Options.host_id (1: the machine's own identity, one host).
+    hosts: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -124,8 +127,14 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
         return dist.ProcessGroupGloo(store, rank, spec.world, timeout)
     from entrenar_pg import EntrenarProcessGroup, Options
 
-    # As init_process_group would: the environment's ENTRENAR_* settings, then --transport.
-    options = Options.from_env(transport=spec.transport) if spec.transport else Options.from_env()
+    # As init_process_group would: the environment's ENTRENAR_* settings, then
+    # --transport and the emulated host (--hosts).
+    overrides: dict[str, object] = {}
+    if spec.transport:
+        overrides["transport"] = spec.transport
+    if spec.hosts > 1:
+        overrides["host_id"] = f"scale-host-{rank * spec.hosts // spec.world}"
+    options = Options.from_env(**overrides)
     return EntrenarProcessGroup(store, rank, spec.world, timeout=timeout, options=options)
 
 
