@@ -52,12 +52,12 @@ def settled_socket_fds(want: int, within_s: float = 5.0) -> int:
     return n
 
 
-def allreduce_all(groups: list) -> list[float]:
-    """One 4-element allreduce on every rank (threads); each rank's first element."""
+def allreduce_all(groups: list, numel: int = 4) -> list[float]:
+    """One ``numel``-element allreduce on every rank (threads); each rank's first element."""
     out: list[float] = [0.0] * len(groups)
 
     def one(rank: int) -> None:
-        t = torch.full((4,), float(rank + 1))
+        t = torch.full((numel,), float(rank + 1))
         groups[rank].allreduce([t]).wait()
         out[rank] = t[0].item()
 
@@ -175,3 +175,90 @@ def test_a_first_send_to_a_rank_that_left_names_it() -> None:
     finally:
         for g in groups:
             g.abort()
+
+
+def emulated_hosts(world: int, per_host: int, algorithm: str) -> list[Options]:
+    """One Options per rank: TCP, ``algorithm``, hosts of ``per_host`` consecutive
+    ranks (``host_id`` splits this machine into emulated hosts)."""
+    return [
+        Options(transport="tcp", algorithm=algorithm, host_id=f"h{r // per_host}")
+        for r in range(world)
+    ]
+
+
+def partners(rank: int, world: int, algorithm: str) -> set[int]:
+    """Whom a rank's allreduce plans talk to (every ring chunk non-empty): its
+    ring neighbours; the star: rank 0 everyone, everyone rank 0 and its ring
+    neighbours (the star confirms its header with them)."""
+    ring = {(rank - 1) % world, (rank + 1) % world}
+    if algorithm == "ring":
+        return ring
+    return set(range(1, world)) if rank == 0 else {0} | ring
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["ring", "star"])
+def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> None:
+    """8 thread ranks as 4 emulated hosts x 2 over TCP: after set-up and one
+    allreduce a rank holds data sockets only to the rank on its host (made at
+    set-up) and the partners its plan used (made on first use): the ring 2
+    per rank, the star N - 1 at rank 0 and 2-3 elsewhere. Control still one
+    per peer here, plus the listener and the p2p wake-up pair. (Before: a
+    data socket per peer from set-up: 8 x 17 = 136 sockets.)"""
+    world, per_host = 8, 2
+    before = socket_fds()
+    groups = make_groups(world, emulated_hosts(world, per_host, algorithm))
+    try:
+        total = world * (world + 1) / 2
+        assert allreduce_all(groups, numel=64) == [total] * world  # no empty ring chunk
+        data = [
+            {r - r % per_host + k for k in range(per_host)} - {r} | partners(r, world, algorithm)
+            for r in range(world)
+        ]
+        want = sum((world - 1) + len(d) + 3 for d in data)
+        assert socket_fds() - before == want
+        for r, g in enumerate(groups):
+            assert set(g._runtime.mesh._data) == data[r], r
+        # A second allreduce makes no socket: the first one's are reused.
+        assert allreduce_all(groups, numel=64) == [total] * world
+        assert socket_fds() - before == want
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert socket_fds() == before, "every socket closed at shutdown"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -> None:
+    """4 thread ranks, each its own emulated host (no data socket at set-up):
+    rank 1 never calls the first allreduce. Rank 0 connects to it (its
+    acceptor answers) and waits for data; rank 2 waits for rank 1's
+    connection; rank 3 waits on them. Every one of them names rank 1 within
+    the timeout, from the wait-for walk."""
+    world = 4
+    groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=2.0)
+    errors: dict[int, BaseException] = {}
+
+    def one(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(4)]).wait()
+        except BaseException as e:  # the expected outcome
+            errors[rank] = e
+
+    try:
+        threads = [
+            threading.Thread(target=one, args=(r,), daemon=True) for r in range(world) if r != 1
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert sorted(errors) == [0, 2, 3]
+        for r, e in errors.items():
+            assert isinstance(e, PeerConnectionError), (r, e)
+            assert e.culprit == 1, (r, e)
+            assert "rank 1" in str(e), (r, e)
+    finally:
+        for g in groups:
+            g.shutdown()
