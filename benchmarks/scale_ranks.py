@@ -20,6 +20,7 @@ The result is one JSON line on stdout, prefixed ``RESULT_PREFIX``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import resource
@@ -129,12 +130,12 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
 
     # As init_process_group would: the environment's ENTRENAR_* settings, then
     # --transport and the emulated host (--hosts).
-    overrides: dict[str, object] = {}
+    options = Options.from_env()
     if spec.transport:
-        overrides["transport"] = spec.transport
+        options = dataclasses.replace(options, transport=spec.transport)
     if spec.hosts > 1:
-        overrides["host_id"] = f"scale-host-{rank * spec.hosts // spec.world}"
-    options = Options.from_env(**overrides)
+        host = rank * spec.hosts // spec.world
+        options = dataclasses.replace(options, host_id=f"scale-host-{host}")
     return EntrenarProcessGroup(store, rank, spec.world, timeout=timeout, options=options)
 
 

@@ -22,14 +22,17 @@ from conftest import make_groups
 from test_failures import run_blame
 
 from entrenar_pg import Options, PeerConnectionError
+from entrenar_pg.transport.control import overlay
 
-# Sockets one rank's group holds after set-up and a collective, with no p2p
-# yet: data + control per peer, the listener kept for p2p connections, the
-# p2p loop's wake-up pair. (Before: 3(N - 1) + 2, a p2p socket per peer too.)
+# Sockets the ranks of one host hold after set-up and a collective, with no
+# p2p yet: a data socket per peer (all on this host: made at set-up), a
+# control socket per overlay neighbour (at most ceil(log2 N)), the listener
+# kept for lazy connections, the p2p loop's wake-up pair. (Before: 2(N - 1) + 3,
+# a control socket per peer; before that 3(N - 1) + 2, a p2p socket per peer.)
 
 
 def allreduce_only_sockets(world: int) -> int:
-    return 2 * (world - 1) + 3
+    return sum((world - 1) + len(overlay(r, world)) + 3 for r in range(world))
 
 
 def socket_fds() -> int:
@@ -74,7 +77,8 @@ def allreduce_all(groups: list, numel: int = 4) -> list[float]:
 @pytest.mark.parametrize("world", [4, 8])
 def test_an_allreduce_only_group_holds_no_p2p_sockets(world: int) -> None:
     """N thread ranks over TCP set up and allreduce: the process holds exactly
-    N(2(N - 1) + 3) new sockets (before: N(3(N - 1) + 2), 12 and 56 more).
+    ``allreduce_only_sockets`` new sockets (before: N(2(N - 1) + 3), 4 and 32
+    more; before that N(3(N - 1) + 2)).
     One p2p message from rank 0 to rank 1 then adds exactly four: each end's
     own connection to the other (the send's, and the recv's, which watches
     for the sender's death)."""
@@ -83,13 +87,13 @@ def test_an_allreduce_only_group_holds_no_p2p_sockets(world: int) -> None:
     try:
         total = world * (world + 1) / 2
         assert allreduce_all(groups) == [total] * world
-        assert socket_fds() - before == world * allreduce_only_sockets(world)
+        assert socket_fds() - before == allreduce_only_sockets(world)
         got = torch.empty(3)
         recv = groups[1].recv([got], 0, 5)
         groups[0].send([torch.full((3,), 7.0)], 1, 5).wait(timeout=None)
         recv.wait()
         assert got.tolist() == [7.0] * 3
-        want = before + world * allreduce_only_sockets(world) + 4
+        want = before + allreduce_only_sockets(world) + 4
         assert settled_socket_fds(want) - before == want - before
     finally:
         for g in groups:
@@ -202,9 +206,9 @@ def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> N
     """8 thread ranks as 4 emulated hosts x 2 over TCP: after set-up and one
     allreduce a rank holds data sockets only to the rank on its host (made at
     set-up) and the partners its plan used (made on first use): the ring 2
-    per rank, the star N - 1 at rank 0 and 2-3 elsewhere. Control still one
-    per peer here, plus the listener and the p2p wake-up pair. (Before: a
-    data socket per peer from set-up: 8 x 17 = 136 sockets.)"""
+    per rank, the star N - 1 at rank 0 and 2-3 elsewhere; a control socket
+    per overlay neighbour (3 at N = 8); the listener and the p2p wake-up pair.
+    (Before: a data and a control socket per peer from set-up: 8 x 17 = 136.)"""
     world, per_host = 8, 2
     before = socket_fds()
     groups = make_groups(world, emulated_hosts(world, per_host, algorithm))
@@ -215,7 +219,7 @@ def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> N
             {r - r % per_host + k for k in range(per_host)} - {r} | partners(r, world, algorithm)
             for r in range(world)
         ]
-        want = sum((world - 1) + len(d) + 3 for d in data)
+        want = sum(len(overlay(r, world)) + len(d) + 3 for r, d in enumerate(data))
         assert socket_fds() - before == want
         for r, g in enumerate(groups):
             assert set(g._runtime.mesh._data) == data[r], r
@@ -262,3 +266,54 @@ def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -
     finally:
         for g in groups:
             g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_reaches_ranks_with_no_link_to_the_failing_one() -> None:
+    """8 thread ranks, each its own emulated host, ring: after one allreduce
+    rank 2 holds no link of any kind to rank 5 (control: overlay 0, 3, 6;
+    data: ring 1, 3). Rank 5 aborts naming rank 3 while the rest are idle:
+    its neighbours relay the record, and every rank learns it (rank 2 only
+    through others). Then the other 7 allreduce: every one raises rank 5's
+    error class with its culprit, none waits for the timeout."""
+    from entrenar_pg.errors import CollectiveMismatchError
+    from entrenar_pg.transport.control import AbortRecord
+
+    world, victim, far = 8, 5, 2
+    groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=20.0)
+    try:
+        allreduce_all(groups, numel=64)
+        mesh = groups[far]._runtime.mesh
+        assert victim not in mesh.control.links and victim not in mesh._data
+        groups[victim]._runtime.mesh.abort(CollectiveMismatchError("rank 5: injected", culprit=3))
+        for r in range(world):
+            if r != victim:
+                end = groups[r]._runtime.mesh.causes.how_ended(victim, 10.0)
+                assert isinstance(end, AbortRecord) and end.culprit == 3, (r, end)
+        errors: dict[int, BaseException] = {}
+
+        def one(rank: int) -> None:
+            try:
+                groups[rank].allreduce([torch.ones(64)]).wait()
+            except BaseException as e:  # the expected outcome
+                errors[rank] = e
+
+        start = time.monotonic()
+        threads = [
+            threading.Thread(target=one, args=(r,), daemon=True)
+            for r in range(world)
+            if r != victim
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
+        assert sorted(errors) == [r for r in range(world) if r != victim]
+        for r, e in errors.items():
+            assert isinstance(e, CollectiveMismatchError), (r, e)
+            assert e.culprit == 3 and "rank 5: injected" in str(e), (r, e)
+    finally:
+        for g in groups:
+            g.abort()

@@ -559,16 +559,14 @@ class Progress(Links):
             self.control.waiting = None
 
     def _on_control(self, fd: int, what: str) -> None:
-        """A control socket is readable: answer queries; raise a peer's abort."""
+        """Control news (``ControlChannel.service``): raise an abort not raised yet."""
         control = self.control
         if control is None:
             return
-        record = control.service(fd)
-        peer = control.peer_of(fd)
-        if record is not None and peer is not None:
-            raise self.causes.peer_closed(peer, what, record)
-        if peer is not None and control.has_ended(peer):
-            self._poller.unregister(fd)  # its end is closed: it says no more
+        news = control.service(fd)
+        if news is not None:
+            origin, record = news
+            raise self.causes.peer_closed(origin, what, record)
 
     def _check_aborts(self, what: str) -> None:
         """Raise the abort of any peer that aborted or hung up with one (no waiting)."""

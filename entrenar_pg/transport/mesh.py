@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..config import Options, timeout_seconds
-from .control import Causes, ControlChannel, abort_record
+from .control import Causes, ControlChannel, abort_record, overlay
 from .data_links import DataLinks
 from .loop import Links, Pace, Progress
 from .plan import Plan
@@ -127,7 +127,7 @@ class Mesh:
         data with the peers on this host (shared memory's set-up and wake-ups
         need them); any other data socket is made on first use (``run``)."""
         mine = keys[self.rank]
-        pairs = {(p, CONTROL) for p in range(self.world) if p != self.rank}
+        pairs = {(p, CONTROL) for p in overlay(self.rank, self.world)}
         pairs |= {(p, DATA) for p, k in enumerate(keys) if p != self.rank and mine and k == mine}
         return pairs
 
