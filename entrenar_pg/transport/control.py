@@ -35,7 +35,7 @@ sent and always be parsed:
   every rank, instead of the first neighbour whose timer fired. A stopped
   rank on a query's route makes the rank behind it look silent: the walk
   then names the stopped one's neighbour (a limit of routing over the
-  overlay; routes through a rank whose end is known are not taken).
+  overlay).
 
 A frame is ``u32 length | u8 kind | payload`` with a JSON payload. The frames
 are tiny and rare (none on the hot path), so one lock serialises every use
