@@ -317,3 +317,19 @@ def test_an_abort_reaches_ranks_with_no_link_to_the_failing_one() -> None:
     finally:
         for g in groups:
             g.abort()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("mode", "victim"), [("stall", 1), ("kill", 5)])
+def test_a_stalled_or_dead_rank_is_named_by_every_rank_at_eight(mode: str, victim: int) -> None:
+    """8 rank processes (torchrun-style env://): the victim SIGSTOPs itself in a
+    loop of star allreduces, or SIGKILLs itself in a loop of allreduces. Most
+    survivors hold no control link to it (overlay: 3 of 7 do): the stall walk
+    reaches it through relays (rank 3's query to the root goes around rank 1,
+    which it would otherwise cross), and its death is passed on. Every
+    survivor names the victim."""
+    results = run_blame(mode, victim, world=8, timeout_s=4.0, transport="tcp")
+    assert sorted(results) == [r for r in range(8) if r != victim]
+    for rank, (cls, culprit, message) in results.items():
+        assert cls == "PeerConnectionError", (rank, message)
+        assert culprit == str(victim), f"rank {rank} blamed {culprit}: {message}"

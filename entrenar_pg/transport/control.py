@@ -32,10 +32,11 @@ sent and always be parsed:
   names the ranks it waits on, and the walk goes on until it reaches a rank
   that does not answer (stopped or hung), has ended, or is not in the
   collective (its control thread answers for it): that rank is blamed, on
-  every rank, instead of the first neighbour whose timer fired. A stopped
-  rank on a query's route makes the rank behind it look silent: the walk
-  then names the stopped one's neighbour (a limit of routing over the
-  overlay).
+  every rank, instead of the first neighbour whose timer fired. A query
+  to a rank with no link goes out once through each overlay neighbour (a
+  route each), so a stopped rank on one route does not silence the rank
+  behind it; only a rank whose every route crosses a stopped one looks
+  silent (the stopped one cuts the overlay).
 
 A frame is ``u32 length | u8 kind | payload`` with a JSON payload. The frames
 are tiny and rare (none on the hot path), so one lock serialises every use
@@ -363,10 +364,10 @@ class ControlChannel:
                 self._states[q] = None
                 if q in self._ends:
                     continue
-                path = [self.rank, q] if q in self._peers else route(self.rank, q)
-                first = self._peers.get(path[1])
-                if first is not None and not first.closed:
-                    self._send(first, QUERY, {"route": path})
+                for path in self._routes(q):
+                    first = self._peers[path[1]]
+                    if not first.closed:
+                        self._send(first, QUERY, {"route": path})
             deadline = time.monotonic() + answer_s
             while not self._closed:
                 pending = [q for q in peers if self._states[q] is None and q not in self._ends]
@@ -375,6 +376,19 @@ class ControlChannel:
                     break
                 self._changed.wait(left)
             return {q: self._states.pop(q, None) for q in peers}
+
+    def _routes(self, q: int) -> list[list[int]]:
+        """The ways a QUERY goes to ``q``: the direct link, or one route
+        through each overlay neighbour (a stopped rank on one route leaves
+        the others: the first answer counts)."""
+        if q in self._peers:
+            return [[self.rank, q]]
+        routes: list[list[int]] = []
+        for n in sorted(self._peers):
+            path = [self.rank, *route(n, q)]
+            if self.rank not in path[1:] and len(set(path)) == len(path) and path not in routes:
+                routes.append(path)
+        return routes or [route(self.rank, q)]
 
     # ------------------------------------------------------------------ closing
 
