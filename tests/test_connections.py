@@ -1,9 +1,13 @@
 """Connections made on first use (issue 26, item 4): what a rank holds, and that
 failures are still named without a p2p link between every pair.
 
-A rank holds a data and a control socket per peer from set-up; its p2p
-sockets come with the first send to or recv from a peer (each rank sends on
-the connection it opened and reads the one its peer opened). These tests
+A rank holds, from set-up, a data socket to each rank on its host and a
+control socket to each overlay neighbour (ranks one bit apart); its other
+data sockets come with the first plan that talks to a peer (the lower rank
+connects), its p2p sockets with the first send to or recv from a peer (each
+rank sends on the connection it opened and reads the one its peer opened).
+Failures are still named on every rank: aborts and deaths are relayed along
+the overlay, stall queries routed. These tests
 count the process's socket descriptors in ``/proc/self/fd`` (the kernel's
 view: a leaked or lazily made socket counts whoever holds it), check p2p
 between ranks that never talked (both ways at once), and that a killed peer
