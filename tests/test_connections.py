@@ -337,3 +337,42 @@ def test_a_stalled_or_dead_rank_is_named_by_every_rank_at_eight(mode: str, victi
     for rank, (cls, culprit, message) in results.items():
         assert cls == "PeerConnectionError", (rank, message)
         assert culprit == str(victim), f"rank {rank} blamed {culprit}: {message}"
+
+
+@pytest.mark.timeout(60)
+def test_a_first_data_connect_to_a_rank_that_left_names_it_on_every_rank() -> None:
+    """4 thread ranks, each its own emulated host (no data socket at set-up):
+    rank 3 shuts its group down, then the others allreduce (ring) for the
+    first time. Ranks 0 and 2 connect to rank 3 (the lower rank connects) and
+    are refused: they name it as gone, from its goodbye relayed along the
+    overlay; rank 1 hears their aborts. Every rank names rank 3, long before
+    the timeout."""
+    world = 4
+    groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=20.0)
+    errors: dict[int, BaseException] = {}
+
+    def one(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(64)]).wait()
+        except BaseException as e:  # the expected outcome
+            errors[rank] = e
+
+    try:
+        groups[3].shutdown()
+        start = time.monotonic()
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
+        assert sorted(errors) == [0, 1, 2]
+        for r, e in errors.items():
+            assert isinstance(e, PeerConnectionError), (r, e)
+            assert e.culprit == 3, (r, e)
+        for r in (0, 2):
+            assert "rank 3 left the group" in str(errors[r]), errors[r]
+    finally:
+        for g in groups[:3]:
+            g.abort()

@@ -81,6 +81,7 @@ class PeerState:
 
     what: str | None  # None: not inside a collective
     waiting_on: tuple[int, ...]
+    blamed: int | None = None  # whom its own walk blamed (it is failing with that)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,10 @@ class ControlChannel:
         # Set by the mesh while it sleeps waiting for peers: (what, receiving
         # from, sending to); what a QUERY is answered with.
         self.waiting: tuple[str, Iterable[int], Iterable[int]] | None = None
+        # The rank this one's own stall walk blamed: it fails with that, and a
+        # QUERY answered between its walk and its abort says so (else it would
+        # read as "not inside any collective" and be blamed itself).
+        self.blamed: int | None = None
         # The loop sleeps on ``news`` (readable once an abort came in); the
         # thread on the links and ``_wake`` (to stop).
         self._news = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -263,7 +268,12 @@ class ControlChannel:
             nxt = at - 1
         elif kind == STATE and at == 0:
             what = body.get("what")
-            state = PeerState(what, tuple(int(x) for x in body.get("waiting_on", ())))
+            blamed = body.get("blamed")
+            state = PeerState(
+                what,
+                tuple(int(x) for x in body.get("waiting_on", ())),
+                None if blamed is None else int(blamed),
+            )
             if path[-1] in self._states:
                 self._states[path[-1]] = state
                 self._changed.notify_all()
@@ -277,9 +287,10 @@ class ControlChannel:
     def _state_body(self) -> dict[str, Any]:
         waiting = self.waiting
         if waiting is None:
-            return {"what": None, "waiting_on": []}
+            return {"what": None, "waiting_on": [], "blamed": self.blamed}
         what, recv_from, send_to = waiting
-        return {"what": what, "waiting_on": sorted(set(recv_from) | set(send_to))}
+        on = sorted(set(recv_from) | set(send_to))
+        return {"what": what, "waiting_on": on, "blamed": self.blamed}
 
     # ------------------------------------------------------------------ writing
 
@@ -316,6 +327,14 @@ class ControlChannel:
                     return None
                 self._changed.wait(left)
 
+    def first_abort(self) -> tuple[int, AbortRecord] | None:
+        """The first abort this rank heard of (its origin and record), if any."""
+        with self._lock:
+            for origin, end in self._ends.items():
+                if isinstance(end, AbortRecord):
+                    return origin, end
+        return None
+
     # ------------------------------------------------------------------ blame
 
     def find_stalled(self, waiting_on: Iterable[int], what: str, answer_s: float) -> Blame:
@@ -332,9 +351,15 @@ class ControlChannel:
             for q in frontier:
                 asked.add(q)
                 state = answers.get(q)
+                if state is not None and state.blamed is not None:
+                    b = state.blamed
+                    return Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))
                 if state is None:
                     with self._lock:
                         gone = self._ends.get(q)
+                    if isinstance(gone, AbortRecord) and gone.culprit not in (None, q):
+                        c = gone.culprit
+                        return Blame(c, "; ".join([*path, f"rank {q} failed: {gone.message}"]))
                     why = (
                         "has left the group" if gone == LEFT else
                         f"failed: {gone.message}" if isinstance(gone, AbortRecord) else
@@ -467,6 +492,10 @@ class Causes:
             return None
         return self.control.how_ended(peer, wait_s)
 
+    def first_abort(self) -> tuple[int, AbortRecord] | None:
+        """The first abort heard of, from any rank (``ControlChannel.first_abort``)."""
+        return None if self.control is None else self.control.first_abort()
+
     def peer_closed(
         self, peer: int, what: str, ended: AbortRecord | str | None = None
     ) -> EntrenarError:
@@ -475,6 +504,19 @@ class Causes:
             return self.here_closed(what)
         if ended is None:
             ended = self.how_ended(peer)
+        if ended is None:
+            # No word of it reached this rank (the ranks that would relay it
+            # may be aborting too): another rank's abort, if one came, is the
+            # group's cause, and it names the culprit.
+            heard = self.first_abort()
+            if heard is not None and heard[0] != peer:
+                origin, record = heard
+                cls = ERROR_TYPES.get(record.kind, PeerConnectionError)
+                return cls(
+                    f"rank {self.rank}: {what}: rank {peer} closed its link after rank "
+                    f"{origin} failed: {record.message}",
+                    culprit=record.culprit if record.culprit is not None else origin,
+                )
         if isinstance(ended, AbortRecord):
             cls = ERROR_TYPES.get(ended.kind, PeerConnectionError)
             culprit = ended.culprit if ended.culprit is not None else peer
@@ -528,6 +570,8 @@ class Causes:
             )
         answer_s = min(2.0, max(0.25, timeout_s / 4))
         blame = self.control.find_stalled([*recv_from, *send_to], what, answer_s)
+        if blame.culprit is not None and self.control.blamed is None:
+            self.control.blamed = blame.culprit
         if blame.culprit is None:
             return PeerConnectionError(f"{head}: {blame.story}")
         return PeerConnectionError(

@@ -90,7 +90,8 @@ class DataLinks:
         self, peer: int, what: str, e: EntrenarError, timeout_s: float
     ) -> EntrenarError:
         """Why ``peer`` could not be reached: no answer is a stall (the walk names
-        whom); a refusal is its abort, goodbye or death, as its control link says."""
+        whom); a refusal is its abort, goodbye or death, as the control channel
+        says, else the abort of another rank this one heard of."""
         causes = self._causes
         if causes.closed_here:
             return causes.here_closed(what)
@@ -99,6 +100,11 @@ class DataLinks:
         ended = causes.how_ended(peer)
         if ended is not None:
             return causes.peer_closed(peer, what, ended)
+        # Its own word did not reach this rank (the ranks that would relay it
+        # may be aborting too): another rank's abort is the group's cause.
+        heard = causes.first_abort()
+        if heard is not None:
+            return causes.peer_closed(heard[0], what, heard[1])
         return PeerConnectionError(
             f"rank {self.rank}: {what}: {e}; culprit: rank {peer}", culprit=peer
         )
