@@ -67,6 +67,7 @@ class ScaleConfig:
     timeout_s: float  # every group's timeout (set-up, collectives); a job gets JOB_GRACE_S more
     transport: str
     out: Path
+    hosts: int = 1  # emulated hosts (Options.host_id per contiguous block of ranks)
 
 
 def split(world: int, procs: int) -> list[tuple[int, ...]]:
@@ -103,7 +104,7 @@ def run_job(backend: str, world: int, procs: int, cfg: ScaleConfig) -> list[dict
     running: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
     try:
         for ranks in split(world, procs):
-            spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport)
+            spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport, cfg.hosts)
             stdout = tempfile.TemporaryFile()
             stderr = tempfile.TemporaryFile()
             cmd = [sys.executable, "-m", "benchmarks.scale_ranks", spec.to_json()]
@@ -214,6 +215,7 @@ def _result(
             "repeats": cfg.repeats,
             "timeout_s": cfg.timeout_s,
             "transport": cfg.transport or "default",
+            "hosts": cfg.hosts,
             "allreduce_bytes": 4096,
         },
         "fd_limit": {"soft_found": soft_before, "soft_used": soft, "hard": hard},
@@ -248,15 +250,23 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
     ap.add_argument(
         "--transport", default="", help="entrenar's ENTRENAR_TRANSPORT (default: its own, auto)"
     )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="emulated hosts: ranks in this many contiguous blocks, each its own host_id",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "scale")
     a = ap.parse_args(argv)
     backends = tuple(b for b in a.backends.split(",") if b)
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
         ap.error(f"--backends: {bad or 'none'}; choose from {', '.join(BACKENDS)}")
-    if not a.ranks or min(a.ranks) < 2 or a.procs < 1 or a.repeats < 1:
-        ap.error("--ranks must be 2 or more each; --procs and --repeats at least 1")
-    return ScaleConfig(a.ranks, a.procs, backends, a.repeats, a.timeout, a.transport, a.out)
+    if not a.ranks or min(a.ranks) < 2 or a.procs < 1 or a.repeats < 1 or a.hosts < 1:
+        ap.error("--ranks must be 2 or more each; --procs, --repeats and --hosts at least 1")
+    return ScaleConfig(
+        a.ranks, a.procs, backends, a.repeats, a.timeout, a.transport, a.out, a.hosts
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ The result is one JSON line on stdout, prefixed ``RESULT_PREFIX``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import resource
@@ -55,6 +56,9 @@ class Spec:
     store_port: int
     timeout_s: float
     transport: str  # entrenar's Options.transport ("" = its default)
+    # Emulated hosts: ranks split into this many contiguous blocks, each with
+    # its own Options.host_id (1: the machine's own identity, one host).
+    hosts: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -124,8 +128,14 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
         return dist.ProcessGroupGloo(store, rank, spec.world, timeout)
     from entrenar_pg import EntrenarProcessGroup, Options
 
-    # As init_process_group would: the environment's ENTRENAR_* settings, then --transport.
-    options = Options.from_env(transport=spec.transport) if spec.transport else Options.from_env()
+    # As init_process_group would: the environment's ENTRENAR_* settings, then
+    # --transport and the emulated host (--hosts).
+    options = Options.from_env()
+    if spec.transport:
+        options = dataclasses.replace(options, transport=spec.transport)
+    if spec.hosts > 1:
+        host = rank * spec.hosts // spec.world
+        options = dataclasses.replace(options, host_id=f"scale-host-{host}")
     return EntrenarProcessGroup(store, rank, spec.world, timeout=timeout, options=options)
 
 

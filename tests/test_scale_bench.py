@@ -1,13 +1,16 @@
 """``benchmarks/scale.py``: a real small job (8 ranks over 2 processes), checked against the design.
 
 The connection design today (``transport/rendezvous.py``, ``transport/mesh.py``,
-``transport/loop.py``, ``p2p/channel.py``): every pair of ranks gets two TCP
-sockets at set-up (data, control); p2p sockets are made on first use, so a
-job that only reduces has none; the listener stays open for them, and the
-p2p thread's loop holds one socketpair to be woken. So a rank's group holds
-2(N-1) + 3 sockets, whatever the transport (shared memory keeps the pair's
-data socket for wake-ups and hang-ups). (Before: 3(N-1) + 2, a p2p socket
-to every peer at set-up.)
+``transport/loop.py``, ``transport/control.py``, ``p2p/channel.py``): the
+ranks on one host get a data socket per pair at set-up (shared memory keeps
+it for wake-ups and hang-ups; other data sockets come on first use), and each
+rank a control socket per overlay neighbour (ranks one bit apart); p2p
+sockets are made on first use, so a job that only reduces has none; the
+listener stays open for lazy connections, and the p2p thread's loop holds one
+socketpair to be woken. So with every rank on this host a rank's group holds
+(N-1) + |overlay| + 3 sockets. (Before: 2(N-1) + 3, control to every peer;
+before that 3(N-1) + 2, a p2p socket to every peer at set-up.) The control
+channel also holds two eventfds (its thread's wake-up, the loop's news).
 With every rank on one host and shared memory on, each rank also holds
 2(N-1) + 1 memfd descriptors: CPython's ``mmap`` keeps a duplicate of the
 descriptor it maps, once for its own segment and twice per peer (the ring
@@ -28,21 +31,27 @@ from conftest import run_session
 
 from benchmarks.scale import SCHEMA, ScaleConfig, procs_for, split
 from benchmarks.scale_report import fd_limit_projection
+from entrenar_pg.transport.control import overlay
 
 WORLD, PROCS = 8, 2
 
 
 def design_sockets(world: int) -> int:
-    """Sockets one rank's group holds after set-up, by the current design (module docstring)."""
-    return 2 * (world - 1) + 3
+    """Sockets one rank's group holds after set-up, by the current design (module
+    docstring): a data socket per peer (all on this host), a control socket per
+    overlay neighbour (3 for every rank at N = 8), the listener and the p2p
+    loop's wake-up pair. (Before: 2(N - 1) + 3, control to every peer.)"""
+    (n_control,) = {len(overlay(r, world)) for r in range(world)}
+    return (world - 1) + n_control + 3
 
 
-def design_memfds(world: int) -> int:
-    """memfd descriptors one rank holds when all ``world`` ranks share memory (``auto``
+def design_other_fds(world: int) -> int:
+    """Descriptors one rank holds besides sockets: the control channel's two
+    eventfds, and memfds when all ``world`` ranks share memory (``auto``
     offers shared memory on x86-64 only: ``transport/shm/setup.py``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return 0
-    return 2 * (world - 1) + 1
+        return 2
+    return 2 + 2 * (world - 1) + 1
 
 
 def test_split_and_limit_projection() -> None:
@@ -93,7 +102,7 @@ def test_small_job_matches_the_connection_design(tmp_path: Path) -> None:
         # The kernel's count: every new socket is some group's, none is two ranks'.
         assert p["sockets_after_setup"] == k * want
         assert p["sockets_unheld"] == 0 and p["sockets_shared"] == 0
-        assert p["new_fds"] == k * (want + design_memfds(WORLD))
+        assert p["new_fds"] == k * (want + design_other_fds(WORLD))
         assert p["sockets_after_destroy"] == 0 and p["fds_after_destroy"] == 0
 
     (row,) = result["summary"]["rows"]

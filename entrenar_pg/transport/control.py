@@ -4,7 +4,17 @@ Every way a link can end (a peer's abort, its goodbye, its death, a stall, an
 OSError, our own abort) becomes an error here, for collectives and p2p alike
 (``Causes``), so both name the same culprit with the same words.
 
-The control channel: small frames between ranks, beside the data streams.
+The control channel: small frames between ranks, beside the data streams,
+over an overlay, not a full mesh: rank r holds a control link to each rank
+differing from it in one bit (``overlay``: at most ceil(log2 N) links, the
+graph connected for any N). A thread per rank serves them
+(``ControlChannel._serve``) whatever the rank is doing, so words travel
+hop by hop: a rank's end (ABORT, BYE, or GONE: a neighbour's link closed with
+no word) is passed on by every rank that learns it to its other links (a
+flood; the first word about a rank wins), and a QUERY to a rank with no link
+of its own goes along ``route`` (bit by bit), its STATE answer back the same
+way. The progress loop polls one descriptor (``fds``) that says an abort
+came in.
 
 Why a channel of its own: when something goes wrong a data stream is
 somewhere inside a collective's payload, so nothing can be inserted into it,
@@ -20,8 +30,13 @@ sent and always be parsed:
 - ``QUERY`` / ``STATE``: "what are you waiting on?". Before a rank raises on
   no progress it asks the peers it waits on; a peer that is itself waiting
   names the ranks it waits on, and the walk goes on until it reaches a rank
-  that does not answer (stopped, hung, or not in the collective): that rank
-  is blamed, on every rank, instead of the first neighbour whose timer fired.
+  that does not answer (stopped or hung), has ended, or is not in the
+  collective (its control thread answers for it): that rank is blamed, on
+  every rank, instead of the first neighbour whose timer fired. A query
+  to a rank with no link goes out once through each overlay neighbour (a
+  route each), so a stopped rank on one route does not silence the rank
+  behind it; only a rank whose every route crosses a stopped one looks
+  silent (the stopped one cuts the overlay).
 
 A frame is ``u32 length | u8 kind | payload`` with a JSON payload. The frames
 are tiny and rare (none on the hot path), so one lock serialises every use
@@ -32,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import select
 import socket
 import struct
@@ -47,7 +63,7 @@ log = logging.getLogger(__name__)
 
 _FRAME = struct.Struct("<IB")
 _MAX_FRAME = 1 << 20
-ABORT, BYE, QUERY, STATE = 1, 2, 3, 4
+ABORT, BYE, QUERY, STATE, GONE = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +81,7 @@ class PeerState:
 
     what: str | None  # None: not inside a collective
     waiting_on: tuple[int, ...]
+    blamed: int | None = None  # whom its own walk blamed (it is failing with that)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,52 +97,107 @@ LEFT = "left"  # it sent BYE: shutdown or destroy_process_group
 DIED = "died"  # its control socket closed with no frame: the process is gone
 
 
+def overlay(rank: int, world: int) -> list[int]:
+    """The ranks ``rank`` holds a control link to: those differing from it in
+    one bit (a hypercube, cut to ``world``): at most ceil(log2 N) each, and
+    connected whatever N (any rank reaches 0 by clearing its bits one at a
+    time), so floods and routed queries reach every rank."""
+    return [
+        rank ^ (1 << k) for k in range(max(world - 1, 1).bit_length()) if rank ^ (1 << k) < world
+    ]
+
+
+def route(src: int, dst: int) -> list[int]:
+    """A path of overlay links from ``src`` to ``dst`` (both ends included):
+    clear the bits ``dst`` lacks, then set the ones it has; every rank on the
+    way is at most max(src, dst), so inside the group."""
+    path = [src]
+    at = src
+    for k in reversed(range(max(src, dst).bit_length())):
+        if at >> k & 1 and not dst >> k & 1:
+            at ^= 1 << k
+            path.append(at)
+    for k in range(dst.bit_length()):
+        if dst >> k & 1 and not at >> k & 1:
+            at ^= 1 << k
+            path.append(at)
+    return path
+
+
 class _Peer:
-    __slots__ = ("peer", "sock", "buf", "ended", "abort", "state")
+    """One control link: the overlay neighbour at its other end."""
+
+    __slots__ = ("peer", "sock", "buf", "closed")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
         self.sock = sock
         self.buf = bytearray()
-        self.ended: str | None = None  # LEFT / DIED once the peer's side is closed
-        self.abort: AbortRecord | None = None
-        self.state: PeerState | None = None  # the latest STATE answer
+        self.closed = False  # its end closed: it will say no more
 
 
 class ControlChannel:
-    """One rank's control sockets to every peer (see the module docstring)."""
+    """One rank's control links (the overlay) and the thread that serves them
+    (see the module docstring)."""
 
     def __init__(self, rank: int, socks: dict[int, socket.socket]) -> None:
         self.rank = rank
         self._peers = {p: _Peer(p, s) for p, s in socks.items()}
         self._by_fd = {s.fileno(): self._peers[p] for p, s in socks.items()}
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # an end or an answer arrived
         self._closed = False
+        # How every rank that ended did (learnt first-hand or relayed): its
+        # abort record, LEFT or DIED; by rank.
+        self._ends: dict[int, AbortRecord | str] = {}
+        self._unseen: list[tuple[int, AbortRecord]] = []  # aborts the loop has not raised yet
+        self._states: dict[int, PeerState | None] = {}  # answers to this rank's queries
         # Set by the mesh while it sleeps waiting for peers: (what, receiving
         # from, sending to); what a QUERY is answered with.
         self.waiting: tuple[str, Iterable[int], Iterable[int]] | None = None
+        # The rank this one's own stall walk blamed: it fails with that, and a
+        # QUERY answered between its walk and its abort says so (else it would
+        # read as "not inside any collective" and be blamed itself).
+        self.blamed: int | None = None
+        # The loop sleeps on ``news`` (readable once an abort came in); the
+        # thread on the links and ``_wake`` (to stop).
+        self._news = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"entrenar-control-r{rank}", daemon=True
+        )
+        self._thread.start()
 
     @property
     def fds(self) -> list[int]:
-        return list(self._by_fd)
+        """What the progress loop polls for control news (one descriptor)."""
+        return [self._news]
 
-    def peer_of(self, fd: int) -> int | None:
-        p = self._by_fd.get(fd)
-        return None if p is None else p.peer
+    @property
+    def links(self) -> list[int]:
+        """The ranks this one holds a control link to."""
+        return sorted(self._peers)
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ the thread
 
-    def service(self, fd: int) -> AbortRecord | None:
-        """Read what arrived on control socket ``fd``; answer queries. Returns a new abort."""
-        p = self._by_fd[fd]
-        with self._lock:
-            had = p.abort
-            self._read(p)
-            return p.abort if p.abort is not None and had is None else None
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake, select.POLLIN)
+        for fd in self._by_fd:
+            poller.register(fd, select.POLLIN)
+        while not self._closed:
+            for fd, _ in poller.poll():
+                if fd == self._wake:
+                    continue
+                p = self._by_fd[fd]
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._read(p)
+                    if p.closed:
+                        poller.unregister(fd)
 
     def _read(self, p: _Peer) -> None:
-        if p.ended is not None or self._closed:
-            return
         while True:
             try:
                 chunk = p.sock.recv(65536)
@@ -134,7 +206,7 @@ class ControlChannel:
             except OSError:
                 chunk = b""
             if not chunk:
-                p.ended = p.ended or DIED
+                p.closed = True
                 break
             p.buf += chunk
         while len(p.buf) >= _FRAME.size:
@@ -148,29 +220,77 @@ class ControlChannel:
             body = bytes(p.buf[_FRAME.size : _FRAME.size + length])
             del p.buf[: _FRAME.size + length]
             self._handle(p, kind, json.loads(body) if body else {})
+        if p.closed:
+            # Its end closed with no word of how (an ABORT or BYE comes
+            # before the close on the same link): its process is gone.
+            self._learn(p.peer, DIED, p.peer)
 
     def _handle(self, p: _Peer, kind: int, body: dict[str, Any]) -> None:
         if kind == ABORT:
             culprit = body.get("culprit")
-            p.abort = AbortRecord(
+            record = AbortRecord(
                 str(body.get("kind", "PeerConnectionError")),
                 None if culprit is None else int(culprit),
                 str(body.get("message", "")),
             )
+            self._learn(int(body.get("origin", p.peer)), record, p.peer)
         elif kind == BYE:
-            p.ended = LEFT
-        elif kind == QUERY:
-            self._send(p, STATE, self._state_body())
-        elif kind == STATE:
+            self._learn(int(body.get("origin", p.peer)), LEFT, p.peer)
+        elif kind == GONE:
+            self._learn(int(body["origin"]), DIED, p.peer)
+        elif kind in (QUERY, STATE):
+            self._routed(kind, body)
+
+    def _learn(self, origin: int, end: AbortRecord | str, via: int) -> None:
+        """How ``origin`` ended, first-hand or relayed by ``via``: kept (the first
+        word wins) and passed on to every other link, so it reaches every rank."""
+        if origin == self.rank or origin in self._ends:
+            return
+        self._ends[origin] = end
+        if isinstance(end, AbortRecord):
+            self._unseen.append((origin, end))
+            os.eventfd_write(self._news, 1)
+        self._changed.notify_all()
+        kind, body = _end_frame(origin, end)
+        for q in self._peers.values():
+            if q.peer not in (via, origin) and not q.closed:
+                self._send(q, kind, body)
+
+    def _routed(self, kind: int, body: dict[str, Any]) -> None:
+        """A QUERY on its way to its target (the last rank of its route) or a
+        STATE on its way back (to the first): pass it on, or answer / keep it."""
+        path = [int(x) for x in body.get("route", ())]
+        if self.rank not in path:
+            return
+        at = path.index(self.rank)
+        if kind == QUERY and at == len(path) - 1:
+            kind, body = STATE, {"route": path, **self._state_body()}
+            nxt = at - 1
+        elif kind == STATE and at == 0:
             what = body.get("what")
-            p.state = PeerState(what, tuple(int(x) for x in body.get("waiting_on", ())))
+            blamed = body.get("blamed")
+            state = PeerState(
+                what,
+                tuple(int(x) for x in body.get("waiting_on", ())),
+                None if blamed is None else int(blamed),
+            )
+            if path[-1] in self._states:
+                self._states[path[-1]] = state
+                self._changed.notify_all()
+            return
+        else:
+            nxt = at + 1 if kind == QUERY else at - 1
+        q = self._peers.get(path[nxt]) if 0 <= nxt < len(path) else None
+        if q is not None and not q.closed:
+            self._send(q, kind, body)
 
     def _state_body(self) -> dict[str, Any]:
         waiting = self.waiting
         if waiting is None:
-            return {"what": None, "waiting_on": []}
+            return {"what": None, "waiting_on": [], "blamed": self.blamed}
         what, recv_from, send_to = waiting
-        return {"what": what, "waiting_on": sorted(set(recv_from) | set(send_to))}
+        on = sorted(set(recv_from) | set(send_to))
+        return {"what": what, "waiting_on": on, "blamed": self.blamed}
 
     # ------------------------------------------------------------------ writing
 
@@ -181,31 +301,39 @@ class ControlChannel:
         except OSError:
             pass  # the peer is gone; its own end says so
 
-    def has_ended(self, peer: int) -> bool:
-        """True once ``peer``'s control link is closed (it will say no more)."""
-        return self._peers[peer].ended is not None
+    # ------------------------------------------------------------------ the loop's side
+
+    def service(self, fd: int) -> tuple[int, AbortRecord] | None:
+        """The loop saw news: the first abort it has not raised yet (its origin, record)."""
+        try:
+            os.eventfd_read(self._news)
+        except (BlockingIOError, OSError):
+            pass
+        with self._lock:
+            return self._unseen.pop(0) if self._unseen else None
 
     def how_ended(self, peer: int, wait_s: float) -> AbortRecord | str | None:
-        """Why ``peer``'s links closed: its abort record, LEFT or DIED; None if it
-        still has not said after ``wait_s`` (frames and closes on two sockets are
-        not ordered, so its data link may close before its control frame is in)."""
-        p = self._peers[peer]
+        """Why ``peer``'s links closed: its abort record, LEFT or DIED (told by
+        its own control link or relayed); None if nothing came within
+        ``wait_s`` (a close on a data link may come before the word of it)."""
         deadline = time.monotonic() + wait_s
-        poller = select.poll()
-        poller.register(p.sock.fileno(), select.POLLIN)
-        while True:
-            with self._lock:
-                self._read(p)
-                if p.abort is not None:
-                    return p.abort
-                if p.ended is not None:
-                    return p.ended
-                if self._closed:
-                    return None  # this rank closed its links: nothing more will be read
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            poller.poll(left * 1000.0)
+        with self._lock:
+            while True:
+                end = self._ends.get(peer)
+                if end is not None or self._closed:
+                    return end
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def first_abort(self) -> tuple[int, AbortRecord] | None:
+        """The first abort this rank heard of (its origin and record), if any."""
+        with self._lock:
+            for origin, end in self._ends.items():
+                if isinstance(end, AbortRecord):
+                    return origin, end
+        return None
 
     # ------------------------------------------------------------------ blame
 
@@ -223,13 +351,20 @@ class ControlChannel:
             for q in frontier:
                 asked.add(q)
                 state = answers.get(q)
+                if state is not None and state.blamed is not None:
+                    b = state.blamed
+                    return Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))
                 if state is None:
-                    gone = self._peers[q].ended
+                    with self._lock:
+                        gone = self._ends.get(q)
+                    if isinstance(gone, AbortRecord) and gone.culprit not in (None, q):
+                        c = gone.culprit
+                        return Blame(c, "; ".join([*path, f"rank {q} failed: {gone.message}"]))
                     why = (
                         "has left the group" if gone == LEFT else
+                        f"failed: {gone.message}" if isinstance(gone, AbortRecord) else
                         "is gone (its process died)" if gone == DIED else
-                        f"does not answer within {answer_s:.1f}s (stopped, hung, or busy outside "
-                        "any collective)"
+                        f"does not answer within {answer_s:.1f}s (stopped or hung)"
                     )  # fmt: skip
                     return Blame(q, "; ".join([*path, f"rank {q} {why}"]))
                 if state.what is None:
@@ -247,61 +382,81 @@ class ControlChannel:
         return Blame(None, "; ".join(path) + " (a cycle: every rank waits on another)")
 
     def _ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
-        """QUERY each peer; their STATE answers within ``answer_s`` (None: no answer).
-        Queries from others that arrive meanwhile are answered too."""
+        """QUERY each peer (along the overlay, relayed by the ranks between);
+        their STATE answers within ``answer_s`` (None: no answer)."""
         with self._lock:
             for q in peers:
-                p = self._peers[q]
-                p.state = None
-                if p.ended is None:
-                    self._send(p, QUERY, {})
-        poller = select.poll()
-        for fd in self._by_fd:
-            poller.register(fd, select.POLLIN)
-        deadline = time.monotonic() + answer_s
-        while True:
-            with self._lock:
-                pending = [
-                    q
-                    for q in peers
-                    if self._peers[q].state is None and self._peers[q].ended is None
-                ]
-            left = deadline - time.monotonic()
-            if not pending or left <= 0 or self._closed:
-                break  # (closed: abort() or shutdown under this wait; no answer will come)
-            for fd, _ in poller.poll(left * 1000.0):
-                p = self._by_fd[fd]
-                with self._lock:
-                    self._read(p)
-                if p.ended is not None:
-                    poller.unregister(fd)
-        return {q: self._peers[q].state for q in peers}
+                self._states[q] = None
+                if q in self._ends:
+                    continue
+                for path in self._routes(q):
+                    first = self._peers[path[1]]
+                    if not first.closed:
+                        self._send(first, QUERY, {"route": path})
+            deadline = time.monotonic() + answer_s
+            while not self._closed:
+                pending = [q for q in peers if self._states[q] is None and q not in self._ends]
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                self._changed.wait(left)
+            return {q: self._states.pop(q, None) for q in peers}
+
+    def _routes(self, q: int) -> list[list[int]]:
+        """The ways a QUERY goes to ``q``: the direct link, or one route
+        through each overlay neighbour (a stopped rank on one route leaves
+        the others: the first answer counts)."""
+        if q in self._peers:
+            return [[self.rank, q]]
+        routes: list[list[int]] = []
+        for n in sorted(self._peers):
+            path = [self.rank, *route(n, q)]
+            if self.rank not in path[1:] and len(set(path)) == len(path) and path not in routes:
+                routes.append(path)
+        return routes or [route(self.rank, q)]
 
     # ------------------------------------------------------------------ closing
 
     def close(self, abort: AbortRecord | None = None) -> None:
-        """Say goodbye (or why this rank aborts) to every peer, then close.
+        """Say goodbye (or why this rank aborts) on every link, then close.
 
-        Unread input is drained first: closing a socket with unread data makes
-        the kernel send a reset, which may discard the frame just sent.
+        The thread stops first, then unread input is drained: closing a
+        socket with unread data makes the kernel send a reset, which may
+        discard the frame just sent. Each neighbour passes the word on.
         """
         with self._lock:
             if self._closed:
                 return
-            for p in self._peers.values():
-                self._read(p)
             self._closed = True
+            self._changed.notify_all()
+        os.eventfd_write(self._wake, 1)
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        with self._lock:
             for p in self._peers.values():
-                if abort is None:
-                    self._send(p, BYE, {})
-                else:
-                    body = {"kind": abort.kind, "culprit": abort.culprit, "message": abort.message}
-                    self._send(p, ABORT, body)
+                if not p.closed:
+                    self._read(p)
+            if abort is None:
+                kind, body = BYE, {"origin": self.rank}
+            else:
+                kind, body = _end_frame(self.rank, abort)
+            for p in self._peers.values():
+                self._send(p, kind, body)
                 try:
                     p.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
                 p.sock.close()
+            for fd in (self._news, self._wake):
+                os.close(fd)
+
+
+def _end_frame(origin: int, end: AbortRecord | str) -> tuple[int, dict[str, Any]]:
+    """The frame that tells how ``origin`` ended."""
+    if isinstance(end, AbortRecord):
+        body = {"kind": end.kind, "culprit": end.culprit, "message": end.message}
+        return ABORT, {"origin": origin, **body}
+    return (BYE if end == LEFT else GONE), {"origin": origin}
 
 
 # How long a rank that saw a peer's link close waits for that peer's control
@@ -337,6 +492,10 @@ class Causes:
             return None
         return self.control.how_ended(peer, wait_s)
 
+    def first_abort(self) -> tuple[int, AbortRecord] | None:
+        """The first abort heard of, from any rank (``ControlChannel.first_abort``)."""
+        return None if self.control is None else self.control.first_abort()
+
     def peer_closed(
         self, peer: int, what: str, ended: AbortRecord | str | None = None
     ) -> EntrenarError:
@@ -345,6 +504,19 @@ class Causes:
             return self.here_closed(what)
         if ended is None:
             ended = self.how_ended(peer)
+        if ended is None:
+            # No word of it reached this rank (the ranks that would relay it
+            # may be aborting too): another rank's abort, if one came, is the
+            # group's cause, and it names the culprit.
+            heard = self.first_abort()
+            if heard is not None and heard[0] != peer:
+                origin, record = heard
+                cls = ERROR_TYPES.get(record.kind, PeerConnectionError)
+                return cls(
+                    f"rank {self.rank}: {what}: rank {peer} closed its link after rank "
+                    f"{origin} failed: {record.message}",
+                    culprit=record.culprit if record.culprit is not None else origin,
+                )
         if isinstance(ended, AbortRecord):
             cls = ERROR_TYPES.get(ended.kind, PeerConnectionError)
             culprit = ended.culprit if ended.culprit is not None else peer
@@ -398,6 +570,8 @@ class Causes:
             )
         answer_s = min(2.0, max(0.25, timeout_s / 4))
         blame = self.control.find_stalled([*recv_from, *send_to], what, answer_s)
+        if blame.culprit is not None and self.control.blamed is None:
+            self.control.blamed = blame.culprit
         if blame.culprit is None:
             return PeerConnectionError(f"{head}: {blame.story}")
         return PeerConnectionError(

@@ -306,6 +306,12 @@ class Links:
         self._masks[fd] = POLLRDHUP
         self._fd_peer[fd] = peer
 
+    def attach(self, peer: int, sock: socket.socket) -> None:
+        """A link to ``peer`` made after set-up (``data_links.py``): used by
+        later plans and watched for hang-ups (from the thread that runs plans)."""
+        self._socks[peer] = sock
+        self.add(peer, sock)
+
     def forget(self, fd: int) -> None:
         """Stop watching link ``fd`` (its peer has left; a closed socket polls forever)."""
         if fd in self._masks:
@@ -553,20 +559,32 @@ class Progress(Links):
             self.control.waiting = None
 
     def _on_control(self, fd: int, what: str) -> None:
-        """A control socket is readable: answer queries; raise a peer's abort."""
+        """Control news (``ControlChannel.service``): raise an abort not raised yet."""
         control = self.control
         if control is None:
             return
-        record = control.service(fd)
-        peer = control.peer_of(fd)
-        if record is not None and peer is not None:
-            raise self.causes.peer_closed(peer, what, record)
-        if peer is not None and control.has_ended(peer):
-            self._poller.unregister(fd)  # its end is closed: it says no more
+        news = control.service(fd)
+        if news is not None:
+            origin, record = news
+            raise self.causes.peer_closed(origin, what, record)
 
     def _check_aborts(self, what: str) -> None:
         """Raise the abort of any peer that aborted or hung up with one (no waiting)."""
-        for fd, ev in self._poller.poll(0):
+        self._service(self._poller.poll(0), what)
+
+    def watch_control(self, what: str, waiting_on: list[int], wait_s: float) -> None:
+        """Sleep up to ``wait_s`` outside a plan (a data link being made,
+        ``data_links.py``), answering control queries as one waiting on
+        ``waiting_on``; a peer's abort raises. ``done_sleeping`` after."""
+        if self.control is not None:
+            self.control.waiting = (what, waiting_on, [])
+        events = self.sleep({}, wait_s)
+        if self.causes.closed_here:
+            raise self.causes.here_closed(what)
+        self._service(events, what)
+
+    def _service(self, events: list[tuple[int, int]], what: str) -> None:
+        for fd, ev in events:
             peer = self._fd_peer.get(fd)
             if peer is None:
                 self._on_control(fd, what)

@@ -1,8 +1,12 @@
 """The mesh: one rank's links to every other rank of a group, and the loop that drives them.
 
-Set-up (``rendezvous.py``) gives each pair of ranks two TCP sockets: *data*
-(collectives, driven by ``loop.Progress.run``) and *control* (the abort
-protocol's frames, ``control.ControlChannel``). *p2p* (send/recv, driven by
+Set-up (``rendezvous.py``) gives each pair of ranks a *control* socket (the
+abort protocol's frames, ``control.ControlChannel``) and, for the ranks on
+one host, a *data* socket (collectives, driven by ``loop.Progress.run``);
+every other data socket is made when a plan first needs it (``run``,
+``data_links.py``), so a rank holds data sockets to its local peers and
+whoever its algorithms talk to: a ring's two neighbours, the host-aware
+algorithms' partners, everyone at a star's root. *p2p* (send/recv, driven by
 the p2p thread with the same loop) is connected on first use: each rank
 sends on a connection it opens to the peer (``p2p_connect``) and receives on
 the one the peer opened (``serve_p2p``), so a pair that never exchanges a
@@ -25,11 +29,14 @@ from datetime import timedelta
 from typing import Any
 
 from ..config import Options, timeout_seconds
-from .control import Causes, ControlChannel, abort_record
-from .loop import Links, Progress
+from .control import Causes, ControlChannel, abort_record, overlay
+from .data_links import DataLinks
+from .loop import Links, Pace, Progress
+from .plan import Plan
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
 from .shm.ring import ShmLink
 from .shm.setup import connect as connect_shm
+from .shm.setup import offered_key
 from .shm.slots import SlotArea
 from .topology import Topology
 
@@ -58,15 +65,24 @@ class Mesh:
         self._p2p_socks: list[socket.socket] = []
         self._p2p_handler: Callable[[int, socket.socket], None] | None = None
         self._p2p_early: list[tuple[int, socket.socket]] = []  # opened by peers before a handler
+        self._data_early: list[tuple[int, socket.socket]] = []  # opened before the loop exists
+        # Data sockets made on first use (after set-up; data_links.py).
+        self._data_links: DataLinks | None = None
         self._closed = False  # (under _close_lock) no p2p connection is taken any more
         timeout_s = timeout_seconds(timeout)  # set-up's bound (each job brings its own)
         self._rendezvous: Rendezvous | None = None
+        # Which ranks share a host (identical on every rank: built from every
+        # rank's host key, exchanged through the store at set-up).
+        self.topology = Topology.flat(world)
+        keys = [""] * world
         if world > 1:
             self._rendezvous = Rendezvous(
-                store, rank, world, options, timeout_s, (DATA, CONTROL), (P2P,), self._p2p_opened
+                store, rank, world, options, timeout_s, (DATA, P2P), self._lazy_opened
             )
             try:
-                self._links = self._rendezvous.connect_all()
+                keys = self._rendezvous.exchange(offered_key(options.host_id))
+                self.topology = Topology.from_keys(keys)
+                self._links = self._rendezvous.connect_set_up(self._set_up_pairs(keys))
             except BaseException:
                 self._drop_setup()
                 raise
@@ -78,21 +94,16 @@ class Mesh:
         # policy may depend on it: the shm-native allreduce).
         self.all_local = False
         self.slots: SlotArea | None = None
-        # Which ranks share a host (identical on every rank: built from every
-        # rank's host key, exchanged in the shared-memory set-up).
-        self.topology = Topology.flat(world)
-        if data:
+        if world > 1:
             try:
-                found = connect_shm(rank, data, options.transport, timeout_s, options.host_id)
+                found = connect_shm(rank, data, options.transport, timeout_s, keys)
                 self.shm, self.slots = found.links, found.slots
-                if found.keys is not None:
-                    self.topology = Topology.from_keys([found.keys[r] for r in range(world)])
                 self.all_local = found.slots is not None
                 log.info(
-                    "rank %d: collective data over shared memory with rank(s) %s, TCP with %s",
+                    "rank %d: collective data over shared memory with rank(s) %s, TCP with "
+                    "the rest (connected on first use)",
                     rank,
                     sorted(self.shm),
-                    sorted(set(data) - set(self.shm)),
                 )
             except BaseException:
                 self._drop_setup()
@@ -102,8 +113,36 @@ class Mesh:
         self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
         self.causes = Causes(rank, self.control)
         self.progress = Progress(rank, data, self.causes, control=self.control, woken=self.shm)
-        # The collectives' entry point (an attribute: tests spy on it).
-        self.run = self.progress.run
+        self._data = data
+        if self._rendezvous is not None:
+            data_links = DataLinks(rank, self._rendezvous, self.progress, self.causes)
+            with self._close_lock:
+                self._data_links = data_links
+                early, self._data_early = self._data_early, []
+            for peer, sock in early:
+                data_links.arrived(peer, sock)
+
+    def _set_up_pairs(self, keys: list[str]) -> set[tuple[int, int]]:
+        """The (peer, channel) sockets made at set-up: control with every peer;
+        data with the peers on this host (shared memory's set-up and wake-ups
+        need them); any other data socket is made on first use (``run``)."""
+        mine = keys[self.rank]
+        pairs = {(p, CONTROL) for p in overlay(self.rank, self.world)}
+        pairs |= {(p, DATA) for p, k in enumerate(keys) if p != self.rank and mine and k == mine}
+        return pairs
+
+    def run(self, plan: Plan, what: str, pace: Pace) -> None:
+        """Run a collective's plan (``loop.Progress.run``), first making the data
+        sockets it needs that do not exist yet (``data_links.py``). The
+        collectives' entry point (tests spy on it)."""
+        data = self._data
+        sends, recvs = plan.links()
+        missing = [ln.peer for ln in sends if ln.peer not in data]
+        missing += [ln.peer for ln in recvs if ln.peer not in data and ln.peer not in missing]
+        if missing:
+            assert self._data_links is not None
+            self._data_links.reach(missing, what, pace.timeout_s)
+        self.progress.run(plan, what, pace)
 
     def _channel(self, channel: int) -> dict[int, socket.socket]:
         return {p: s for (p, ch), s in self._links.items() if ch == channel}
@@ -139,7 +178,22 @@ class Mesh:
         for peer, sock in early:
             handler(peer, sock)
 
-    def _p2p_opened(self, peer: int, channel: int, sock: socket.socket) -> None:
+    def _lazy_opened(self, peer: int, channel: int, sock: socket.socket) -> None:
+        """A peer opened a connection of a lazy channel (the acceptor's thread)."""
+        if channel == DATA:
+            with self._close_lock:
+                if self._closed:
+                    sock.close()
+                    return
+                data_links = self._data_links
+                if data_links is None:
+                    self._data_early.append((peer, sock))
+                    return
+            data_links.arrived(peer, sock)
+            return
+        self._p2p_opened(peer, sock)
+
+    def _p2p_opened(self, peer: int, sock: socket.socket) -> None:
         with self._close_lock:
             if self._closed:
                 sock.close()
@@ -151,13 +205,17 @@ class Mesh:
                 return
         handler(peer, sock)
 
+    def _data_early_socks(self) -> list[socket.socket]:
+        early, self._data_early = self._data_early, []
+        return [sock for _, sock in early]
+
     def _drop_setup(self) -> None:
         """Set-up failed: close whatever it opened."""
         if self._rendezvous is not None:
             self._rendezvous.stop()
         with self._close_lock:
             self._closed = True
-            for sock in [*self._links.values(), *self._p2p_socks]:
+            for sock in [*self._links.values(), *self._p2p_socks, *self._data_early_socks()]:
                 sock.close()
 
     # ------------------------------------------------------------------ ending
@@ -188,6 +246,10 @@ class Mesh:
             for link in self.shm.values():
                 link.close()
             data = [s for (_, ch), s in self._links.items() if ch != CONTROL]
+            data += self._data_early_socks()
+            if self._data_links is not None:
+                self._data_links.close()
+                data += self._data_links.socks
             # (control sockets are closed by the control channel, after its frame)
             for sock in [*data, *self._p2p_socks]:
                 try:

@@ -1,11 +1,15 @@
 """Set-up of a group's links: address choice, listen, publish, connect, authenticate.
 
-Every rank listens on one port and publishes ``host:port`` in the group's
-store; rank 0 puts a random per-group secret there. Rank i connects to every
-rank j < i and accepts from every rank j > i, once per *channel*: the data
-channel carries collectives, the p2p channel send/recv, and the control
-channel the small frames of ``control.py`` (abort causes, goodbyes, wait-for
-queries), so that they can be sent whatever state a data stream is in.
+Every rank listens on one port and publishes ``host:port`` and its host key
+(``shm.offered_key``) in the group's store; rank 0 puts a random per-group
+secret there. Each rank learns every rank's address and key in one store
+round trip (``exchange``), so set-up work per rank grows like N, and then
+makes the set-up *pairs* the mesh picks (``connect_set_up``): rank i connects
+to the lower rank of each pair and accepts from the higher ones. A pair may
+be connected once per *channel*: the data channel carries collectives, the
+p2p channel send/recv, and the control channel the small frames of
+``control.py`` (abort causes, goodbyes, wait-for queries), so that they can
+be sent whatever state a data stream is in.
 
 The handshake is a challenge-response: the acceptor sends a nonce, the
 connector answers with its rank, the world size, the channel and an HMAC of
@@ -13,12 +17,12 @@ all of it under the secret, the acceptor answers with its own HMAC. Anything
 else is refused and closed, so a stray connection (or a process of another
 job) never becomes a peer.
 
-Channels named *lazy* (today p2p) are not connected at set-up: a rank
-connects such a channel to a peer on first use (``connect``), and the
-listener and its acceptor stay up for the group's life to admit them
-(``on_lazy`` receives each). Each end of a pair opens its own lazy
-connection when it first needs one, so there is no tie to break and no
-order to wait for: two ranks that both start at once just make two.
+Channels named *lazy* (p2p, and data beyond the set-up pairs) may be
+connected after set-up: a rank connects such a channel to a peer on first
+use (``connect``), and the listener and its acceptor stay up for the group's
+life to admit them (``on_lazy`` receives each). Who connects is the caller's
+rule: p2p, each end its own connection; data, the lower rank
+(``data_links.py``).
 
 Strangers cannot hold set-up hostage: the acceptor runs every handshake at
 once on one selector, each with its own short deadline, so a connection that
@@ -52,6 +56,7 @@ CHANNEL_NAMES = {DATA: "data", CONTROL: "control", P2P: "p2p"}
 
 SECRET_KEY = "entrenar/a{attempt}/secret"
 ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
+HOST_KEY = "entrenar/a{attempt}/host/{rank}"  # shm.offered_key: which ranks share a host
 # The listen backlog: a flood of strangers must not fill the kernel's queue
 # and make a peer's connect wait for a SYN retransmission (1 s and more).
 _BACKLOG = 1024
@@ -114,7 +119,6 @@ class Rendezvous:
         world: int,
         options: Options,
         timeout_s: float,
-        channels: tuple[int, ...],
         lazy: tuple[int, ...] = (),
         on_lazy: Callable[[int, int, socket.socket], None] | None = None,
     ) -> None:
@@ -123,13 +127,13 @@ class Rendezvous:
         self.timeout_s = timeout_s
         self._store = store
         self._options = options
-        self._channels = channels
         # Channels connected on first use; ``on_lazy(peer, channel, sock)``
         # gets each one a peer opens (in the acceptor's thread).
         self._lazy = lazy
         self._on_lazy = on_lazy
         self.links: dict[tuple[int, int], socket.socket] = {}
         self._addrs: dict[int, str] = {}  # every peer's listening address (lazy connects)
+        self._deadline = 0.0  # set-up's (exchange)
         self._secret = b""
         self._listener: socket.socket | None = None
         self._acceptor: Acceptor | None = None
@@ -156,11 +160,11 @@ class Rendezvous:
                 f"did not start or crashed): {e}"
             ) from e
 
-    def connect_all(self) -> dict[tuple[int, int], socket.socket]:
-        """Every (peer, channel) socket of the set-up channels, tuned and
-        non-blocking; raises on timeout. With lazy channels the listener and
-        its acceptor stay up until ``stop``."""
-        deadline = time.monotonic() + self.timeout_s
+    def exchange(self, host_key: str) -> list[str]:
+        """Listen, publish this rank's address and ``host_key``, and learn every
+        rank's, in one store wait and one round trip (lazy connects go to any
+        peer, later, when the store may be gone). Returns the host keys by rank."""
+        self._deadline = deadline = time.monotonic() + self.timeout_s
         host = choose_host(self._options)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -175,15 +179,35 @@ class Rendezvous:
         try:
             if self.rank == 0:
                 self._store.set(self.key(SECRET_KEY), secrets.token_hex(32))
-            secret = self._secret = self.store_get(self.key(SECRET_KEY), deadline)
+            self._secret = self.store_get(self.key(SECRET_KEY), deadline)
+            self._store.set(self.key(HOST_KEY, self.rank), host_key)
             self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
-            expected = {(p, ch) for p in range(self.rank + 1, self.world) for ch in self._channels}
+            keys = [self.key(ADDR_KEY, p) for p in range(self.world)]
+            keys += [self.key(HOST_KEY, p) for p in range(self.world)]
+            self.store_wait(keys, deadline)
+            got = [bytes(raw).decode() for raw in self._store.multi_get(keys)]
+            self._addrs = dict(enumerate(got[: self.world]))
+            host_keys = got[self.world :]
+        except BaseException:
+            self.stop()
+            raise
+        return host_keys
+
+    def connect_set_up(self, pairs: set[tuple[int, int]]) -> dict[tuple[int, int], socket.socket]:
+        """The (peer, channel) sockets of ``pairs`` (the same pairs on both
+        ends), tuned and non-blocking: this rank connects to lower ranks and
+        accepts from higher ones; raises on timeout. With lazy channels the
+        listener and its acceptor stay up until ``stop``."""
+        deadline = self._deadline
+        assert self._listener is not None, "exchange() first"
+        try:
+            expected = {(p, ch) for (p, ch) in pairs if p > self.rank}
             acceptor = self._acceptor = Acceptor(
                 self.rank,
                 self.world,
-                listener,
-                secret,
+                self._listener,
+                self._secret,
                 expected,
                 deadline,
                 self.links,
@@ -195,20 +219,15 @@ class Rendezvous:
                 target=acceptor.run, name=f"entrenar-accept-r{self.rank}", daemon=True
             )
             self._accept_thread.start()
-            for peer in range(self.rank):
-                addr = self._address(peer, deadline)
-                for ch in self._channels:
-                    self.links[(peer, ch)] = self._connect_to(peer, ch, addr, secret, deadline)
-            if self._lazy:
-                # Lazy connects go to any peer, later, when the store may be
-                # gone (only set-up uses it): learn every address now, in one
-                # wait and one round trip.
-                self._higher_addresses(deadline)
+            for peer, ch in sorted(pairs):
+                if peer < self.rank:
+                    self.links[(peer, ch)] = self._connect_to(
+                        peer, ch, self._addrs[peer], self._secret, deadline
+                    )
             acceptor.set_up.wait(max(deadline - time.monotonic(), 0) + 1.0)
             if acceptor.errors:
                 raise acceptor.errors[0]
-            want = {(p, ch) for p in range(self.world) if p != self.rank for ch in self._channels}
-            missing = sorted({p for (p, ch) in want - set(self.links)})
+            missing = sorted({p for (p, ch) in pairs - set(self.links)})
             if missing:
                 raise PeerConnectionError(
                     f"rank {self.rank}: timed out after {self.timeout_s:.0f}s waiting for "
@@ -225,21 +244,6 @@ class Rendezvous:
             self._tune(sock)
             sock.setblocking(False)
         return self.links
-
-    def _address(self, peer: int, deadline: float) -> str:
-        addr = self._addrs.get(peer)
-        if addr is None:
-            addr = self._addrs[peer] = self.store_get(self.key(ADDR_KEY, peer), deadline).decode()
-        return addr
-
-    def _higher_addresses(self, deadline: float) -> None:
-        peers = list(range(self.rank + 1, self.world))
-        if not peers:
-            return
-        keys = [self.key(ADDR_KEY, p) for p in peers]
-        self.store_wait(keys, deadline)
-        for peer, addr in zip(peers, self._store.multi_get(keys), strict=True):
-            self._addrs[peer] = bytes(addr).decode()
 
     def connect(self, peer: int, channel: int, timeout_s: float) -> socket.socket:
         """A lazy channel's connection to ``peer``, made now, tuned and non-blocking.

@@ -221,32 +221,41 @@ class ShmPeers:
     keys: dict[int, str] | None = None  # every rank's host key, this one's included
 
 
+def offered_key(host_id: str = "") -> str:
+    """The host key this rank publishes at set-up (``rendezvous.Rendezvous.exchange``):
+    ``host_key`` plus ``Options.host_id`` (which can split a host, never join
+    two); empty where shared memory is off (not x86-64: the rings rely on its
+    memory order, stores seen in program order, _Fence a full barrier)."""
+    key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
+    if key and host_id:
+        key += f"|id:{host_id}"
+    return key
+
+
 def connect(
-    rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float, host_id: str = ""
+    rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float, keys: list[str]
 ) -> ShmPeers:
     """Shared-memory links to the peers on this host (``mode``: auto or shm;
-    tcp: only the host keys, for the topology).
+    tcp: none).
 
-    Three rounds over the authenticated data sockets: host keys (every
-    peer); offers (pid, fd, offset, nonce of the ring block this rank writes
-    to that peer); verdicts (whether the peer mapped ours). A pair uses shared
-    memory only when both sides mapped the other's block, so both agree.
-    With ``mode == "shm"`` a peer that is not local is an error here, at
-    group creation. Each rank's memfd is closed at the end: the mappings keep
-    the memory, nothing else names it.
+    ``keys``: every rank's host key (``offered_key``), learnt through the
+    store at set-up; ``data``: the authenticated data sockets to the ranks
+    whose key equals this rank's, made at set-up (the only ones made then).
+    Then two rounds over those: offers (pid, fd, offset, nonce of the ring
+    block this rank writes to that peer); verdicts (whether the peer mapped
+    ours). A pair uses shared memory only when both sides mapped the other's
+    block, so both agree. With ``mode == "shm"`` a peer that is not local is
+    an error here, at group creation. Each rank's memfd is closed at the end:
+    the mappings keep the memory, nothing else names it.
     """
     ex = _Exchange(rank, data, time.monotonic() + timeout_s)
-    peers = sorted(data)
-    # The rings rely on x86-64's memory order (stores seen in program order,
-    # _Fence a full barrier); elsewhere no rank offers shared memory.
-    key = host_key() if platform.machine().lower() in _ORDERED_MACHINES else ""
-    if key and host_id:  # Options.host_id: it can split a host, never join two
-        key += f"|id:{host_id}"
-    keys = ex.all(peers, {p: {"key": key} for p in peers})
-    every = {p: str(keys[p].get("key", "")) for p in peers} | {rank: key}
+    every = dict(enumerate(keys))
+    key = keys[rank]
+    peers = [p for p in range(len(keys)) if p != rank]
     if mode == "tcp":
         return ShmPeers([], {}, keys=every)
-    local = [p for p in peers if key and keys[p].get("key") == key]
+    local = [p for p in peers if key and keys[p] == key]
+    assert set(local) <= set(data), f"rank {rank}: no set-up data socket to a local peer"
     if mode == "shm" and not key:
         raise ValueError(
             f"rank {rank}: ENTRENAR_TRANSPORT=shm: shared memory needs x86-64 "

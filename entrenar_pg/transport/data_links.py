@@ -1,0 +1,142 @@
+"""Collective data sockets made on first use: a rank connects only to the peers its plans use.
+
+Set-up makes the data sockets of the pairs on one host (shared memory needs
+them: wake-ups and hang-ups) and no other. The first plan that talks to
+another peer makes that pair's socket (``DataLinks.reach``, called by
+``Mesh.run`` before the plan runs): a ring allreduce connects a rank to its
+two neighbours, the star rank 0 to everyone, a host-aware algorithm the
+local peers and the cross-host partners.
+
+One socket per pair, both directions (the loop sends and receives on it), so
+exactly one end makes it: the lower rank connects, the higher one waits for
+it to arrive through its acceptor (``arrived``). Plans are symmetric (a send
+on one end is a receive on the other), so both ends of a pair reach it in
+the same collective and the lower one connects as soon as it gets there; no
+rank waits on a rank above it, so there is no cycle and no deadlock. A
+connect needs only the peer's acceptor thread, never the peer's own progress.
+
+Failures read as in a collective: a peer that refuses (it is gone) is named
+from its control link (its abort, goodbye or death); a connect or a wait
+that sees nothing within the call's timeout is a stall, and the wait-for
+walk names whom (``control.Causes``). While it waits a rank answers the
+control channel's queries as one waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from ..errors import EntrenarError, PeerConnectionError
+from .control import Causes
+from .loop import Progress
+from .rendezvous import DATA, Rendezvous
+
+log = logging.getLogger(__name__)
+
+# A rank waiting for a lower rank's connection looks for it this often (and
+# answers control queries in between); only a pair's first collective waits.
+_ARRIVAL_POLL_S = 0.002
+
+
+class DataLinks:
+    """One rank's data sockets made after set-up (see the module docstring)."""
+
+    def __init__(self, rank: int, rendezvous: Rendezvous, progress: Progress, causes: Causes):
+        self.rank = rank
+        self._rendezvous = rendezvous
+        self._progress = progress
+        self._causes = causes
+        self._lock = threading.Lock()
+        self._arrived: dict[int, socket.socket] = {}  # from lower ranks, not yet in the loop
+        self.socks: list[socket.socket] = []  # every one made (closed with the mesh)
+        self._closed = False
+
+    def arrived(self, peer: int, sock: socket.socket) -> None:
+        """A lower rank made its data socket to this one (the acceptor's thread)."""
+        with self._lock:
+            if self._closed or peer > self.rank or peer in self._arrived:
+                sock.close()  # (a higher rank never connects: a confused peer)
+                return
+            self._arrived[peer] = sock
+            self.socks.append(sock)
+
+    def reach(self, peers: list[int], what: str, timeout_s: float) -> None:
+        """Make (or take) the data sockets to ``peers`` and give them to the loop:
+        higher ranks first (connects answered by their acceptors), then wait
+        for the lower ones' (in the loop's thread)."""
+        for peer in sorted(peers, reverse=True):
+            if peer > self.rank:
+                self._progress.attach(peer, self._connect(peer, what, timeout_s))
+        lower = [p for p in peers if p < self.rank]
+        if lower:
+            self._wait(lower, what, timeout_s)
+
+    def _connect(self, peer: int, what: str, timeout_s: float) -> socket.socket:
+        try:
+            sock = self._rendezvous.connect(peer, DATA, timeout_s)
+        except EntrenarError as e:
+            raise self._unreachable(peer, what, e, timeout_s) from e
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise self._causes.here_closed(what)
+            self.socks.append(sock)
+        return sock
+
+    def _unreachable(
+        self, peer: int, what: str, e: EntrenarError, timeout_s: float
+    ) -> EntrenarError:
+        """Why ``peer`` could not be reached: no answer is a stall (the walk names
+        whom); a refusal is its abort, goodbye or death, as the control channel
+        says, else the abort of another rank this one heard of."""
+        causes = self._causes
+        if causes.closed_here:
+            return causes.here_closed(what)
+        if isinstance(e.__cause__, TimeoutError):
+            return causes.stalled(what, [], [peer], timeout_s)
+        ended = causes.how_ended(peer)
+        if ended is not None:
+            return causes.peer_closed(peer, what, ended)
+        # Its own word did not reach this rank (the ranks that would relay it
+        # may be aborting too): another rank's abort is the group's cause.
+        heard = causes.first_abort()
+        if heard is not None:
+            return causes.peer_closed(heard[0], what, heard[1])
+        return PeerConnectionError(
+            f"rank {self.rank}: {what}: {e}; culprit: rank {peer}", culprit=peer
+        )
+
+    def _wait(self, lower: list[int], what: str, timeout_s: float) -> None:
+        """Until every rank of ``lower`` has connected: each arrival is handed to
+        the loop; a peer that ends meanwhile is named; nothing within
+        ``timeout_s`` is a stall (on whichever have not connected)."""
+        waiting = sorted(lower)
+        deadline = time.monotonic() + timeout_s
+        progress = self._progress
+        try:
+            while True:
+                with self._lock:
+                    got = {p: self._arrived.pop(p) for p in waiting if p in self._arrived}
+                for peer, sock in got.items():
+                    progress.attach(peer, sock)
+                waiting = [p for p in waiting if p not in got]
+                if not waiting:
+                    return
+                if time.monotonic() >= deadline:
+                    raise self._causes.stalled(what, waiting, [], timeout_s)
+                progress.watch_control(what, waiting, _ARRIVAL_POLL_S)
+                for peer in waiting:
+                    ended = self._causes.how_ended(peer, 0.0)
+                    if ended is not None:
+                        raise self._causes.peer_closed(peer, what, ended)
+        finally:
+            progress.done_sleeping()
+
+    def close(self) -> None:
+        """No more sockets are taken; the caller closes ``socks``."""
+        with self._lock:
+            self._closed = True
+            self._arrived.clear()
