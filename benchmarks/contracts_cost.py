@@ -13,7 +13,8 @@ ratios to the first variant.
 ``ddp``: DDP training steps (3-layer MLP, 512 -> WIDTH -> WIDTH -> 512, AdamW)
 on two entrenar groups, checks off and on, alternating step by step; same
 model, same data. Prints step medians, their ratio, the checker's own
-counters (wall and CPU seconds per step), its hash, and the load average
+counters (wall and CPU seconds per measured step, and the CPU per step over
+all steps with the warm-up's one-off costs), its hash, and the load average
 before and after (how quiet the machine was). ``gpt``: the same with the
 benchmark's DDP model and batch (``benchmarks.ddp_model.make_model``: the
 trainer's GPT); run it from the repository root.
@@ -152,7 +153,10 @@ def _ddp_ab(
     wall: dict[str, list[float]] = {n: [] for n in models}
     cpu: dict[str, list[float]] = {n: [] for n in models}
     load = os.getloadavg()[0]  # other work on the machine: say how quiet it was
+    warm = (0.0, 0.0, 0)  # the checker's counters when the measured steps begin
     for i in range(steps + 3):
+        if i == 3:  # warm-up done: its one-off costs (vectors, threads) are not per step
+            warm = (checker.seconds, checker.cpu_seconds, checker.steps_checked)
         for name in ("off", "check") if i % 2 else ("check", "off"):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -170,13 +174,16 @@ def _ddp_ab(
         off, on = statistics.median(wall["off"]), statistics.median(wall["check"])
         coff, con = statistics.median(cpu["off"]), statistics.median(cpu["check"])
         per = max(checker.steps_checked, 1)
+        measured = max(checker.steps_checked - warm[2], 1)
         print(
             f"N={world} {label}: "
             f"step off {off * 1e3:.2f} ms, check {on * 1e3:.2f} ms ({on / off:.3f}x); "
             f"cpu/rank {coff * 1e3:.1f} -> "
-            f"{con * 1e3:.1f} ms ({con / coff:.3f}x); checker per step: wall "
-            f"{checker.seconds / per * 1e3:.2f} ms, cpu {checker.cpu_seconds / per * 1e3:.2f} ms "
-            f"({checker.allreduces_checked} allreduces, {checker.steps_checked} steps; "
+            f"{con * 1e3:.1f} ms ({con / coff:.3f}x); checker per measured step: wall "
+            f"{(checker.seconds - warm[0]) / measured * 1e3:.2f} ms, cpu "
+            f"{(checker.cpu_seconds - warm[1]) / measured * 1e3:.2f} ms (over all steps, "
+            f"warm-up included: cpu {checker.cpu_seconds / per * 1e3:.2f} ms; "
+            f"{checker.allreduces_checked} allreduces, {checker.steps_checked} steps; "
             f"hash {HASH_NAME}); load average {load:.2f} -> {os.getloadavg()[0]:.2f}",
             flush=True,
         )

@@ -9,7 +9,9 @@ level: torchrun + DistributedDataParallel with ENTRENAR_CHECK=1.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 import re
 import subprocess
 import sys
@@ -184,6 +186,41 @@ def test_install_in_code() -> None:
 # ---------------------------------------------------------------------- the pieces
 
 
+@pytest.mark.timeout(60)
+def test_measuring_thread_has_the_process_thread_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker measures in the comm thread, which torch did not create: torch
+    applies torch.set_num_threads there only once the thread asks. Unasked, the
+    projection's matrix product ran MKL with a team of every core in it (~10x the
+    product's CPU, spinning against the training thread)."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        mkl_threads = lib.mkl_get_max_threads
+    except (OSError, AttributeError):
+        pytest.skip("torch built without MKL: no per-thread MKL team to check")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: a team of every core is one thread")
+    seen: list[int] = []
+    job = jobs.JOBS[rq.Allreduce]
+
+    def probe(ctx: Any, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        seen.append(mkl_threads())  # in the job's thread, right after the checker's `before`
+        job(ctx, req, hosts)
+
+    monkeypatch.setitem(jobs.JOBS, rq.Allreduce, probe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def body(rank: int, group: EntrenarProcessGroup) -> None:
+            work = group.allreduce([torch.randn(3 * 4096)], op(dist.ReduceOp.SUM))  # async
+            work.wait()
+
+        run_ranks(2, body, options=CHECK)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, 1]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096, 100_003])
 def test_projection_parts_add_up(numel: int) -> None:
@@ -210,12 +247,16 @@ def test_projection_parts_add_up(numel: int) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
-    """The fused pass (projection, norm and hash read chunk by chunk) gives what
+    """The fused pass (projection and hash in one read: a share of at most FUSED_ROWS
+    blocks hashed whole then projected, a larger one chunk by chunk) gives what
     separate passes give: the same projections, the norm, and the digest, across
-    chunk boundaries and in every share of a replicated output."""
+    chunk boundaries and in every share of a replicated output, on both sides of
+    FUSED_ROWS."""
     proj = Projection()
-    rows = projection.CHUNK_ROWS
-    for numel in (0, 5, 4096, rows * 4096, rows * 4096 + 7, (2 * rows + 3) * 4096 + 100):
+    rows, fused = projection.CHUNK_ROWS, projection.FUSED_ROWS
+    sizes = [0, 5, 4096, rows * 4096, rows * 4096 + 7, (2 * rows + 3) * 4096 + 100]
+    sizes += [fused * 4096, (2 * fused + 1) * 4096 + 9]  # shares just over FUSED_ROWS
+    for numel in sizes:
         x = torch.randn(numel, dtype=torch.float64).to(dtype)
         whole, norm = proj.floats(x)
         assert norm == pytest.approx(float(x.double().norm()), rel=1e-4)  # float32 sums
@@ -269,6 +310,8 @@ def test_digest_reads_the_tensors_as_they_are_now() -> None:
     assert hashing.digest(ts) == expected(ts)
     ts[1] = ts[1].t()  # not contiguous: hashed through a copy, in its logical order
     assert hashing.digest(ts) == expected(ts)
+    # C-DDP-001's count of bytes comes from the same pass: every tensor's, copies included
+    assert hashing.digest_sized(ts) == (expected(ts), sum(t.nbytes for t in ts))
 
 
 @pytest.mark.timeout(60)

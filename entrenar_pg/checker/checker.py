@@ -40,7 +40,7 @@ from ..errors import ContractViolation
 from ..transport import Plan
 from ..wire import Algo, OpCode
 from . import records, replicas
-from .hashing import FAST_HASH, HASH_NAME, digest
+from .hashing import FAST_HASH, HASH_NAME, digest_sized
 from .kinds import CONTRACTS, PARAMETERS_ID, VIEWS, Contract, Rule, Views
 from .projection import Projection
 from .verdict import Judge, minority
@@ -157,6 +157,13 @@ class ContractChecker:
         if views_of is None:
             return None
         start, cpu = time.perf_counter(), time.thread_time()
+        # torch applies the process's thread settings (torch.set_num_threads:
+        # OpenMP's and MKL's team sizes) to a thread it did not create only
+        # once that thread asks for them. Until then a projection's matrix
+        # product in the comm thread runs a team of every core, whose
+        # spinning cost ~10x the product's own CPU (612 vs 62 us for a
+        # 2.3 MiB bucket, measured here) and competes with the backward.
+        torch.get_num_threads()
         op = req.op
         world = rt.mesh.world
         contract = CONTRACTS[op]
@@ -292,14 +299,8 @@ class ContractChecker:
         try:
             parameters = list(_NO_PARAMETERS)
             if tensors:
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                parameters[:_P_ELSEWHERE] = [
-                    1,
-                    digest(tensors),
-                    len(tensors),
-                    nbytes,
-                    self.step + 1,
-                ]
+                hashed, nbytes = digest_sized(tensors)
+                parameters[:_P_ELSEWHERE] = [1, hashed, len(tensors), nbytes, self.step + 1]
             if elsewhere is not None:
                 culprit = elsewhere.culprit
                 parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1

@@ -80,17 +80,27 @@ def tensor_memory(t: torch.Tensor) -> memoryview:
 
 def digest(tensors: Iterable[torch.Tensor]) -> int:
     """64-bit hash of the tensors' bytes, in order (streaming: the pieces of a
-    tensor hash as the tensor does); as an int64.
+    tensor hash as the tensor does); as an int64."""
+    return digest_sized(tensors)[0]
+
+
+def digest_sized(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """``digest(tensors)`` and the number of bytes it read, in one pass over the list.
 
     A contiguous CPU tensor is hashed where it lies: its address and size name
     exactly the bytes of its values (C-DDP-001 hashes every parameter every
     step, so the per-tensor Python is most of that check's cost for small ones).
     """
     h = hasher()
+    nbytes = 0
     for t in tensors:
         if t.is_cpu and t.is_contiguous():
-            if t.nbytes:
+            size = t.nbytes
+            if size:
                 h.update(tensor_memory(t))
+                nbytes += size
         elif t.numel():
-            h.update(tensor_bytes(t))
-    return to_i64(h.intdigest())
+            view = tensor_bytes(t)
+            h.update(view)
+            nbytes += view.nbytes
+    return to_i64(h.intdigest()), nbytes

@@ -22,6 +22,11 @@ BLOCK = 4096  # projection block: float32 accumulation over at most this many el
 # when the projection reads it after the hash; also the scratch bound of a
 # conversion from half or integer types.
 CHUNK_ROWS = 64
+# A replicated output's share of at most this many blocks (2 MiB of float32)
+# is hashed whole and then projected in one product: hash and product both
+# find it in cache (L2 + L3 here), and a chunk loop's torch calls cost more
+# than the chunks save. Larger shares go chunk by chunk.
+FUSED_ROWS = 2 * CHUNK_ROWS
 SEED = 0x5EED_C0DE
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
@@ -57,6 +62,7 @@ class Projection:
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
+        self._tails: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.r64, self.r32, self.rint = self.base(0)
 
     def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,11 +129,12 @@ class Projection:
         which of the ``VARIANTS`` pairs of vectors. ``hasher``: also feed every
         byte of ``x`` to it, in order (``x`` contiguous on the CPU).
 
-        A replicated output is hashed and projected in one read: the blocks
-        are taken ``CHUNK_ROWS`` at a time, each hashed right before it is
-        projected, so the projection finds it in cache. (The input's norm is a
-        pass of its own: fused the same way, measured slower here, its extra
-        torch calls costing more than the second read of a gradient bucket.)
+        A replicated output is hashed and projected in one read: a share of
+        at most ``FUSED_ROWS`` blocks is hashed whole, then projected from
+        cache; a larger one ``CHUNK_ROWS`` blocks at a time, each hashed right
+        before it is projected. (The input's norm is a pass of its own: fused
+        the same way, measured slower here, its extra torch calls costing more
+        than the second read of a gradient bucket.)
         """
         n = x.numel()
         b0, f1, tail, with_tail = self._range(n, part)
@@ -136,42 +143,81 @@ class Projection:
         r64, r32, _ = self.base(variant)
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
-        memory = tensor_memory(x) if hasher is not None else None
-        unit = BLOCK * x.element_size()  # bytes per block
+        blocks = f1 - b0
         sums = [0.0] * PROJECTIONS
-        if memory is not None:
-            hasher.update(memory[: b0 * unit])
-        if f1 > b0:
-            # Few torch calls: for the small tensors of many calls their
-            # overhead, not the arithmetic, is the cost (a call costs tens of us
-            # in a loaded job thread). So one product when it fits a chunk or
-            # nothing rides along, and the block weights applied in Python
-            # floats (one tolist instead of a conversion, a slice and a dot).
-            rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            if rows.dtype == work and (memory is None or f1 - b0 <= CHUNK_ROWS):
-                if memory is not None:
-                    hasher.update(memory[b0 * unit : f1 * unit])
-                v = torch.mm(r, rows.t())
+        # Few torch calls: for the small tensors of many calls their overhead,
+        # not the arithmetic, is the cost (a call costs tens of us in a loaded
+        # job thread). So one product over a strided view of the blocks when
+        # they fit the cache or nothing rides along, and the block weights
+        # applied in Python floats (one tolist instead of a conversion, a
+        # slice and a dot).
+        if hasher is not None and (x.dtype != work or blocks > FUSED_ROWS):
+            per_block = self._hashed_chunks(x, r, b0, f1, work, hasher)
+        else:
+            if hasher is not None:  # a share that fits the cache: hash all, then project it
+                hasher.update(tensor_memory(x))
+            if blocks <= 0:
+                per_block = None
+            elif x.dtype == work:
+                # (BLOCK x blocks), column j = block b0 + j: x must be flat and contiguous.
+                cols = x.as_strided((BLOCK, blocks), (1, BLOCK), x.storage_offset() + b0 * BLOCK)
+                per_block = torch.mm(r, cols).tolist()
             else:
-                v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-                for a in range(0, f1 - b0, CHUNK_ROWS):
-                    b = min(a + CHUNK_ROWS, f1 - b0)
-                    chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
-                    if memory is not None:
-                        hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
-                    torch.mm(r, chunk.t(), out=v[:, a:b])
-            per_block = v.tolist()
+                per_block = self._converted_chunks(x, r, b0, f1, work)
+        if per_block is not None:
             sums = [sum(map(operator.mul, per_block[k], w[k][b0:f1])) for k in range(PROJECTIONS)]
-        if memory is not None:
-            hasher.update(memory[f1 * unit :])
         if with_tail:  # the last, partial block: its weight applied in Python floats
             rest = x[full * BLOCK :]
             if rest.dtype != work:
                 rest = rest.to(work)
-            last = torch.mv(r[:, :tail], rest).tolist()
+            last = torch.mv(self._tail_vectors(r, variant, tail), rest).tolist()
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
+
+    def _tail_vectors(self, r: torch.Tensor, variant: int, tail: int) -> torch.Tensor:
+        """``r[:, :tail]`` (cached: a bucket's tail is the same every step)."""
+        key = (variant, tail, r.dtype)
+        got = self._tails.get(key)
+        if got is None:
+            got = self._tails[key] = r[:, :tail]
+        return got
+
+    @staticmethod
+    def _hashed_chunks(
+        x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype, hasher: Any
+    ) -> list[list[float]] | None:
+        """Hash every byte of ``x`` in order and project blocks [b0, f1), ``CHUNK_ROWS``
+        blocks at a time, each hashed right before it is projected (found in cache)."""
+        memory = tensor_memory(x)
+        unit = BLOCK * x.element_size()  # bytes per block
+        hasher.update(memory[: b0 * unit])
+        per_block = None
+        if f1 > b0:
+            rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+            v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+            for a in range(0, f1 - b0, CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, f1 - b0)
+                chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
+                hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
+                torch.mm(r, chunk.t(), out=v[:, a:b])
+            per_block = v.tolist()
+        hasher.update(memory[f1 * unit :])
+        return per_block
+
+    @staticmethod
+    def _converted_chunks(
+        x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype
+    ) -> list[list[float]]:
+        """Blocks [b0, f1) of a half or integer-typed ``x`` projected in ``work``,
+        converted ``CHUNK_ROWS`` blocks at a time (bounded scratch)."""
+        rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+        v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+        for a in range(0, f1 - b0, CHUNK_ROWS):
+            b = min(a + CHUNK_ROWS, f1 - b0)
+            torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
+        out: list[list[float]] = v.tolist()
+        return out
 
     def ints(
         self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1), variant: int = 0
