@@ -27,16 +27,13 @@ sent and always be parsed:
   learns the root cause and the rank that caused it, store or no store.
 - ``BYE``: sent before a rank closes its links on ``shutdown`` /
   ``destroy_process_group``, so "it left" and "its process died" differ.
-- ``QUERY`` / ``STATE``: "what are you waiting on?". Before a rank raises on
-  no progress it asks the peers it waits on; a peer that is itself waiting
-  names the ranks it waits on, and the walk goes on until it reaches a rank
-  that does not answer (stopped or hung), has ended, or is not in the
-  collective (its control thread answers for it): that rank is blamed, on
-  every rank, instead of the first neighbour whose timer fired. A query
-  to a rank with no link goes out once through each overlay neighbour (a
-  route each), so a stopped rank on one route does not silence the rank
-  behind it; only a rank whose every route crosses a stopped one looks
-  silent (the stopped one cuts the overlay).
+- ``QUERY`` / ``STATE``: "what are you waiting on?", the questions of the
+  wait-for walk (``wait_for.walk``: which rank everyone waits on). A rank's
+  control thread answers for it, so a rank outside any collective answers
+  too. A query to a rank with no link goes out once through each overlay
+  neighbour (a route each), so a stopped rank on one route does not
+  silence the rank behind it; only a rank whose every route crosses a
+  stopped one looks silent (the stopped one cuts the overlay).
 
 A frame is ``u32 length | u8 kind | payload`` with a JSON payload. The frames
 are tiny and rare (none on the hot path), so one lock serialises every use
@@ -58,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, group_destroyed, peer_gone
+from .wait_for import Gone, PeerState, walk
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +71,6 @@ class AbortRecord:
     kind: str  # the error class name (errors.ERROR_TYPES)
     culprit: int | None  # the rank that caused the failure, if known
     message: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerState:
-    """A peer's answer to QUERY: the collective it is in and whom it waits on."""
-
-    what: str | None  # None: not inside a collective
-    waiting_on: tuple[int, ...]
-    blamed: int | None = None  # whom its own walk blamed (it is failing with that)
-
-
-@dataclass(frozen=True, slots=True)
-class Blame:
-    """The end of a wait-for walk: the rank everyone waits on, and the path to it."""
-
-    culprit: int | None
-    story: str
 
 
 # How a peer's link ended, when it did not abort.
@@ -337,51 +318,19 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ blame
 
-    def find_stalled(self, waiting_on: Iterable[int], what: str, answer_s: float) -> Blame:
-        """Walk the wait-for graph from the peers this rank waits on; see the module docstring."""
-        start = sorted(set(waiting_on))
-        if not start:
-            return Blame(None, "")
-        asked: set[int] = {self.rank}
-        frontier = start
-        path: list[str] = []
-        while frontier:
-            answers = self._ask(frontier, answer_s)
-            nxt: list[int] = []
-            for q in frontier:
-                asked.add(q)
-                state = answers.get(q)
-                if state is not None and state.blamed is not None:
-                    b = state.blamed
-                    return Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))
-                if state is None:
-                    with self._lock:
-                        gone = self._ends.get(q)
-                    if isinstance(gone, AbortRecord) and gone.culprit not in (None, q):
-                        c = gone.culprit
-                        return Blame(c, "; ".join([*path, f"rank {q} failed: {gone.message}"]))
-                    why = (
-                        "has left the group" if gone == LEFT else
-                        f"failed: {gone.message}" if isinstance(gone, AbortRecord) else
-                        "is gone (its process died)" if gone == DIED else
-                        f"does not answer within {answer_s:.1f}s (stopped or hung)"
-                    )  # fmt: skip
-                    return Blame(q, "; ".join([*path, f"rank {q} {why}"]))
-                if state.what is None:
-                    return Blame(
-                        q,
-                        "; ".join([*path, f"rank {q} is not inside any collective (it has not "
-                                   f"issued {what}, or issued it on another group)"]),
-                    )  # fmt: skip
-                onward = [r for r in state.waiting_on if r not in asked and r not in nxt]
-                path.append(
-                    f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}"
-                )
-                nxt.extend(onward)
-            frontier = sorted(nxt)
-        return Blame(None, "; ".join(path) + " (a cycle: every rank waits on another)")
+    def gone(self, peer: int) -> Gone | None:
+        """How ``peer`` ended, if this rank heard (the walk's ``WaitForGraph``)."""
+        with self._lock:
+            end = self._ends.get(peer)
+        if isinstance(end, AbortRecord):
+            return Gone(f"failed: {end.message}", end.culprit)
+        if end == LEFT:
+            return Gone("has left the group")
+        if end == DIED:
+            return Gone("is gone (its process died)")
+        return None
 
-    def _ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
+    def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
         """QUERY each peer (along the overlay, relayed by the ranks between);
         their STATE answers within ``answer_s`` (None: no answer)."""
         with self._lock:
@@ -558,7 +507,7 @@ class Causes:
         self, what: str, recv_from: list[int], send_to: list[int], timeout_s: float
     ) -> PeerConnectionError:
         """Nothing moved for ``timeout_s``: ask the peers we wait on what they wait on,
-        and blame the rank at the end of that walk (``ControlChannel.find_stalled``)."""
+        and blame the rank at the end of that walk (``wait_for.walk``)."""
         recv_from, send_to = sorted(recv_from), sorted(send_to)
         head = (
             f"rank {self.rank}: {what}: no progress for {timeout_s:.1f}s "
@@ -569,7 +518,7 @@ class Causes:
                 f"{head}: a peer stalled, died, or issued a different collective"
             )
         answer_s = min(2.0, max(0.25, timeout_s / 4))
-        blame = self.control.find_stalled([*recv_from, *send_to], what, answer_s)
+        blame = walk(self.control, self.rank, [*recv_from, *send_to], what, answer_s)
         if blame.culprit is not None and self.control.blamed is None:
             self.control.blamed = blame.culprit
         if blame.culprit is None:

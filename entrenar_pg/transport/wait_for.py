@@ -1,0 +1,89 @@
+"""The wait-for walk: which rank everyone waits on, from what the ranks answer.
+
+Sans-IO: the walk asks a ``WaitForGraph`` (the control channel, or a table in
+a test) what each rank waits on and how a silent one ended, and returns
+the ``Blame``. Before a rank raises on no progress it walks from the peers
+it waits on; a peer that is itself waiting names the ranks it waits on, and
+the walk goes on until it reaches a rank that does not answer (stopped or
+hung), has ended, or is not in the collective: that rank is blamed, on every
+rank, instead of the first neighbour whose timer fired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class PeerState:
+    """A peer's answer to a query: the collective it is in and whom it waits on."""
+
+    what: str | None  # None: not inside a collective
+    waiting_on: tuple[int, ...]
+    blamed: int | None = None  # whom its own walk blamed (it is failing with that)
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """How a rank that no longer answers ended, as this rank heard it."""
+
+    why: str  # "has left the group", "failed: <its message>", ...
+    culprit: int | None = None  # the rank its abort blamed, if any
+
+
+@dataclass(frozen=True, slots=True)
+class Blame:
+    """The end of a wait-for walk: the rank everyone waits on, and the path to it."""
+
+    culprit: int | None
+    story: str
+
+
+class WaitForGraph(Protocol):
+    """What the walk asks: each peer's state, and how a silent one ended."""
+
+    def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]: ...
+    def gone(self, peer: int) -> Gone | None: ...
+
+
+def walk(
+    graph: WaitForGraph, rank: int, waiting_on: Iterable[int], what: str, answer_s: float
+) -> Blame:
+    """Walk the wait-for graph from the peers ``rank`` waits on (module docstring)."""
+    frontier = sorted(set(waiting_on))
+    if not frontier:
+        return Blame(None, "")
+    asked: set[int] = {rank}
+    path: list[str] = []
+    while frontier:
+        answers = graph.ask(frontier, answer_s)
+        nxt: list[int] = []
+        for q in frontier:
+            asked.add(q)
+            state = answers.get(q)
+            if state is not None and state.blamed is not None:
+                b = state.blamed
+                return Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))
+            if state is None:
+                gone = graph.gone(q)
+                if gone is not None and gone.culprit not in (None, q):
+                    return Blame(gone.culprit, "; ".join([*path, f"rank {q} {gone.why}"]))
+                why = (
+                    gone.why
+                    if gone is not None
+                    else f"does not answer within {answer_s:.1f}s (stopped or hung)"
+                )
+                return Blame(q, "; ".join([*path, f"rank {q} {why}"]))
+            if state.what is None:
+                return Blame(
+                    q,
+                    "; ".join([*path, f"rank {q} is not inside any collective (it has not "
+                               f"issued {what}, or issued it on another group)"]),
+                )  # fmt: skip
+            onward = [r for r in state.waiting_on if r not in asked and r not in nxt]
+            path.append(f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}")
+            nxt.extend(onward)
+        frontier = sorted(nxt)
+    return Blame(None, "; ".join(path) + " (a cycle: every rank waits on another)")

@@ -1,0 +1,63 @@
+"""The wait-for walk on its own (transport/wait_for.py): tables of answers, no sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from entrenar_pg.transport.wait_for import Gone, PeerState, walk
+
+
+@dataclass
+class Table:
+    """A WaitForGraph from fixed answers; records who was asked, in which rounds."""
+
+    states: dict[int, PeerState | None]
+    ends: dict[int, Gone] = field(default_factory=dict)
+    rounds: list[list[int]] = field(default_factory=list)
+
+    def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
+        self.rounds.append(list(peers))
+        return {q: self.states.get(q) for q in peers}
+
+    def gone(self, peer: int) -> Gone | None:
+        return self.ends.get(peer)
+
+
+def test_the_walk_follows_waiters_to_the_silent_rank():
+    g = Table({1: PeerState("allreduce #3", (2,)), 2: PeerState("allreduce #3", (3,)), 3: None})
+    b = walk(g, 0, [1], "allreduce #3", 0.5)
+    assert b.culprit == 3
+    assert "rank 3 does not answer within 0.5s" in b.story
+    assert "rank 1 is in allreduce #3 waiting on rank(s) [2]" in b.story
+    assert g.rounds == [[1], [2], [3]]  # one hop per round, nobody asked twice
+
+
+def test_a_rank_outside_the_collective_is_blamed():
+    g = Table({1: PeerState(None, ())})
+    b = walk(g, 0, [1, 1], "broadcast #7", 0.5)
+    assert b.culprit == 1 and "not inside any collective" in b.story
+    assert "broadcast #7" in b.story
+
+
+def test_an_ended_rank_names_its_own_culprit_or_itself():
+    g = Table(
+        {1: None, 2: None}, {1: Gone("failed: boom", culprit=5), 2: Gone("has left the group")}
+    )
+    assert walk(g, 0, [1], "x", 0.1).culprit == 5
+    left = walk(g, 0, [2], "x", 0.1)
+    assert left.culprit == 2 and "rank 2 has left the group" in left.story
+    self_blamed = Table({1: None}, {1: Gone("failed: its own error", culprit=1)})
+    assert walk(self_blamed, 0, [1], "x", 0.1).culprit == 1
+
+
+def test_a_peers_own_verdict_is_taken():
+    g = Table({1: PeerState("allreduce #1", (2,), blamed=4)})
+    b = walk(g, 0, [1], "allreduce #1", 0.1)
+    assert b.culprit == 4 and "rank 1 found rank 4 stalled" in b.story
+
+
+def test_a_cycle_blames_nobody_and_no_waiting_starts_no_walk():
+    g = Table({1: PeerState("a", (0, 2)), 2: PeerState("a", (1,))})
+    b = walk(g, 0, [1], "a", 0.1)
+    assert b.culprit is None and "a cycle" in b.story
+    assert walk(Table({}), 0, [], "a", 0.1).culprit is None
