@@ -370,15 +370,17 @@ def test_intruder_connection_is_refused() -> None:
     prefixed = dist.PrefixStore("x", store)
     prefixed.wait(["entrenar/a0/addr/0"], timedelta(seconds=10))
     host, port = prefixed.get("entrenar/a0/addr/0").decode().rsplit(":", 1)
-    intruder = socket.create_connection((host, int(port)), timeout=5)
+    intruder = socket.create_connection((host, int(port)), timeout=15)
+    # Rank 0 challenges once every rank has published its address (its
+    # acceptor starts after that one store round trip): start rank 1 too.
+    t1 = threading.Thread(target=make, args=(1,), daemon=True)
+    t1.start()
     intruder.recv(16)  # the challenge
     # A well-formed hello (rank 1 of 2, data channel) with a MAC it cannot know.
     hello = b"ENTR" + b"".join(v.to_bytes(4, "little") for v in (1, 2, 0))
     intruder.sendall(hello + b"x" * 32)
     assert intruder.recv(32) == b""  # refused and closed
     intruder.close()
-    t1 = threading.Thread(target=make, args=(1,), daemon=True)
-    t1.start()
     t0.join(15)
     t1.join(15)
     groups = [results[0], results[1]]
