@@ -2,19 +2,26 @@
 
 Every other test runs the checkout (editable install, the repository on
 sys.path). These build the wheel from a copy of the source tree, install it
-(not editable) with torch into one fresh venv, and run everything with the
-venv's own programs, in a directory outside the checkout and without
-PYTHONPATH, so only the installed wheel can be imported (each job reports
-``entrenar_pg.__file__``, and the tests check that it is in the venv).
+(not editable, with pip resolving its dependencies) into one fresh venv, and
+run everything with the venv's own programs, in a directory outside the
+checkout and without PYTHONPATH, so only the installed wheel can be imported
+(each job reports ``entrenar_pg.__file__``, and the tests check that it is
+in the venv).
 
-Costs (2-core machine, loaded): building ~3 s, the venv with torch ~15 s
-(pip copies the local torch wheel; --no-compile halves that), then a
-torch start-up (~3 s) per program run.
+The venv's torch is this environment's, not a second copy: a .pth file in
+the venv names a directory of links to what the wheel requires (torch, numpy)
+and their own requirements, nothing else of this environment, so pip finds
+the wheel's requirements installed (``--no-index``: it could not fetch one)
+and torch starts from its compiled modules. A pip-installed copy cost ~14 s of CPU for
+the venv and ~8 s more for its first start-ups (compiling torch's modules),
+and proved nothing of ours. Costs now: building ~3 s, the venv ~3 s, then a
+torch start-up (~2 s of CPU) per program run.
 """
 
 from __future__ import annotations
 
 import configparser
+import importlib.metadata
 import json
 import os
 import shutil
@@ -27,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from entrenar_pg import _plugin
 
@@ -37,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 COPY_IGNORE = shutil.ignore_patterns(
     ".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*_cache", "runs", "bench_out"
 )
-TORCH_PIN = f"torch=={torch.__version__.split('+')[0]}"  # the torch these tests run on
 # A backstop over each test and the fixtures it starts (the wheel, the venv):
 # every step below has its own, shorter timeout.
 # xdist_group: one worker runs this module, so its module-scoped wheel and venv are built once.
@@ -102,31 +109,84 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+def run_requirements(requires: list[str]) -> list[str]:
+    """The names among ``requires`` (Requires-Dist lines) that are needed to
+    run here: markers that hold on this Python, no extras."""
+    reqs = [Requirement(text) for text in requires]
+    return [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as whl:
+        (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        text = whl.read(metadata).decode()
+    return run_requirements(
+        [
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+    )
+
+
+def requirement_closure(names: list[str]) -> list[importlib.metadata.Distribution]:
+    """The installed distributions ``names`` need to run, those included,
+    found in this environment (their requirements, transitively)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name not in found:
+            found[name] = importlib.metadata.distribution(name)
+            todo += run_requirements(found[name].requires or [])
+    return list(found.values())
+
+
+def link_installed(dists: list[importlib.metadata.Distribution], into: Path) -> None:
+    """Link each distribution's top-level files and directories (and its
+    metadata, so pip and importlib.metadata see it installed) into ``into``."""
+    for d in dists:
+        site = Path(d.locate_file("")).resolve()
+        tops = {Path(f).parts[0] for f in d.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            target = site / top
+            if target.exists() and not (into / top).exists():
+                (into / top).symlink_to(target)
+
+
 @pytest.fixture(scope="module")
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
-    """A fresh venv holding torch and the wheel, installed the way a user would."""
+    """A fresh venv holding the wheel, installed the way a user would, over this torch."""
     base = tmp_path_factory.mktemp("venv")
-    root, work = base / "venv", base / "work"
+    root, work, installed = base / "venv", base / "work", base / "torch-site"
     work.mkdir()
+    installed.mkdir()
     checked(
         subprocess.run(
-            [sys.executable, "-m", "venv", str(root)], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "venv", "--without-pip", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
         ),
         "python -m venv",
     )
-    pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    (site,) = root.glob("lib/python*/site-packages")
+    link_installed(requirement_closure(wheel_requirements(wheel)), installed)
+    (site / "torch_of_the_test_env.pth").write_text(f"{installed}\n")
+    # This pip, installing into the venv (--python): pip runs as the venv's
+    # interpreter, so it sees what the venv sees (torch through the .pth).
+    pip = [sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install"]
     checked(
         subprocess.run(
-            pip + [TORCH_PIN, str(wheel)],
+            pip + ["-q", "--no-compile", "--no-index", str(wheel)],
             cwd=work,
             env=isolated_env(),
             capture_output=True,
             text=True,
             timeout=180,
         ),
-        f"pip install {TORCH_PIN} {wheel.name}",
+        f"pip install {wheel.name}",
     )
-    (site,) = root.glob("lib/python*/site-packages")
     return Venv(root, site, work)
 
 
@@ -232,13 +292,16 @@ def test_a_two_rank_job_and_the_tools_run_from_the_installed_wheel(venv: Venv) -
     ledger = out / "ledger.jsonl"
     stdout = checked(
         venv.run(
-            [venv.bin("torchrun"), "--standalone", "--nproc_per_node=2", str(script), str(out)],
+            # torchrun as the launch scripts run it (the venv has torch's
+            # modules, not its console scripts)
+            [venv.bin("python"), "-m", "torch.distributed.run", "--standalone"]
+            + ["--nproc_per_node=2", str(script), str(out)],
             timeout=180,
             ENTRENAR_LEDGER=str(ledger),
             TORCH_FR_BUFFER_SIZE="200",
             TORCH_FR_DUMP_TEMP_FILE=str(out / "fr" / "rank_"),
         ),
-        "torchrun job.py",
+        "python -m torch.distributed.run job.py",
     )
     reports = sorted(
         (json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
