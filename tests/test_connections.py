@@ -236,6 +236,26 @@ def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> N
     assert socket_fds() == before, "every socket closed at shutdown"
 
 
+def failing_allreduce(groups: list, ranks: list[int], numel: int) -> dict[int, BaseException]:
+    """Each of ``ranks`` allreduces ``numel`` ones in its own thread; what each
+    raised, by rank. None may hang (each thread joined within 30 s)."""
+    errors: dict[int, BaseException] = {}
+
+    def one(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(numel)]).wait()
+        except BaseException as e:  # the expected outcome
+            errors[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return errors
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -> None:
     """4 thread ranks, each its own emulated host (no data socket at set-up):
@@ -245,23 +265,8 @@ def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -
     the timeout, from the wait-for walk."""
     world = 4
     groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=2.0)
-    errors: dict[int, BaseException] = {}
-
-    def one(rank: int) -> None:
-        try:
-            groups[rank].allreduce([torch.ones(4)]).wait()
-        except BaseException as e:  # the expected outcome
-            errors[rank] = e
-
     try:
-        threads = [
-            threading.Thread(target=one, args=(r,), daemon=True) for r in range(world) if r != 1
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        errors = failing_allreduce(groups, [0, 2, 3], numel=4)
         assert sorted(errors) == [0, 2, 3]
         for r, e in errors.items():
             assert isinstance(e, PeerConnectionError), (r, e)
@@ -294,25 +299,8 @@ def test_an_abort_reaches_ranks_with_no_link_to_the_failing_one() -> None:
             if r != victim:
                 end = groups[r]._runtime.mesh.causes.how_ended(victim, 10.0)
                 assert isinstance(end, AbortRecord) and end.culprit == 3, (r, end)
-        errors: dict[int, BaseException] = {}
-
-        def one(rank: int) -> None:
-            try:
-                groups[rank].allreduce([torch.ones(64)]).wait()
-            except BaseException as e:  # the expected outcome
-                errors[rank] = e
-
         start = time.monotonic()
-        threads = [
-            threading.Thread(target=one, args=(r,), daemon=True)
-            for r in range(world)
-            if r != victim
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        errors = failing_allreduce(groups, [r for r in range(world) if r != victim], numel=64)
         assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
         assert sorted(errors) == [r for r in range(world) if r != victim]
         for r, e in errors.items():
@@ -349,23 +337,10 @@ def test_a_first_data_connect_to_a_rank_that_left_names_it_on_every_rank() -> No
     the timeout."""
     world = 4
     groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=20.0)
-    errors: dict[int, BaseException] = {}
-
-    def one(rank: int) -> None:
-        try:
-            groups[rank].allreduce([torch.ones(64)]).wait()
-        except BaseException as e:  # the expected outcome
-            errors[rank] = e
-
     try:
         groups[3].shutdown()
         start = time.monotonic()
-        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        errors = failing_allreduce(groups, [0, 1, 2], numel=64)
         assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
         assert sorted(errors) == [0, 1, 2]
         for r, e in errors.items():

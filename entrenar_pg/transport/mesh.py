@@ -135,6 +135,13 @@ class Mesh:
         """Run a collective's plan (``loop.Progress.run``), first making the data
         sockets it needs that do not exist yet (``data_links.py``). The
         collectives' entry point (tests spy on it)."""
+        if not plan.connected:
+            self._connect(plan, what, pace)
+        self.progress.run(plan, what, pace)
+
+    def _connect(self, plan: Plan, what: str, pace: Pace) -> None:
+        """Make the data sockets ``plan`` needs that do not exist yet (once per
+        plan: sockets stay for the mesh's life, and cached plans run again)."""
         data = self._data
         sends, recvs = plan.links()
         missing = [ln.peer for ln in sends if ln.peer not in data]
@@ -142,7 +149,7 @@ class Mesh:
         if missing:
             assert self._data_links is not None
             self._data_links.reach(missing, what, pace.timeout_s)
-        self.progress.run(plan, what, pace)
+        plan.connected = True
 
     def _channel(self, channel: int) -> dict[int, socket.socket]:
         return {p: s for (p, ch), s in self._links.items() if ch == channel}

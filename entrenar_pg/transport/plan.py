@@ -124,6 +124,9 @@ class Plan:
     _tally: _Tally = field(default_factory=_Tally)
     _links: tuple[list[LinkPlan], list[LinkPlan]] | None = None
     members: tuple[int, ...] | None = None  # a team's ranks; peers are then positions in it
+    # Every peer of the plan has a data socket (``Mesh.run``): a cached plan
+    # checks once, not on every call.
+    connected: bool = False
 
     def on(self, members: tuple[int, ...] | None) -> Plan:
         """This plan, with peers named by position in ``members`` (None: by rank):
