@@ -64,11 +64,13 @@ def compare(members: int, gloo: dist.ProcessGroup) -> None:
                 else:
                     x = torch.randint(1, 4, (n,), generator=g).to(dt)
                 ref = x.clone()
-                if dt == torch.bool and name == "AVG":
-                    # gloo divides the bool tensor in place after the sum: always an
-                    # error, raised in its work thread, and now and then only at the
-                    # next wait (the final barrier); the same "unsupported" as a
-                    # gloo call that raises here.
+                if name == "AVG" and not dt.is_floating_point:
+                    # gloo divides a bool or integer tensor in place after the sum
+                    # ("result type Float can't be cast to ... Byte"): an error raised
+                    # in its work thread, usually by this call's wait but now and then
+                    # only at the next one (the final barrier: 1 in ~20 runs, for bool
+                    # and for uint8); the same "unsupported" as a gloo call that raises
+                    # here. entrenar's integer AVG is checked in tests/test_int_avg.py.
                     unsupported += 1
                     continue
                 try:
