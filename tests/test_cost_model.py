@@ -275,3 +275,20 @@ def test_predict_command_names_the_policys_pick(capsys: pytest.CaptureFixture[st
     assert "4096 B: the policy picks star" in out  # 4 x 2: the star row (policy.star_beats_leaders)
     assert "1048576 B: the policy picks host_slices" in out
     assert "leaders doubling (proposal)" in out
+
+
+def test_the_slices_pieces_fall_with_the_hosts() -> None:
+    """Up to 4 hosts MAX_PIECES pieces of PIECE_BYTES; then 4 x MAX_PIECES / H, one
+    from 64 hosts: each piece pays the cross-host rings' 2(H-1) steps again."""
+    big = 1 << 30
+    counts = [hierarchical.piece_count(big, h) for h in (2, 4, 8, 16, 32, 64, 1024)]
+    assert counts == [16, 16, 8, 4, 2, 1, 1]
+    assert hierarchical.piece_count(hierarchical.PIECE_BYTES - 1, 2) == 1
+    assert hierarchical.piece_count(3 * hierarchical.PIECE_BYTES, 8) == 3
+    # With them the model's slices are never slower than the flat ring at scale
+    # (with 16 pieces at every H: 1.12x at 64 x 8 and 1.71x at 1,024 x 8, 64 MiB).
+    for h in (64, 1024):
+        shape = costs.Shape(h, 8, 64 << 20)
+        slices = costs.total_time(costs.host_slices(shape, costs.ENTRENAR), LINKS)
+        ring = costs.total_time(costs.ring(shape, costs.ENTRENAR), LINKS)
+        assert slices <= ring, (h, slices, ring)

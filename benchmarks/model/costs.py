@@ -40,7 +40,7 @@ from benchmarks.model.links import (
     SLOTS,
     LinkTable,
 )
-from entrenar_pg.collectives.hierarchical import MAX_PIECES, PIECE_BYTES
+from entrenar_pg.collectives.hierarchical import piece_count
 from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
@@ -235,7 +235,8 @@ def _local_pass(fabric: Fabric, local: int, piece: float) -> tuple[float, float]
 def host_slices(shape: Shape, fabric: Fabric) -> list[Phase]:
     """``HOST_SLICES`` (collectives/hierarchical.allreduce_host_slices), large messages.
 
-    The buffer is cut into ``count`` = S / PIECE_BYTES pieces (1 .. MAX_PIECES);
+    The buffer is cut into ``count`` = S / PIECE_BYTES pieces (``piece_count``:
+    at most MAX_PIECES up to 4 hosts, fewer as H grows);
     per piece: a ring reduce-scatter of L slices inside the host (L-1 steps,
     (L-1)/L x piece per rank over the local links, the same combined), then
     L cross-host rings at once, local rank i with its counterparts on slice
@@ -248,7 +249,7 @@ def host_slices(shape: Shape, fabric: Fabric) -> list[Phase]:
     Over all plans: 2(H-1)/H x S per host link per direction, count x 2(H-1)
     cross-host steps in sequence.
     """
-    return _slices(shape, fabric, max(1, min(MAX_PIECES, shape.nbytes // PIECE_BYTES)))
+    return _slices(shape, fabric, piece_count(shape.nbytes, shape.hosts))
 
 
 def host_slices_one_piece(shape: Shape, fabric: Fabric) -> list[Phase]:

@@ -82,6 +82,23 @@ LEADER = 0  # a host's leader: its first rank (position 0 of the host's team)
 # larger pieces cost less Python; more hide the local phases better).
 PIECE_BYTES = 4 << 20
 MAX_PIECES = 16
+
+
+def piece_count(nbytes: int, hosts: int) -> int:
+    """The host slices' pieces for ``nbytes`` across ``hosts`` hosts.
+
+    About ``PIECE_BYTES`` each, at most ``MAX_PIECES`` up to 4 hosts, then
+    falling as 4 x MAX_PIECES / H (8 at 8 hosts, 1 from 64): every piece pays
+    the cross-host rings' 2(H-1) steps again, in sequence, while what it
+    hides (the local phases) does not grow with H. The cost model
+    (benchmarks/model, docs/benchmarks.md "Where the code's pair stops being
+    enough") predicted 16 pieces 1.12x the flat ring's time at 64 x 8 and
+    1.71x at 1,024 x 8 for 64 MiB; 2 x 2 and 4 x 2 were measured best at 16.
+    """
+    most = max(1, min(MAX_PIECES, 4 * MAX_PIECES // max(hosts, 1)))
+    return max(1, min(most, nbytes // PIECE_BYTES))
+
+
 SEGMENTS_PER_CHUNK = 4
 MIN_SEGMENT_BYTES = 64 << 10
 
@@ -96,8 +113,8 @@ def allreduce_host_slices(
     all-gather inside the host. Bytes per host link, each way: 2(H-1)/H x
     nbytes (the bound); per rank over the local links: 2(L-1)/L x nbytes.
 
-    The buffer is cut into pieces of about ``PIECE_BYTES`` (at most
-    ``MAX_PIECES``), pipelined: plan t holds piece t's reduce-scatter, piece
+    The buffer is cut into pieces of about ``PIECE_BYTES`` (``piece_count``:
+    fewer as H grows), pipelined: plan t holds piece t's reduce-scatter, piece
     t-1's cross-host allreduce and piece t-2's all-gather (on different
     links, so they overlap), and the slower local phases hide behind the
     network's. Rings everywhere (2(L-1) local hops, 2(H-1) cross-host hops
@@ -111,7 +128,7 @@ def allreduce_host_slices(
     host = call.on(topology.local_peers(me))
     kind = red.combine_kind
     nbytes = buf.numel() * buf.element_size()
-    count = max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
+    count = piece_count(nbytes, len(topology.hosts))
     pieces = [buf[a:b] for a, b in chunk_bounds(buf.numel(), count)]
     slices = [[p[a:b] for a, b in chunk_bounds(p.numel(), host.world)] for p in pieces]
     # The cross-host ring forwards a chunk while it still arrives: segments
