@@ -226,7 +226,7 @@ def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> N
         want = sum(len(overlay(r, world)) + len(d) + 3 for r, d in enumerate(data))
         assert socket_fds() - before == want
         for r, g in enumerate(groups):
-            assert set(g._runtime.mesh._data) == data[r], r
+            assert g._runtime.mesh.data_peers == data[r], r
         # A second allreduce makes no socket: the first one's are reused.
         assert allreduce_all(groups, numel=64) == [total] * world
         assert socket_fds() - before == want
@@ -293,7 +293,7 @@ def test_an_abort_reaches_ranks_with_no_link_to_the_failing_one() -> None:
     try:
         allreduce_all(groups, numel=64)
         mesh = groups[far]._runtime.mesh
-        assert victim not in mesh.control.links and victim not in mesh._data
+        assert victim not in mesh.control.links and victim not in mesh.data_peers
         groups[victim]._runtime.mesh.abort(CollectiveMismatchError("rank 5: injected", culprit=3))
         for r in range(world):
             if r != victim:

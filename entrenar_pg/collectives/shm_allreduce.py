@@ -55,6 +55,7 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -194,6 +195,7 @@ _NUMPY_SUM: dict[torch.dtype, type] = {
     torch.uint8: np.uint8,
 }
 _MAX_HOST_VIEWS = 8  # caller buffers remembered per shape (a training loop reuses a few)
+_V = TypeVar("_V")  # what a shape remembers of a caller's buffer
 
 
 @dataclass(slots=True)
@@ -228,10 +230,15 @@ def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]
     address = buf.data_ptr()
     raw = memoryview((ctypes.c_char * pair.nbytes).from_address(address)).cast("B")
     array: np.ndarray = np.frombuffer(raw, dtype=pair.dtype)
-    views = (raw, array)
-    if len(pair.host) >= _MAX_HOST_VIEWS:
-        pair.host.clear()
-    pair.host[address] = views
+    return _remember(pair.host, address, (raw, array))
+
+
+def _remember(cache: dict[int, _V], address: int, views: _V) -> _V:
+    """Keep ``views`` of the buffer at ``address`` (at most ``_MAX_HOST_VIEWS``
+    buffers: a full cache starts again) and return them."""
+    if len(cache) >= _MAX_HOST_VIEWS:
+        cache.clear()
+    cache[address] = views
     return views
 
 
@@ -305,10 +312,7 @@ def _pair_cut_host(cut: _PairCut, buf: torch.Tensor) -> tuple[memoryview, memory
     size = cut.pair.nbytes // buf.numel()
     (lo, hi), (tlo, thi) = cut.mine, cut.theirs
     views = (raw[lo * size : hi * size], raw[tlo * size : thi * size], array[lo:hi])
-    if len(cut.host) >= _MAX_HOST_VIEWS:
-        cut.host.clear()
-    cut.host[buf.data_ptr()] = views
-    return views
+    return _remember(cut.host, buf.data_ptr(), views)
 
 
 def _await(

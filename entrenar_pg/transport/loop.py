@@ -170,6 +170,10 @@ class Links:
     def sockets(self) -> dict[int, socket.socket]:
         return dict(self._socks)
 
+    def linked(self, peer: int) -> bool:
+        """Whether a data link to ``peer`` exists (made at set-up or attached since)."""
+        return peer in self._socks
+
     def peer_of(self, fd: int) -> int | None:
         """The peer whose link ``fd`` is; None for the wake-up and control fds."""
         return self._fd_peer.get(fd)

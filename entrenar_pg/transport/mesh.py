@@ -113,7 +113,6 @@ class Mesh:
         self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
         self.causes = Causes(rank, self.control)
         self.progress = Progress(rank, data, self.causes, control=self.control, woken=self.shm)
-        self._data = data
         if self._rendezvous is not None:
             data_links = DataLinks(rank, self._rendezvous, self.progress, self.causes)
             with self._close_lock:
@@ -123,9 +122,10 @@ class Mesh:
                 data_links.arrived(peer, sock)
 
     def _set_up_pairs(self, keys: list[str]) -> set[tuple[int, int]]:
-        """The (peer, channel) sockets made at set-up: control with every peer;
-        data with the peers on this host (shared memory's set-up and wake-ups
-        need them); any other data socket is made on first use (``run``)."""
+        """The (peer, channel) sockets made at set-up: control with the overlay
+        neighbours (``control.overlay``); data with the peers on this host
+        (shared memory's set-up and wake-ups need them); any other data socket
+        is made on first use (``run``)."""
         mine = keys[self.rank]
         pairs = {(p, CONTROL) for p in overlay(self.rank, self.world)}
         pairs |= {(p, DATA) for p, k in enumerate(keys) if p != self.rank and mine and k == mine}
@@ -142,14 +142,19 @@ class Mesh:
     def _connect(self, plan: Plan, what: str, pace: Pace) -> None:
         """Make the data sockets ``plan`` needs that do not exist yet (once per
         plan: sockets stay for the mesh's life, and cached plans run again)."""
-        data = self._data
+        linked = self.progress.linked
         sends, recvs = plan.links()
-        missing = [ln.peer for ln in sends if ln.peer not in data]
-        missing += [ln.peer for ln in recvs if ln.peer not in data and ln.peer not in missing]
+        missing = [ln.peer for ln in sends if not linked(ln.peer)]
+        missing += [ln.peer for ln in recvs if not linked(ln.peer) and ln.peer not in missing]
         if missing:
             assert self._data_links is not None
             self._data_links.reach(missing, what, pace.timeout_s)
         plan.connected = True
+
+    @property
+    def data_peers(self) -> set[int]:
+        """The ranks this one holds a data socket to, now."""
+        return set(self.progress.sockets)
 
     def _channel(self, channel: int) -> dict[int, socket.socket]:
         return {p: s for (p, ch), s in self._links.items() if ch == channel}
