@@ -142,11 +142,9 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 
     @property
     def bound_device_id(self) -> Any:
-        """Always None: nothing is eagerly bound, so torch never tries to split this group.
-
+        """Always None: nothing is eagerly bound, so torch never splits this group.
         ``init_process_group(device_id=...)`` sets it; the device is kept in
-        ``requested_device_id`` (staging follows each tensor's own device).
-        """
+        ``requested_device_id`` (staging follows each tensor's own device)."""
         return None
 
     @bound_device_id.setter
