@@ -133,6 +133,7 @@ class Scenario:
     report: dict  # the trace's report, as JSON
     picture: Picture  # its --html page, read back
     dumps: dict[int, dict]
+    said: str  # each rank's error message and stderr (shown when ``results`` differ)
 
 
 def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
@@ -160,6 +161,7 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
         for r in range(3)
     ]
     results: dict[int, str] = {}
+    said: dict[int, str] = {}  # each rank's error message and stderr, for a failing assertion
     try:
         for r, p in enumerate(procs):
             if r == VICTIM and mode != "desync":
@@ -168,9 +170,10 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
                 out, err = p.communicate(timeout=90)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"rank {r} hung in the {mode} scenario")
-            lines = [ln.split() for ln in out.splitlines() if ln.startswith("RESULT ")]
+            lines = [ln.split(maxsplit=3) for ln in out.splitlines() if ln.startswith("RESULT ")]
             assert lines, f"rank {r} printed no result:\n{out[-2000:]}\n{err[-3000:]}"
             results[int(lines[0][1])] = lines[0][2]
+            said[r] = f"rank {r}: {' '.join(lines[0][2:])}\n{err[-3000:]}"
     finally:
         for p in procs:
             if p.poll() is None:
@@ -193,7 +196,9 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
         stdout = captured.getvalue()
     reports = json.loads(stdout)
     assert len(reports) == 1, reports
-    return Scenario(results, reports[0], read_picture(page), load_dir(str(dumps)))
+    return Scenario(
+        results, reports[0], read_picture(page), load_dir(str(dumps)), "\n".join(said.values())
+    )
 
 
 @pytest.mark.slow
@@ -201,7 +206,7 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
 def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
     sc = run_scenario("desync", tmp_path, cli=True)
     results, rep = sc.results, sc.report
-    assert results == dict.fromkeys(range(3), "CollectiveMismatchError")
+    assert results == dict.fromkeys(range(3), "CollectiveMismatchError"), sc.said
     assert rep["no_dump"] == []
     mm = rep["first_mismatch"]
     assert mm["seq"] == K + 2
@@ -230,7 +235,7 @@ def test_a_desynchronised_rank_is_diagnosed(tmp_path: Path) -> None:
 def test_a_stalled_rank_is_diagnosed(tmp_path: Path) -> None:
     sc = run_scenario("stall", tmp_path)
     results, rep = sc.results, sc.report
-    assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}
+    assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}, sc.said
     assert rep["no_dump"] == []  # the victim dumped on demand before it stopped
     assert rep["first_mismatch"] is None
     stuck = rep["first_incomplete"]
@@ -253,7 +258,7 @@ def test_a_stalled_rank_is_diagnosed(tmp_path: Path) -> None:
 def test_a_killed_rank_is_diagnosed(tmp_path: Path) -> None:
     sc = run_scenario("kill", tmp_path)
     results, rep = sc.results, sc.report
-    assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}
+    assert results == {0: "PeerConnectionError", 1: "PeerConnectionError"}, sc.said
     assert rep["no_dump"] == [VICTIM]
     stuck = rep["first_incomplete"]
     assert stuck["seq"] == K + 2 and stuck["op"] == "all_reduce"
