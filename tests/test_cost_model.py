@@ -191,14 +191,17 @@ def test_check_asks_the_policy_with_the_topology() -> None:
 
 
 def test_check_predicts_the_policy_and_flags_rows_off_by_more_than_25_percent() -> None:
+    meta = {"rate": "1gbit"}  # shaped: tbf's burst is not charged (no machine: a core per rank)
+
     def predicted(variant: str, h: int, local: int, s: int) -> float:
         row = {"variant": variant, "hosts": h, "local": local, "bytes": s, "median_s": 1.0}
-        return check.predict_row(row, {}, LINKS).predicted_s
+        return check.predict_row(row, meta, LINKS).predicted_s
 
     small, large = 64 << 10, 16 << 20
-    t_star = costs.total_time(costs.star(costs.Shape(2, 2, small), costs.ENTRENAR), LINKS)
-    assert predicted("entrenar-flat", 2, 2, small) == t_star
-    t_gloo = costs.total_time(costs.ring(costs.Shape(4, 2, large), costs.GLOO), LINKS)
+    burst = costs.Conditions(free_net_bytes=check.TBF_BURST_BYTES)
+    star = costs.star(costs.Shape(2, 2, small), costs.ENTRENAR)
+    assert predicted("entrenar-flat", 2, 2, small) == costs.total_time(star, LINKS, burst)
+    t_gloo = costs.total_time(costs.ring(costs.Shape(4, 2, large), costs.GLOO), LINKS, burst)
     assert predicted("gloo", 4, 2, large) == t_gloo
 
     rows = [
@@ -218,7 +221,7 @@ def test_check_predicts_the_policy_and_flags_rows_off_by_more_than_25_percent() 
         for v, h, local, s, f in rows
     ]
     measured_rows[0]["xhost_bytes_per_host"] = 2 * small  # what a 2 x 2 star moves through host 0
-    run = {"meta": {"rate": "1gbit"}, "rows": measured_rows}
+    run = {"meta": meta, "rows": measured_rows}
     checked = check.check([run], LINKS)
     assert [c.flagged for c in checked] == [False, True, True, False]
     assert checked[0].link_bytes == checked[0].measured_link_bytes == 2 * small

@@ -38,6 +38,7 @@ from benchmarks.model.links import (
     REDUCE,
     SHM,
     SLOTS,
+    WAKE,
     LinkTable,
 )
 from entrenar_pg.collectives.hierarchical import piece_count
@@ -91,12 +92,56 @@ class Phase:
     def kinds(self) -> set[str]:
         return set(self.messages) | set(self.nbytes)
 
+    def charged_after(self, free: float) -> tuple[Phase, float]:
+        """This phase with up to ``free`` host-link bytes not charged, and the free bytes left."""
+        nbytes = dict(self.nbytes)
+        for kind in (NET, GLOO_NET):
+            if kind in nbytes:
+                taken = min(free, nbytes[kind])
+                nbytes[kind] -= taken
+                free -= taken
+        return Phase(self.name, self.messages, nbytes, self.fill), free
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """Where a call runs, beyond its links (``DEDICATED``: a core per rank, real links).
+
+    ``ranks_per_core``: ranks sharing one core. The emulated clusters put
+    every rank of every host on this machine's cores (8 ranks on 2: 4);
+    each rank past the first on a core makes every hop in sequence wait to
+    be scheduled: ``WAKE``'s alpha per hop per extra rank. (The links'
+    alphas are fitted with 2 ranks on 2 cores: one per core.)
+    ``free_net_bytes``: bytes per call a host link passes before its rate
+    binds: tc tbf's burst on the emulated links (a loop of small calls is not
+    charged for its bytes, fit.py), 0 on a real link.
+    """
+
+    ranks_per_core: float = 1.0
+    free_net_bytes: float = 0.0
+
+
+DEDICATED = Conditions()
 
 Algorithm = Callable[[Shape, Fabric], list[Phase]]
 
 
-def total_time(phases: list[Phase], links: LinkTable) -> float:
-    return sum(p.time(links) for p in phases)
+def hops(phases: list[Phase]) -> float:
+    """Messages in sequence over all phases (each phase waits for its slowest kind's)."""
+    return sum(max(p.messages.values(), default=0.0) for p in phases)
+
+
+def total_time(phases: list[Phase], links: LinkTable, where: Conditions = DEDICATED) -> float:
+    """Seconds for ``phases`` in sequence, under ``where``."""
+    free, seconds = where.free_net_bytes, 0.0
+    for phase in phases:
+        if free > 0:
+            phase, free = phase.charged_after(free)
+        seconds += phase.time(links)
+    extra = where.ranks_per_core - 1
+    if extra > 0 and WAKE in links.params:
+        seconds += hops(phases) * extra * links[WAKE].alpha
+    return seconds
 
 
 def _reduce_phase(name: str, fabric: Fabric, nbytes: float) -> list[Phase]:
@@ -359,10 +404,10 @@ PROPOSALS = ("leaders doubling", "slices 1 piece")
 HOST_AWARE = ("host slices", "host leaders")  # the code's host-aware pair (policy's HOST_* rows)
 
 
-def predict(name: str, shape: Shape, links: LinkTable) -> float:
+def predict(name: str, shape: Shape, links: LinkTable, where: Conditions = DEDICATED) -> float:
     """Seconds of algorithm ``name`` (a key of ``ALGORITHMS``) for ``shape``."""
     algo, fabric = ALGORITHMS[name]
-    return total_time(algo(shape, fabric), links)
+    return total_time(algo(shape, fabric), links, where)
 
 
 def host_link_bytes(phases: list[Phase], inter: str) -> float:
