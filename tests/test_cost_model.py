@@ -8,8 +8,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, cli, costs, fit, plan
-from benchmarks.model.links import GLOO_NET, KINDS, NET, REDUCE, SHM, LinkParams, LinkTable
+from benchmarks.model import check, cli, costs, fit, plan, wake
+from benchmarks.model.links import (
+    GLOO_NET,
+    KINDS,
+    NET,
+    REDUCE,
+    SHM,
+    WAKE,
+    LinkParams,
+    LinkTable,
+)
 from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
@@ -295,3 +304,54 @@ def test_the_slices_pieces_fall_with_the_hosts() -> None:
         slices = costs.total_time(costs.host_slices(shape, costs.ENTRENAR), LINKS)
         ring = costs.total_time(costs.ring(shape, costs.ENTRENAR), LINKS)
         assert slices <= ring, (h, slices, ring)
+
+
+def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
+    """costs.Conditions: each rank past the first on a core adds WAKE's alpha to every
+    hop in sequence (none on dedicated cores); tbf's burst is taken off the host-link
+    bytes of the first phases, once per call; the check reads both from a run's meta."""
+    wake = LinkTable({**LINKS.params, WAKE: LinkParams(400e-6, 0.0)}, {})
+    shape = costs.Shape(4, 2, 4 << 10)
+    ring = costs.ring(shape, costs.ENTRENAR)
+    assert costs.hops(ring) == 2 * (8 - 1)
+    base = costs.total_time(ring, wake)
+    assert costs.total_time(ring, LINKS) == base  # dedicated cores: no wake-up term
+    four = costs.Conditions(ranks_per_core=4.0)
+    assert costs.total_time(ring, wake, four) == pytest.approx(base + 14 * 3 * 400e-6)
+    assert costs.total_time(ring, LINKS, four) == base  # no WAKE fitted: nothing added
+    slices = costs.host_slices(costs.Shape(2, 2, 4 << 20), costs.ENTRENAR)
+    per_plan = [max(p.messages.values()) for p in slices]
+    assert costs.hops(slices) == sum(per_plan) and len(per_plan) == len(slices)
+    # The burst: a star's 2 x 64 KiB through host 0's link is free, 2 x 1 MiB pays past it.
+    small = costs.star(costs.Shape(2, 2, 64 << 10), costs.ENTRENAR)
+    free = costs.Conditions(free_net_bytes=128 << 10)
+    uncharged = [costs.Phase(p.name, p.messages, {**p.nbytes, NET: 0.0}, p.fill) for p in small]
+    assert costs.total_time(small, LINKS, free) == costs.total_time(uncharged, LINKS)
+    big = costs.star(costs.Shape(2, 2, 1 << 20), costs.ENTRENAR)
+    saved = costs.total_time(big, LINKS) - costs.total_time(big, LINKS, free)
+    assert saved == pytest.approx((128 << 10) * LINKS[NET].beta * (1 + big[0].fill))
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    assert check.conditions_of(meta, shape) == costs.Conditions(4.0, check.TBF_BURST_BYTES)
+    assert check.conditions_of({}, shape) == costs.DEDICATED
+
+
+def test_fit_wake_recovers_the_wake_up_alpha_from_cluster_rows() -> None:
+    """wake.fit_wake: rows below 1 MiB made by the model with a known WAKE (and 3 %
+    noise) give it back; rows from 1 MiB and rows with a core per rank are not used."""
+    rng = np.random.default_rng(26)
+    want = LinkTable({**LINKS.params, WAKE: LinkParams(540e-6, 0.0)}, {})
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    rows = []
+    for variant in ("gloo", "entrenar-flat", "entrenar-leaders", "entrenar-slices"):
+        for h, local in ((2, 2), (4, 2)):
+            for s in (4 << 10, 64 << 10, 256 << 10, 16 << 20):
+                row = {"variant": variant, "hosts": h, "local": local, "bytes": s}
+                truth = check.predict_row({**row, "median_s": 1.0}, meta, want).predicted_s
+                noisy = truth * (1 + 0.03 * rng.standard_normal())
+                # rows from 1 MiB are off by 10x: a fit that used them would miss
+                rows.append({**row, "median_s": noisy * (10 if s >= 1 << 20 else 1)})
+    fitted = wake.fit_wake([{"meta": meta, "rows": rows}], LINKS)
+    assert fitted[WAKE].alpha == pytest.approx(540e-6, rel=0.05)
+    assert fitted.meta["wake_rows"] == 4 * 2 * 3
+    with pytest.raises(ValueError, match="no row below 1 MiB"):
+        wake.fit_wake([{"meta": {}, "rows": rows}], LINKS)  # a core per rank: nothing to fit
