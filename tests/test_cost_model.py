@@ -56,7 +56,9 @@ def test_every_algorithm_is_monotone_in_size(name: str) -> None:
 @pytest.mark.parametrize(("h", "local"), [(2, 1), (2, 8), (4, 2), (64, 8), (1024, 8)])
 def test_host_link_bytes(h: int, local: int) -> None:
     """Bytes per host link per direction: the host slices 2(H-1)/H x S whatever L and the
-    pieces are (the bound); the leaders (H-1) x S; recursive doubling ceil(log2 H) x S;
+    pieces are (the bound); the leaders (H-1) x S, or log2 H x S where the code
+    exchanges by recursive doubling (hierarchical.leaders_doubling: here 64 and 1,024
+    hosts, from 4 KiB); recursive doubling at every H ceil(log2 H) x S;
     the flat ring 2(N-1)/N x S (one ring edge per host); direct (H-1) x L^2 x S;
     star (H-1) x L x S."""
     for s in (4 << 10, 3 << 20, 64 << 20):  # one piece, one piece, MAX_PIECES pieces
@@ -66,7 +68,9 @@ def test_host_link_bytes(h: int, local: int) -> None:
             got = costs.host_link_bytes(slices(shape, costs.ENTRENAR), NET)
             assert got == pytest.approx(2 * (h - 1) / h * s), (slices, s)
         leaders = costs.host_link_bytes(costs.host_leaders(shape, costs.ENTRENAR), NET)
-        assert leaders == pytest.approx((h - 1) * s)
+        doubles = hierarchical.leaders_doubling(h, s)
+        assert doubles == (h >= 64), (h, s)
+        assert leaders == pytest.approx((math.log2(h) if doubles else h - 1) * s)
         doubling = costs.host_link_bytes(costs.leaders_doubling(shape, costs.ENTRENAR), NET)
         assert doubling == pytest.approx(math.ceil(math.log2(h)) * s)
         ring = costs.host_link_bytes(costs.ring(shape, costs.ENTRENAR), NET)
@@ -105,8 +109,9 @@ def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
 
 def test_host_leaders_phases() -> None:
     """Leaders: (L-1) x S into the leader over the local links, one cross-host message,
-    (H-1) x S combined at the leader, (L-1) x S back out."""
-    h, local, s = 8, 4, 64 << 10
+    (H-1) x S combined at the leader, (L-1) x S back out; from 8 hosts where the direct
+    exchange's bytes cost more than the hops saved, log2 H rounds of recursive doubling."""
+    h, local, s = 8, 4, 8 << 10  # 8 KiB at 8 hosts: below the doubling's 10 KiB
     phases = costs.host_leaders(costs.Shape(h, local, s), costs.ENTRENAR)
     assert [p.name for p in phases] == [
         "to leader",
@@ -119,6 +124,9 @@ def test_host_leaders_phases() -> None:
     assert phases[2].nbytes[REDUCE] == (h - 1) * s
     # one rank per host: only the exchange and its combine
     assert len(costs.host_leaders(costs.Shape(h, 1, s), costs.ENTRENAR)) == 2
+    doubling = costs.host_leaders(costs.Shape(h, local, 64 << 10), costs.ENTRENAR)
+    assert [p.name for p in doubling][1:3] == ["doubling", "doubling combine"]
+    assert doubling[1].messages == {NET: 3} and doubling[1].nbytes[NET] == 3 * (64 << 10)
 
 
 # What a loop of small calls sees through a token bucket: no byte is charged.
@@ -256,17 +264,19 @@ def test_plan_crossovers_are_where_the_fastest_changes() -> None:
     assert found >= 4
 
 
-def test_leaders_to_slices_crossover_falls_with_hosts_towards_2_alpha_over_beta() -> None:
-    """The leaders' bytes grow as (H-1) x S, the slices' steps as 2(H-1): the crossover
-    falls as H grows, to 2 alpha / beta of the host link at large H."""
+def test_leaders_to_slices_crossover_falls_then_rises_with_the_doubling() -> None:
+    """Up to 4 hosts the leaders exchange directly, (H-1) x S per host link, so the
+    crossover to the slices falls from 2 to 4 hosts; from 8 hosts they double
+    (log2 H x S, log2 H hops) while the slices' steps grow as 2(H-1): it rises with H,
+    past 1 MiB at 256 hosts."""
     for local in (2, 8):
         xs = [plan.leaders_to_slices(h, local, LINKS) for h in plan.HOSTS]
         assert all(x is not None for x in xs), xs
-        got = [x for x in xs if x is not None]
-        assert all(b <= a for a, b in zip(got, got[1:], strict=False)), (local, got)
-        assert got[0] > 2 * got[-1]
-        net = LINKS[NET]
-        assert got[-1] == pytest.approx(2 * net.alpha / net.beta, rel=0.1)
+        got = dict(zip(plan.HOSTS, [x or 0 for x in xs], strict=True))
+        assert got[4] < got[2] and got[4] < got[8], (local, got)
+        rising = [got[h] for h in plan.HOSTS if h >= 8]
+        assert all(b > a for a, b in zip(rising, rising[1:], strict=False)), (local, got)
+        assert got[256] > 1 << 20, (local, got)
     lines = plan.threshold_lines(LINKS)
     assert "host_leaders_max_bytes = 64 KiB" in lines[0]
 

@@ -426,6 +426,63 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
             assert torch.equal(t, ref), t.numel()
 
 
+def test_leaders_doubling_rule() -> None:
+    """Recursive doubling among the leaders from 8 hosts (a power of two), where
+    (H - 1 - log2 H) x S > (log2 H - 1) x HOP_BYTES: 10 KiB at 8 hosts."""
+    hop = hierarchical.HOP_BYTES
+    assert not hierarchical.leaders_doubling(8, hop // 2)  # 4 x 10 KiB = 2 x 20 KiB: not more
+    assert hierarchical.leaders_doubling(8, hop // 2 + 1)
+    assert hierarchical.leaders_doubling(1024, 256)  # 1,013 x 256 B > 9 x 20 KiB
+    assert not hierarchical.leaders_doubling(1024, 128)
+    for hosts in (2, 4, 12, 96):  # below 8 hosts, or not a power of two
+        assert not hierarchical.leaders_doubling(hosts, 64 << 10), hosts
+
+
+@pytest.mark.timeout(180)
+def test_leaders_recursive_doubling_results_bits_and_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 x 2 with doubling allowed from 4 hosts: the leaders exchange with the
+    leaders 1 and 2 hosts away only (leader 0: its local peer and the leaders
+    of hosts 1 and 2, never host 3's: log2 H partners, where the direct
+    exchange connects all H - 1), sums exact on integers and equal on every
+    rank on floats, and deterministic bits the canonical tree sum's (the
+    direct exchange's). (Before: leader 0 held a data socket to rank 6.)"""
+    monkeypatch.setattr(hierarchical, "DOUBLING_MIN_HOSTS", 4)
+    world, numel = 8, 6000  # 24 KiB of float32: (4 - 1 - 2) x 24 KiB > 1 x 20 KiB
+    assert hierarchical.leaders_doubling(4, numel * 4)
+    assert not hierarchical.leaders_doubling(4, numel * 2)
+    data = _inputs(world, numel)
+    gs = _groups("aabbccdd")
+    try:
+        assert {_algo(g, numel * 4) for g in gs} == {Algo.HOST_LEADERS}
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+            t = data[rank].clone()
+            pg.allreduce([t]).wait()
+            ints = torch.full((numel,), rank + 1, dtype=torch.int32)
+            pg.allreduce([ints]).wait()
+            return t, ints
+
+        got = run_ranks(world, fn, groups=gs)
+        for r, (t, ints) in enumerate(got):
+            assert torch.equal(ints, torch.full((numel,), 36, dtype=torch.int32)), r
+            assert torch.equal(t, got[0][0]), r
+        assert torch.allclose(got[0][0], torch.stack(data).sum(0), atol=1e-5)
+        peers = [g._runtime.mesh.data_peers for g in gs]
+        assert peers[0] == {1, 2, 4} and peers[6] == {7, 4, 2}, peers
+        assert peers[2] == {3, 0, 6} and peers[4] == {5, 6, 0}, peers
+        assert all(peers[r] == {r - 1} for r in (1, 3, 5, 7)), peers
+    finally:
+        for g in gs:
+            g.shutdown()
+    results, algos = _det_allreduce("aabbccdd", (numel,))
+    assert algos == {Algo.HOST_LEADERS}
+    ref = tree_sum(data)
+    for r, (t,) in enumerate(results):
+        assert torch.equal(t, ref), r
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", ["aabb", "aabbccdd"])
 def test_deterministic_reduce_scatter_is_host_aware_with_the_tree_bits(

@@ -18,10 +18,11 @@ chunks and 2(N-1) steps, pipelined in segments so its links stream; the
 star through rank 0; the direct exchange; the shm-native allreduce's one
 phase (<= 1 MiB) or chunks of a slot; the host-aware pair
 (collectives/hierarchical.py): the slices, pipelined in pieces, and the
-leaders' direct exchange; ``leaders_doubling`` is a proposal for large H,
-not code. gloo's allreduce is its ring (gloo/allreduce.cc: reduce-scatter
-then all-gather over the ranks in order, TCP between every pair, same host
-or not).
+leaders' direct exchange (recursive doubling among the leaders from 8
+hosts, as the code; ``leaders_doubling`` does it at every H, a proposal).
+gloo's allreduce is its ring (gloo/allreduce.cc: reduce-scatter then
+all-gather over the ranks in order, TCP between every pair, same host or
+not).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from benchmarks.model.links import (
     WAKE,
     LinkTable,
 )
+from entrenar_pg.collectives.hierarchical import leaders_doubling as leaders_doubling_in_code
 from entrenar_pg.collectives.hierarchical import piece_count
 from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
@@ -359,9 +361,13 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
     exchange (1 cross-host message in sequence; each leader sends S to each
     other leader: (H-1) x S per host link per direction), then each leader
     combines the (H-1) x S it received; the leader's result back to its
-    L-1 ranks ((L-1) x S out). The leaders' bytes grow with H: from some H
-    on, even small messages are cheaper through the slices' rings.
+    L-1 ranks ((L-1) x S out). From 8 hosts, where the code exchanges by
+    recursive doubling among the leaders (``hierarchical.leaders_doubling``:
+    the direct exchange's bytes cost more than the hops saved), the
+    doubling's rounds instead (``leaders_doubling``).
     """
+    if leaders_doubling_in_code(shape.hosts, shape.nbytes):
+        return leaders_doubling(shape, fabric)
     h, s = shape.hosts, shape.nbytes
     phases = _to_leader(shape, fabric)
     if h > 1:
@@ -371,13 +377,14 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
 
 
 def leaders_doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
-    """A proposal, not code: ``host_leaders`` with recursive doubling among the leaders.
+    """``host_leaders`` with recursive doubling among the leaders, at every H (the
+    code does it only where ``hierarchical.leaders_doubling`` says it pays).
 
     The leaders exchange in ceil(log2 H) rounds with a partner at distance
     2^k, each round S each way then a combine of S (H a power of two; other
     H pay 2 more rounds): ceil(log2 H) x S per host link per direction
     instead of the direct exchange's (H-1) x S, ceil(log2 H) messages in
-    sequence instead of 1. What large H would want for small messages.
+    sequence instead of 1.
     """
     h, s = shape.hosts, shape.nbytes
     phases = _to_leader(shape, fabric)
