@@ -11,6 +11,7 @@ from benchmarks.config import GLOO, BenchConfig, MiB, Variant
 ENTRENAR = "entrenar"
 ENTRENAR_FLAT = "entrenar-flat"
 
+ENTRENAR_HOSTS = "entrenar-hosts"  # host-aware whatever the link probe says
 ENTRENAR_LEADERS = "entrenar-leaders"
 ENTRENAR_SLICES = "entrenar-slices"
 
@@ -21,13 +22,16 @@ ENTRENAR_SLICES = "entrenar-slices"
 FLAT_OVERRIDES: dict[str, Any] = {"topology": "flat"}
 
 # The contestants, in the order of the first round (later rounds rotate it).
-# The last two pin one host-aware allreduce at every size (the policy's
-# crossover between them, Options.host_leaders_max_bytes, is measured with
-# them); they run only when named in --variants.
+# entrenar-hosts forces the host-aware rows on any link (today's path before
+# the link probe: compare it with entrenar unshaped). The last two pin one
+# host-aware allreduce at every size (the policy's crossover between them,
+# Options.host_leaders_max_bytes, is measured with them). These three run
+# only when named in --variants.
 CLUSTER_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant(ENTRENAR, "entrenar"),
     Variant(ENTRENAR_FLAT, "entrenar", FLAT_OVERRIDES),
+    Variant(ENTRENAR_HOSTS, "entrenar", {"topology": "hosts"}),
     Variant(
         ENTRENAR_LEADERS, "entrenar", {"host_leaders_max_bytes": 1 << 40, "host_star_max_bytes": 0}
     ),

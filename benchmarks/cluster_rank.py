@@ -100,14 +100,24 @@ def _make_groups(
     probe = torch.zeros(SOCKET_PROBE_ELEMS, dtype=torch.float32)
     before = netns.tcp_sockets()
     for v in variants:
-        who = _GroupAllreduce(_new_group(v, world))
+        pg = _new_group(v, world)
+        who = _GroupAllreduce(pg)
         _verify(probe, who, rank, world, v.name)
+        if rank == 0 and v.backend == "entrenar":
+            rec.notes.append(f"{v.name}: {_link_probe(pg)}")
         dist.barrier(group=ctrl)
         now = netns.tcp_sockets()
         rec.sockets[v.name] = now - before
         before = now
         groups[v.name] = who
     return groups
+
+
+def _link_probe(pg: dist.ProcessGroup) -> str:
+    """What the group's set-up probe found (entrenar_pg/transport/link_probe.py)."""
+    backend: Any = pg._get_backend(torch.device("cpu"))
+    verdict = getattr(backend._runtime.mesh, "probe", None)  # None: not probed, or an older tree
+    return "no link probe" if verdict is None else f"link probe: {verdict.describe()}"
 
 
 def _calibrate(fence: Fence, blocks: int, rec: RankRecord) -> None:

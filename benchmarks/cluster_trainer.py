@@ -141,8 +141,11 @@ def run_hosts(
     out_dir = out / f"{hosts}x{local}"
     args = " ".join(trainer_args(steps, micro_batches, out_dir, backend))
     env = rank_environment()
+    # ENTRENAR_TOPOLOGY=hosts: the host-aware path whatever the link probe
+    # finds (unshaped, it would take the flat one), as the verdict checks it.
     node_cmd = (
         f"ENTRENAR_IFNAME={netns.HOST_IFNAME} GLOO_SOCKET_IFNAME={netns.HOST_IFNAME} "
+        f"ENTRENAR_TOPOLOGY=hosts "
         f"exec {sys.executable} -m torch.distributed.run --nnodes={hosts} "
         f"--nproc_per_node={local} --node_rank=$NODE --master_addr=$HEAD_ADDR "
         f"--master_port={netns.HEAD_PORT} {RANK_SCRIPT} {args}"

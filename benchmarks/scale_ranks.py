@@ -134,8 +134,10 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
     if spec.transport:
         options = dataclasses.replace(options, transport=spec.transport)
     if spec.hosts > 1:
+        # topology="hosts": host-aware although the emulated hosts share
+        # loopback (the link probe would take the flat path on it).
         host = rank * spec.hosts // spec.world
-        options = dataclasses.replace(options, host_id=f"scale-host-{host}")
+        options = dataclasses.replace(options, host_id=f"scale-host-{host}", topology="hosts")
     return EntrenarProcessGroup(store, rank, spec.world, timeout=timeout, options=options)
 
 

@@ -52,7 +52,7 @@ FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
 ALGORITHMS = ("auto", "ring", "star", "direct")
 TRANSPORTS = ("auto", "tcp", "shm")
-TOPOLOGIES = ("auto", "flat")
+TOPOLOGIES = ("auto", "flat", "hosts")
 
 # Time bounds: every fixed wait of the package, in seconds (a group's own
 # timeout is the caller's: ``GroupTimeout``).
@@ -177,10 +177,14 @@ class Options:
         topology: ``"auto"``: the group learns which ranks share a host
             (``transport/topology.py``) and, when every host holds the same
             number of ranks (at least two hosts of at least two ranks),
-            allreduce runs host-aware (``collectives/hierarchical.py``: in
-            the host over its local links, across hosts one rank per host
-            or per slice); ``"flat"``: every rank is treated alike, as on
-            one host (the flat ring, star and direct). Env ``ENTRENAR_TOPOLOGY``.
+            measures the cross-host link once at set-up
+            (``transport/link_probe.py``); where it is slower than a link
+            inside a host, allreduce runs host-aware
+            (``collectives/hierarchical.py``: in the host over its local
+            links, across hosts one rank per host or per slice), where it is
+            as fast, flat; ``"hosts"``: host-aware on any link (no probe);
+            ``"flat"``: every rank is treated alike, as on one host (the
+            flat ring, star and direct). Env ``ENTRENAR_TOPOLOGY``.
         host_leaders_max_bytes: host-aware allreduce (``topology``): messages
             up to this many bytes go through one leader per host (3 hops,
             (H-1) x the bytes on each host link), larger ones in slices, one

@@ -8,8 +8,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, cli, costs, fit, plan
-from benchmarks.model.links import GLOO_NET, KINDS, NET, REDUCE, SHM, LinkParams, LinkTable
+from benchmarks.model import check, cli, costs, fit, plan, wake
+from benchmarks.model.links import (
+    GLOO_NET,
+    KINDS,
+    NET,
+    REDUCE,
+    SHM,
+    WAKE,
+    LinkParams,
+    LinkTable,
+)
 from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
@@ -47,7 +56,9 @@ def test_every_algorithm_is_monotone_in_size(name: str) -> None:
 @pytest.mark.parametrize(("h", "local"), [(2, 1), (2, 8), (4, 2), (64, 8), (1024, 8)])
 def test_host_link_bytes(h: int, local: int) -> None:
     """Bytes per host link per direction: the host slices 2(H-1)/H x S whatever L and the
-    pieces are (the bound); the leaders (H-1) x S; recursive doubling ceil(log2 H) x S;
+    pieces are (the bound); the leaders (H-1) x S, or log2 H x S where the code
+    exchanges by recursive doubling (hierarchical.leaders_doubling: here 64 and 1,024
+    hosts, from 4 KiB); recursive doubling at every H ceil(log2 H) x S;
     the flat ring 2(N-1)/N x S (one ring edge per host); direct (H-1) x L^2 x S;
     star (H-1) x L x S."""
     for s in (4 << 10, 3 << 20, 64 << 20):  # one piece, one piece, MAX_PIECES pieces
@@ -57,7 +68,9 @@ def test_host_link_bytes(h: int, local: int) -> None:
             got = costs.host_link_bytes(slices(shape, costs.ENTRENAR), NET)
             assert got == pytest.approx(2 * (h - 1) / h * s), (slices, s)
         leaders = costs.host_link_bytes(costs.host_leaders(shape, costs.ENTRENAR), NET)
-        assert leaders == pytest.approx((h - 1) * s)
+        doubles = hierarchical.leaders_doubling(h, s)
+        assert doubles == (h >= 64), (h, s)
+        assert leaders == pytest.approx((math.log2(h) if doubles else h - 1) * s)
         doubling = costs.host_link_bytes(costs.leaders_doubling(shape, costs.ENTRENAR), NET)
         assert doubling == pytest.approx(math.ceil(math.log2(h)) * s)
         ring = costs.host_link_bytes(costs.ring(shape, costs.ENTRENAR), NET)
@@ -96,8 +109,9 @@ def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
 
 def test_host_leaders_phases() -> None:
     """Leaders: (L-1) x S into the leader over the local links, one cross-host message,
-    (H-1) x S combined at the leader, (L-1) x S back out."""
-    h, local, s = 8, 4, 64 << 10
+    (H-1) x S combined at the leader, (L-1) x S back out; from 8 hosts where the direct
+    exchange's bytes cost more than the hops saved, log2 H rounds of recursive doubling."""
+    h, local, s = 8, 4, 8 << 10  # 8 KiB at 8 hosts: below the doubling's 10 KiB
     phases = costs.host_leaders(costs.Shape(h, local, s), costs.ENTRENAR)
     assert [p.name for p in phases] == [
         "to leader",
@@ -110,6 +124,9 @@ def test_host_leaders_phases() -> None:
     assert phases[2].nbytes[REDUCE] == (h - 1) * s
     # one rank per host: only the exchange and its combine
     assert len(costs.host_leaders(costs.Shape(h, 1, s), costs.ENTRENAR)) == 2
+    doubling = costs.host_leaders(costs.Shape(h, local, 64 << 10), costs.ENTRENAR)
+    assert [p.name for p in doubling][1:3] == ["doubling", "doubling combine"]
+    assert doubling[1].messages == {NET: 3} and doubling[1].nbytes[NET] == 3 * (64 << 10)
 
 
 # What a loop of small calls sees through a token bucket: no byte is charged.
@@ -191,14 +208,17 @@ def test_check_asks_the_policy_with_the_topology() -> None:
 
 
 def test_check_predicts_the_policy_and_flags_rows_off_by_more_than_25_percent() -> None:
+    meta = {"rate": "1gbit"}  # shaped: tbf's burst is not charged (no machine: a core per rank)
+
     def predicted(variant: str, h: int, local: int, s: int) -> float:
         row = {"variant": variant, "hosts": h, "local": local, "bytes": s, "median_s": 1.0}
-        return check.predict_row(row, {}, LINKS).predicted_s
+        return check.predict_row(row, meta, LINKS).predicted_s
 
     small, large = 64 << 10, 16 << 20
-    t_star = costs.total_time(costs.star(costs.Shape(2, 2, small), costs.ENTRENAR), LINKS)
-    assert predicted("entrenar-flat", 2, 2, small) == t_star
-    t_gloo = costs.total_time(costs.ring(costs.Shape(4, 2, large), costs.GLOO), LINKS)
+    burst = costs.Conditions(free_net_bytes=check.TBF_BURST_BYTES)
+    star = costs.star(costs.Shape(2, 2, small), costs.ENTRENAR)
+    assert predicted("entrenar-flat", 2, 2, small) == costs.total_time(star, LINKS, burst)
+    t_gloo = costs.total_time(costs.ring(costs.Shape(4, 2, large), costs.GLOO), LINKS, burst)
     assert predicted("gloo", 4, 2, large) == t_gloo
 
     rows = [
@@ -218,7 +238,7 @@ def test_check_predicts_the_policy_and_flags_rows_off_by_more_than_25_percent() 
         for v, h, local, s, f in rows
     ]
     measured_rows[0]["xhost_bytes_per_host"] = 2 * small  # what a 2 x 2 star moves through host 0
-    run = {"meta": {"rate": "1gbit"}, "rows": measured_rows}
+    run = {"meta": meta, "rows": measured_rows}
     checked = check.check([run], LINKS)
     assert [c.flagged for c in checked] == [False, True, True, False]
     assert checked[0].link_bytes == checked[0].measured_link_bytes == 2 * small
@@ -244,17 +264,19 @@ def test_plan_crossovers_are_where_the_fastest_changes() -> None:
     assert found >= 4
 
 
-def test_leaders_to_slices_crossover_falls_with_hosts_towards_2_alpha_over_beta() -> None:
-    """The leaders' bytes grow as (H-1) x S, the slices' steps as 2(H-1): the crossover
-    falls as H grows, to 2 alpha / beta of the host link at large H."""
+def test_leaders_to_slices_crossover_falls_then_rises_with_the_doubling() -> None:
+    """Up to 4 hosts the leaders exchange directly, (H-1) x S per host link, so the
+    crossover to the slices falls from 2 to 4 hosts; from 8 hosts they double
+    (log2 H x S, log2 H hops) while the slices' steps grow as 2(H-1): it rises with H,
+    past 1 MiB at 256 hosts."""
     for local in (2, 8):
         xs = [plan.leaders_to_slices(h, local, LINKS) for h in plan.HOSTS]
         assert all(x is not None for x in xs), xs
-        got = [x for x in xs if x is not None]
-        assert all(b <= a for a, b in zip(got, got[1:], strict=False)), (local, got)
-        assert got[0] > 2 * got[-1]
-        net = LINKS[NET]
-        assert got[-1] == pytest.approx(2 * net.alpha / net.beta, rel=0.1)
+        got = dict(zip(plan.HOSTS, [x or 0 for x in xs], strict=True))
+        assert got[4] < got[2] and got[4] < got[8], (local, got)
+        rising = [got[h] for h in plan.HOSTS if h >= 8]
+        assert all(b > a for a, b in zip(rising, rising[1:], strict=False)), (local, got)
+        assert got[256] > 1 << 20, (local, got)
     lines = plan.threshold_lines(LINKS)
     assert "host_leaders_max_bytes = 64 KiB" in lines[0]
 
@@ -292,3 +314,54 @@ def test_the_slices_pieces_fall_with_the_hosts() -> None:
         slices = costs.total_time(costs.host_slices(shape, costs.ENTRENAR), LINKS)
         ring = costs.total_time(costs.ring(shape, costs.ENTRENAR), LINKS)
         assert slices <= ring, (h, slices, ring)
+
+
+def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
+    """costs.Conditions: each rank past the first on a core adds WAKE's alpha to every
+    hop in sequence (none on dedicated cores); tbf's burst is taken off the host-link
+    bytes of the first phases, once per call; the check reads both from a run's meta."""
+    wake = LinkTable({**LINKS.params, WAKE: LinkParams(400e-6, 0.0)}, {})
+    shape = costs.Shape(4, 2, 4 << 10)
+    ring = costs.ring(shape, costs.ENTRENAR)
+    assert costs.hops(ring) == 2 * (8 - 1)
+    base = costs.total_time(ring, wake)
+    assert costs.total_time(ring, LINKS) == base  # dedicated cores: no wake-up term
+    four = costs.Conditions(ranks_per_core=4.0)
+    assert costs.total_time(ring, wake, four) == pytest.approx(base + 14 * 3 * 400e-6)
+    assert costs.total_time(ring, LINKS, four) == base  # no WAKE fitted: nothing added
+    slices = costs.host_slices(costs.Shape(2, 2, 4 << 20), costs.ENTRENAR)
+    per_plan = [max(p.messages.values()) for p in slices]
+    assert costs.hops(slices) == sum(per_plan) and len(per_plan) == len(slices)
+    # The burst: a star's 2 x 64 KiB through host 0's link is free, 2 x 1 MiB pays past it.
+    small = costs.star(costs.Shape(2, 2, 64 << 10), costs.ENTRENAR)
+    free = costs.Conditions(free_net_bytes=128 << 10)
+    uncharged = [costs.Phase(p.name, p.messages, {**p.nbytes, NET: 0.0}, p.fill) for p in small]
+    assert costs.total_time(small, LINKS, free) == costs.total_time(uncharged, LINKS)
+    big = costs.star(costs.Shape(2, 2, 1 << 20), costs.ENTRENAR)
+    saved = costs.total_time(big, LINKS) - costs.total_time(big, LINKS, free)
+    assert saved == pytest.approx((128 << 10) * LINKS[NET].beta * (1 + big[0].fill))
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    assert check.conditions_of(meta, shape) == costs.Conditions(4.0, check.TBF_BURST_BYTES)
+    assert check.conditions_of({}, shape) == costs.DEDICATED
+
+
+def test_fit_wake_recovers_the_wake_up_alpha_from_cluster_rows() -> None:
+    """wake.fit_wake: rows below 1 MiB made by the model with a known WAKE (and 3 %
+    noise) give it back; rows from 1 MiB and rows with a core per rank are not used."""
+    rng = np.random.default_rng(26)
+    want = LinkTable({**LINKS.params, WAKE: LinkParams(540e-6, 0.0)}, {})
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    rows = []
+    for variant in ("gloo", "entrenar-flat", "entrenar-leaders", "entrenar-slices"):
+        for h, local in ((2, 2), (4, 2)):
+            for s in (4 << 10, 64 << 10, 256 << 10, 16 << 20):
+                row = {"variant": variant, "hosts": h, "local": local, "bytes": s}
+                truth = check.predict_row({**row, "median_s": 1.0}, meta, want).predicted_s
+                noisy = truth * (1 + 0.03 * rng.standard_normal())
+                # rows from 1 MiB are off by 10x: a fit that used them would miss
+                rows.append({**row, "median_s": noisy * (10 if s >= 1 << 20 else 1)})
+    fitted = wake.fit_wake([{"meta": meta, "rows": rows}], LINKS)
+    assert fitted[WAKE].alpha == pytest.approx(540e-6, rel=0.05)
+    assert fitted.meta["wake_rows"] == 4 * 2 * 3
+    with pytest.raises(ValueError, match="no row below 1 MiB"):
+        wake.fit_wake([{"meta": {}, "rows": rows}], LINKS)  # a core per rank: nothing to fit

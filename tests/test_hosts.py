@@ -38,6 +38,7 @@ or 4 x 1. The real thing, 2 network namespaces x 2 processes, is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,6 +56,8 @@ from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
+from entrenar_pg.transport import link_probe
+from entrenar_pg.transport.link_probe import Verdict
 from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, Header, OpCode
 
@@ -73,9 +76,10 @@ def _groups(layout: str, **opts: Any) -> list[EntrenarProcessGroup]:
 
     The star row for small messages is off (``host_star_max_bytes=0``), so
     small messages run the leaders these tests are about; the policy test
-    checks the row.
+    checks the row. ``topology="hosts"``: host-aware although the emulated
+    hosts' link is loopback (the probe would take the flat path on it).
     """
-    opts = {"host_star_max_bytes": 0, **opts}
+    opts = {"host_star_max_bytes": 0, "topology": "hosts", **opts}
     return make_groups(len(layout), [Options(host_id=h, **opts) for h in layout])
 
 
@@ -174,6 +178,19 @@ def test_policy_rows_for_hosts() -> None:
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
         (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
     ]
+    # A cross-host link measured loopback-class (link_probe.py): the flat rows,
+    # unless topology="hosts" forces the host-aware ones.
+    fast, forced = dataclasses.replace(two, fast_links=True), Options(topology="hosts")
+    rows += [
+        (A, limit + 4, fast, o, Algo.STAR),
+        (A, 8 << 20, fast, o, Algo.RING),
+        (A, 8 << 20, fast, det, Algo.TREE_RING),
+        (RS, 64, fast, o, Algo.RING),
+        (AG, 64, fast, o, Algo.RING),
+        (A, limit + 4, fast, forced, Algo.HOST_SLICES),
+        (A, limit, fast, Options(topology="hosts", host_star_max_bytes=0), Algo.HOST_LEADERS),
+        (AG, 64, fast, forced, Algo.HOST_SLICES),
+    ]
     for op, nbytes, topo, opts, want in rows:
         got = choose(op, nbytes, topo.world, opts, False, topo).algo
         assert got is want, (op, nbytes, topo.describe(), opts, got)
@@ -183,12 +200,68 @@ def test_policy_rows_for_hosts() -> None:
 def test_options_topology_and_host_id_from_env() -> None:
     assert Options.from_env({}).topology == "auto"
     assert Options.from_env({ENV_TOPOLOGY: " FLAT "}).topology == "flat"
+    assert Options.from_env({ENV_TOPOLOGY: "hosts"}).topology == "hosts"
     assert Options.from_env({ENV_HOST_ID: "node-7"}).host_id == "node-7"
     assert Options.from_env({ENV_HOST_STAR_MAX_BYTES: "0"}).host_star_max_bytes == 0
     with pytest.raises(ValueError, match="host_star_max_bytes must be >= 0"):
         Options(host_star_max_bytes=-1)
     with pytest.raises(ValueError, match="ENTRENAR_TOPOLOGY/topology must be one of"):
         Options.from_env({ENV_TOPOLOGY: "tree"})
+
+
+# ---------------------------------------------------------------------- link probe
+
+
+def test_probe_verdict_and_roles() -> None:
+    """link_probe: fast only where every size's remote round trip is within
+    FAST_FACTOR x the local one; the verdict survives the store's bytes; the
+    roles are host 0's first two ranks and host 1's first, where the policy
+    could run host-aware (>= 2 hosts of >= 2 ranks, uniform)."""
+    k = link_probe.FAST_FACTOR
+    assert Verdict((1e-4, 1e-3), (1e-4 * k, 1e-3 * k)).fast
+    assert not Verdict((1e-4, 1e-3), (1e-4, 1e-3 * k * 1.01)).fast  # bandwidth
+    assert not Verdict((1e-4, 1e-3), (1e-4 * k * 1.01, 1e-3)).fast  # latency
+    v = Verdict((1.5e-4, 2e-3), (1.7e-4, 1.9e-2))
+    assert Verdict.decode(v.encode()) == v and "slow" in v.describe()
+    assert link_probe.Roles.of(Topology.from_keys(list("aabb"))) == link_probe.Roles(0, 1, 2)
+    assert link_probe.Roles.of(Topology.from_keys(list("abab"))) == link_probe.Roles(0, 2, 1)
+    for keys in ("aaab", "abcd", "aaaa"):
+        assert link_probe.Roles.of(Topology.from_keys(list(keys))) is None, keys
+
+
+@pytest.mark.timeout(120)
+def test_probe_on_a_loopback_link_takes_the_flat_path_on_every_rank() -> None:
+    """Emulated hosts on one machine (default options, topology="auto"): the
+    link between them is loopback, so the probe says fast, every rank holds
+    the prober's verdict, and the policy takes the flat rows (the star, the
+    ring; the wire says so); the probe's cross-host socket is gone after
+    set-up. (Before the probe: HOST_LEADERS / HOST_SLICES here.)"""
+    gs = make_groups(4, [Options(host_id=h) for h in "aabb"])
+    try:
+        meshes = [g._runtime.mesh for g in gs]
+        verdict = meshes[0].probe
+        assert verdict is not None and verdict.fast, verdict
+        for r, mesh in enumerate(meshes):
+            assert mesh.probe == verdict and mesh.topology.fast_links, r
+            assert mesh.data_peers == {r ^ 1}, (r, mesh.data_peers)  # probe socket closed
+        for op, nbytes, want in (
+            (OpCode.ALLREDUCE, SMALL * 4, Algo.STAR),
+            (OpCode.ALLREDUCE, LARGE * 4, Algo.RING),
+            (OpCode.REDUCE_SCATTER, 4000, Algo.RING),
+            (OpCode.ALLGATHER, 4000, Algo.RING),
+        ):
+            assert [_algo_of(g, op, nbytes) for g in gs] == [want] * 4, (op, nbytes)
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+            t = torch.full((LARGE,), float(rank + 1))
+            pg.allreduce([t]).wait()
+            return float(t.sum()) / LARGE
+
+        assert run_ranks(4, fn, groups=gs) == [10.0] * 4
+        assert meshes[0].data_peers >= {1, 3}  # the ring's neighbours, made on first use
+    finally:
+        for g in gs:
+            g.shutdown()
 
 
 # ---------------------------------------------------------------------- 2 x 2
@@ -201,11 +274,8 @@ def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatc
     try:
         for r, pg in enumerate(hosts):
             mesh = pg._runtime.mesh
-            assert (
-                mesh.topology
-                == Topology.from_keys(["a", "a", "b", "b"])
-                == hosts[0]._runtime.mesh.topology
-            )
+            assert mesh.topology == hosts[0]._runtime.mesh.topology  # the probe's verdict too
+            assert mesh.topology.hosts == Topology.from_keys(["a", "a", "b", "b"]).hosts
             assert sorted(mesh.shm) == [r ^ 1], "shared memory inside the host only"
             assert not mesh.all_local
             assert _algo(pg, SMALL * 4) is Algo.HOST_LEADERS
@@ -269,7 +339,7 @@ def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
         for op in (OpCode.REDUCE_SCATTER, OpCode.ALLGATHER):
             assert _algo_of(gs[0], op, 4000) is Algo.HOST_SLICES
         # Deterministic, host-aware only where the hosts are subtrees of the tree.
-        det, topo = Options(deterministic=True), gs[0]._runtime.mesh.topology
+        det, topo = Options(deterministic=True, topology="hosts"), gs[0]._runtime.mesh.topology
         want = Algo.HOST_SLICES if layout == "aabb" else Algo.DIRECT
         assert choose(OpCode.REDUCE_SCATTER, 4000, n, det, False, topo).algo is want
 
@@ -354,6 +424,63 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
     for per_size in results:
         for ref, t in zip(refs, per_size, strict=True):
             assert torch.equal(t, ref), t.numel()
+
+
+def test_leaders_doubling_rule() -> None:
+    """Recursive doubling among the leaders from 8 hosts (a power of two), where
+    (H - 1 - log2 H) x S > (log2 H - 1) x HOP_BYTES: 10 KiB at 8 hosts."""
+    hop = hierarchical.HOP_BYTES
+    assert not hierarchical.leaders_doubling(8, hop // 2)  # 4 x 10 KiB = 2 x 20 KiB: not more
+    assert hierarchical.leaders_doubling(8, hop // 2 + 1)
+    assert hierarchical.leaders_doubling(1024, 256)  # 1,013 x 256 B > 9 x 20 KiB
+    assert not hierarchical.leaders_doubling(1024, 128)
+    for hosts in (2, 4, 12, 96):  # below 8 hosts, or not a power of two
+        assert not hierarchical.leaders_doubling(hosts, 64 << 10), hosts
+
+
+@pytest.mark.timeout(180)
+def test_leaders_recursive_doubling_results_bits_and_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 x 2 with doubling allowed from 4 hosts: the leaders exchange with the
+    leaders 1 and 2 hosts away only (leader 0: its local peer and the leaders
+    of hosts 1 and 2, never host 3's: log2 H partners, where the direct
+    exchange connects all H - 1), sums exact on integers and equal on every
+    rank on floats, and deterministic bits the canonical tree sum's (the
+    direct exchange's). (Before: leader 0 held a data socket to rank 6.)"""
+    monkeypatch.setattr(hierarchical, "DOUBLING_MIN_HOSTS", 4)
+    world, numel = 8, 6000  # 24 KiB of float32: (4 - 1 - 2) x 24 KiB > 1 x 20 KiB
+    assert hierarchical.leaders_doubling(4, numel * 4)
+    assert not hierarchical.leaders_doubling(4, numel * 2)
+    data = _inputs(world, numel)
+    gs = _groups("aabbccdd")
+    try:
+        assert {_algo(g, numel * 4) for g in gs} == {Algo.HOST_LEADERS}
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+            t = data[rank].clone()
+            pg.allreduce([t]).wait()
+            ints = torch.full((numel,), rank + 1, dtype=torch.int32)
+            pg.allreduce([ints]).wait()
+            return t, ints
+
+        got = run_ranks(world, fn, groups=gs)
+        for r, (t, ints) in enumerate(got):
+            assert torch.equal(ints, torch.full((numel,), 36, dtype=torch.int32)), r
+            assert torch.equal(t, got[0][0]), r
+        assert torch.allclose(got[0][0], torch.stack(data).sum(0), atol=1e-5)
+        peers = [g._runtime.mesh.data_peers for g in gs]
+        assert peers[0] == {1, 2, 4} and peers[6] == {7, 4, 2}, peers
+        assert peers[2] == {3, 0, 6} and peers[4] == {5, 6, 0}, peers
+        assert all(peers[r] == {r - 1} for r in (1, 3, 5, 7)), peers
+    finally:
+        for g in gs:
+            g.shutdown()
+    results, algos = _det_allreduce("aabbccdd", (numel,))
+    assert algos == {Algo.HOST_LEADERS}
+    ref = tree_sum(data)
+    for r, (t,) in enumerate(results):
+        assert torch.equal(t, ref), r
 
 
 @pytest.mark.timeout(180)
@@ -463,7 +590,7 @@ def test_uneven_hosts_run_flat() -> None:
 @pytest.mark.timeout(60)
 def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
     opts = [
-        Options(host_id=h, topology=("flat" if r == 3 else "auto"), host_star_max_bytes=0)
+        Options(host_id=h, topology=("flat" if r == 3 else "hosts"), host_star_max_bytes=0)
         for r, h in enumerate("aabb")
     ]
     gs = make_groups(4, opts, timeout_s=10)

@@ -101,7 +101,35 @@ def entrenar_algorithm(
     return algo.name.lower(), _BY_ALGO[algo]
 
 
-def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> Checked:
+# tc tbf's burst on the emulated host links (benchmarks/netns.Shaping.tbf_burst,
+# "128kb": tc's kilobytes are 1,024 bytes).
+TBF_BURST_BYTES = 128 << 10
+
+
+def conditions_of(meta: dict[str, Any], shape: costs.Shape) -> costs.Conditions:
+    """What an emulated-cluster run adds to its links: every rank on the
+    machine's cores (its ``meta.machine.nproc``; a run that does not say is
+    taken as a core per rank), and tbf's burst where the links were shaped."""
+    machine = meta.get("machine")
+    cores = machine.get("nproc") if isinstance(machine, dict) else None
+    per_core = shape.world / int(cores) if cores else 1.0
+    free = TBF_BURST_BYTES if meta.get("rate") else 0.0
+    return costs.Conditions(ranks_per_core=per_core, free_net_bytes=free)
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """One measured row as the model sees it: what ran, its phases, under what."""
+
+    variant: str
+    algorithm: str
+    shape: costs.Shape
+    fabric: costs.Fabric
+    phases: list[costs.Phase]
+    where: costs.Conditions
+
+
+def model_row(row: dict[str, Any], meta: dict[str, Any]) -> Modelled:
     shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
     variant = str(row["variant"])
     algo: costs.Algorithm
@@ -111,17 +139,21 @@ def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> 
         transport = str(meta.get("transport") or "auto")
         name, algo = entrenar_algorithm(shape, transport, options_of(variant, transport))
         fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
-    phases = algo(shape, fabric)
-    predicted = costs.total_time(phases, links)
-    link_bytes = costs.host_link_bytes(phases, fabric.inter)
+    return Modelled(variant, name, shape, fabric, algo(shape, fabric), conditions_of(meta, shape))
+
+
+def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> Checked:
+    m = model_row(row, meta)
+    predicted = costs.total_time(m.phases, links, m.where)
+    link_bytes = costs.host_link_bytes(m.phases, m.fabric.inter)
     counted = row.get("xhost_bytes_per_host")
     measured, fastest = float(row["median_s"]), float(row.get("min_s", row["median_s"]))
     return Checked(
-        variant,
-        name,
-        shape.hosts,
-        shape.local,
-        shape.nbytes,
+        m.variant,
+        m.algorithm,
+        m.shape.hosts,
+        m.shape.local,
+        m.shape.nbytes,
         measured,
         predicted,
         fastest,

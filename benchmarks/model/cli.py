@@ -1,8 +1,11 @@
-"""``python -m benchmarks.model {measure,fit,check,plan,predict}``: the cost model's commands.
+"""``python -m benchmarks.model {measure,fit,fit-wake,check,plan,predict}``: its commands.
 
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
 - ``fit MEASUREMENTS.json``: the link table from measurements.
+- ``fit-wake CLUSTER.json ...``: the ``wake`` kind (a hop's wait to be
+  scheduled where ranks share a core) fitted from cluster rows below 1 MiB,
+  added to ``--links`` and saved to ``--out``.
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
@@ -20,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from benchmarks.model import check, costs, fit, measure, plan
+from benchmarks.model import check, costs, fit, measure, plan, wake
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import parse_sizes
 
@@ -54,6 +57,14 @@ def cmd_measure(args: argparse.Namespace) -> None:
 def cmd_fit(args: argparse.Namespace) -> None:
     data = json.loads(Path(args.measurements).read_text())
     table = fit.fit(data["rows"], data.get("meta"))
+    table.save(Path(args.out))
+    _print_links(table)
+
+
+def cmd_fit_wake(args: argparse.Namespace) -> None:
+    runs = [json.loads(Path(p).read_text()) for p in args.cluster]
+    table = wake.fit_wake(runs, _links(args.links))
+    table.meta["wake_fitted_from"] = [Path(p).name for p in args.cluster]
     table.save(Path(args.out))
     _print_links(table)
 
@@ -131,6 +142,10 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit the link table from measurements.json")
     f.add_argument("measurements")
     f.add_argument("--out", default="links.json")
+    w = sub.add_parser("fit-wake", help="fit the wake-up alpha from cluster rows below 1 MiB")
+    w.add_argument("cluster", nargs="+")
+    w.add_argument("--links", help="the table to add it to (default: the committed one)")
+    w.add_argument("--out", default=str(FITTED))
     k = sub.add_parser("check", help="predicted against measured cluster rows")
     k.add_argument("cluster", nargs="+")
     k.add_argument("--links")
@@ -154,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "check":
         return cmd_check(args)
-    commands = {"measure": cmd_measure, "fit": cmd_fit, "plan": cmd_plan, "predict": cmd_predict}
+    commands = {
+        "measure": cmd_measure,
+        "fit": cmd_fit,
+        "fit-wake": cmd_fit_wake,
+        "plan": cmd_plan,
+        "predict": cmd_predict,
+    }
     commands[args.cmd](args)
     return 0

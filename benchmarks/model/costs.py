@@ -18,10 +18,11 @@ chunks and 2(N-1) steps, pipelined in segments so its links stream; the
 star through rank 0; the direct exchange; the shm-native allreduce's one
 phase (<= 1 MiB) or chunks of a slot; the host-aware pair
 (collectives/hierarchical.py): the slices, pipelined in pieces, and the
-leaders' direct exchange; ``leaders_doubling`` is a proposal for large H,
-not code. gloo's allreduce is its ring (gloo/allreduce.cc: reduce-scatter
-then all-gather over the ranks in order, TCP between every pair, same host
-or not).
+leaders' direct exchange (recursive doubling among the leaders from 8
+hosts, as the code; ``leaders_doubling`` does it at every H, a proposal).
+gloo's allreduce is its ring (gloo/allreduce.cc: reduce-scatter then
+all-gather over the ranks in order, TCP between every pair, same host or
+not).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from benchmarks.model.links import (
     REDUCE,
     SHM,
     SLOTS,
+    WAKE,
     LinkTable,
 )
+from entrenar_pg.collectives.hierarchical import leaders_doubling as leaders_doubling_in_code
 from entrenar_pg.collectives.hierarchical import piece_count
 from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
@@ -91,12 +94,56 @@ class Phase:
     def kinds(self) -> set[str]:
         return set(self.messages) | set(self.nbytes)
 
+    def charged_after(self, free: float) -> tuple[Phase, float]:
+        """This phase with up to ``free`` host-link bytes not charged, and the free bytes left."""
+        nbytes = dict(self.nbytes)
+        for kind in (NET, GLOO_NET):
+            if kind in nbytes:
+                taken = min(free, nbytes[kind])
+                nbytes[kind] -= taken
+                free -= taken
+        return Phase(self.name, self.messages, nbytes, self.fill), free
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """Where a call runs, beyond its links (``DEDICATED``: a core per rank, real links).
+
+    ``ranks_per_core``: ranks sharing one core. The emulated clusters put
+    every rank of every host on this machine's cores (8 ranks on 2: 4);
+    each rank past the first on a core makes every hop in sequence wait to
+    be scheduled: ``WAKE``'s alpha per hop per extra rank. (The links'
+    alphas are fitted with 2 ranks on 2 cores: one per core.)
+    ``free_net_bytes``: bytes per call a host link passes before its rate
+    binds: tc tbf's burst on the emulated links (a loop of small calls is not
+    charged for its bytes, fit.py), 0 on a real link.
+    """
+
+    ranks_per_core: float = 1.0
+    free_net_bytes: float = 0.0
+
+
+DEDICATED = Conditions()
 
 Algorithm = Callable[[Shape, Fabric], list[Phase]]
 
 
-def total_time(phases: list[Phase], links: LinkTable) -> float:
-    return sum(p.time(links) for p in phases)
+def hops(phases: list[Phase]) -> float:
+    """Messages in sequence over all phases (each phase waits for its slowest kind's)."""
+    return sum(max(p.messages.values(), default=0.0) for p in phases)
+
+
+def total_time(phases: list[Phase], links: LinkTable, where: Conditions = DEDICATED) -> float:
+    """Seconds for ``phases`` in sequence, under ``where``."""
+    free, seconds = where.free_net_bytes, 0.0
+    for phase in phases:
+        if free > 0:
+            phase, free = phase.charged_after(free)
+        seconds += phase.time(links)
+    extra = where.ranks_per_core - 1
+    if extra > 0 and WAKE in links.params:
+        seconds += hops(phases) * extra * links[WAKE].alpha
+    return seconds
 
 
 def _reduce_phase(name: str, fabric: Fabric, nbytes: float) -> list[Phase]:
@@ -314,9 +361,13 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
     exchange (1 cross-host message in sequence; each leader sends S to each
     other leader: (H-1) x S per host link per direction), then each leader
     combines the (H-1) x S it received; the leader's result back to its
-    L-1 ranks ((L-1) x S out). The leaders' bytes grow with H: from some H
-    on, even small messages are cheaper through the slices' rings.
+    L-1 ranks ((L-1) x S out). From 8 hosts, where the code exchanges by
+    recursive doubling among the leaders (``hierarchical.leaders_doubling``:
+    the direct exchange's bytes cost more than the hops saved), the
+    doubling's rounds instead (``leaders_doubling``).
     """
+    if leaders_doubling_in_code(shape.hosts, shape.nbytes):
+        return leaders_doubling(shape, fabric)
     h, s = shape.hosts, shape.nbytes
     phases = _to_leader(shape, fabric)
     if h > 1:
@@ -326,13 +377,14 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
 
 
 def leaders_doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
-    """A proposal, not code: ``host_leaders`` with recursive doubling among the leaders.
+    """``host_leaders`` with recursive doubling among the leaders, at every H (the
+    code does it only where ``hierarchical.leaders_doubling`` says it pays).
 
     The leaders exchange in ceil(log2 H) rounds with a partner at distance
     2^k, each round S each way then a combine of S (H a power of two; other
     H pay 2 more rounds): ceil(log2 H) x S per host link per direction
     instead of the direct exchange's (H-1) x S, ceil(log2 H) messages in
-    sequence instead of 1. What large H would want for small messages.
+    sequence instead of 1.
     """
     h, s = shape.hosts, shape.nbytes
     phases = _to_leader(shape, fabric)
@@ -359,10 +411,10 @@ PROPOSALS = ("leaders doubling", "slices 1 piece")
 HOST_AWARE = ("host slices", "host leaders")  # the code's host-aware pair (policy's HOST_* rows)
 
 
-def predict(name: str, shape: Shape, links: LinkTable) -> float:
+def predict(name: str, shape: Shape, links: LinkTable, where: Conditions = DEDICATED) -> float:
     """Seconds of algorithm ``name`` (a key of ``ALGORITHMS``) for ``shape``."""
     algo, fabric = ALGORITHMS[name]
-    return total_time(algo(shape, fabric), links)
+    return total_time(algo(shape, fabric), links, where)
 
 
 def host_link_bytes(phases: list[Phase], inter: str) -> float:

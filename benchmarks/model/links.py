@@ -22,11 +22,15 @@ SLOTS = "slots"  # the shm-native allreduce's slot copies (collectives/shm_allre
 LOOPBACK = "loopback"  # TCP over the loopback interface
 NET = "net"  # TCP through a host's link (the shaped veth); bytes counted per host link
 REDUCE = "reduce"  # one combine (a += b) on one rank's CPU: beta per byte of the result
+# Not a link: a hop's wait for its rank to be scheduled, alpha per hop in
+# sequence per extra rank sharing a core (costs.Conditions); fitted from the
+# emulated clusters' rows below 1 MiB (wake.py), beta unused.
+WAKE = "wake"
 # gloo's kinds (its own software costs over the same wires; its sums are in its betas)
 GLOO_LOOPBACK = "gloo-loopback"
 GLOO_NET = "gloo-net"
 
-KINDS = (SHM, SLOTS, LOOPBACK, NET, REDUCE, GLOO_LOOPBACK, GLOO_NET)
+KINDS = (SHM, SLOTS, LOOPBACK, NET, REDUCE, GLOO_LOOPBACK, GLOO_NET)  # the links (not WAKE)
 
 
 @dataclass(frozen=True)

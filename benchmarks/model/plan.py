@@ -170,14 +170,17 @@ def leaders_to_slices(hosts: int, local: int, links: LinkTable) -> int | None:
 def threshold_lines(links: LinkTable) -> list[str]:
     """Per H and L: the leaders -> slices crossover, against the policy's threshold.
 
-    Both grow linearly in H at large H (leaders: (H-1) x S x beta; slices:
-    2(H-1) x alpha), so the crossover tends to 2 alpha / beta of the link.
+    With the leaders' direct exchange (up to 4 hosts) both grow linearly in
+    H (leaders: (H-1) x S x beta; slices: 2(H-1) x alpha), so the crossover
+    falls towards 2 alpha / beta of the link; from 8 hosts the leaders double
+    (log2 H x S, log2 H hops: ``hierarchical.leaders_doubling``) and it rises.
     """
     net = links[costs.NET]
     threshold = Options().host_leaders_max_bytes
     out = [
         f"policy: host_leaders_max_bytes = {format_bytes(threshold)}; "
-        f"large-H limit 2 alpha / beta = {_kib(2 * net.alpha / net.beta)}"
+        f"2 alpha / beta = {_kib(2 * net.alpha / net.beta)} "
+        "(the direct exchange's large-H limit; the doubling's crossover rises with H)"
     ]
     for local in PLOT_LOCALS:
         cells = []

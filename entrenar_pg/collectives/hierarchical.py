@@ -33,7 +33,10 @@ a team unchanged):
   more than bytes): (1) every rank's buffer to its host's leader (its lowest
   rank), which combines them, (2) the leaders' direct exchange (each leader
   sends its host's sum to every other leader: one cross-host hop, (H-1) x S
-  per host link), (3) the leader's result back to its host's ranks.
+  per host link), or, on many hosts where those bytes cost more than the
+  hops saved (``leaders_doubling``), recursive doubling among the leaders
+  (log2 H hops with one partner each, log2 H x S per host link, log2 H
+  sockets per leader), (3) the leader's result back to its host's ranks.
 
 Reductions. The phases combine only (``Reduction(red.combine_kind)``: AVG
 and PREMUL_SUM sum; PREMUL_SUM's factor was applied before, by the job);
@@ -235,11 +238,53 @@ def allreduce_host_leaders(
     call.mesh.run(plan, call.what(op), call)
     # 2. The leaders' exchange; AVG's division once, at the leader.
     if leading:
-        if len(leaders) > 1:
+        if leaders_doubling(len(leaders), buf.numel() * buf.element_size()):
+            _doubling(call, leaders, buf, part, op)
+        elif len(leaders) > 1:
             allreduce_direct(call.on(leaders), buf, part, op)
         finish_(buf, red, call.world)
     # 3. Back to the host's ranks.
     broadcast(host, buf, LEADER, op)
+
+
+# Recursive doubling among the leaders: from this many hosts (a power of two;
+# 2 x L and 4 x L keep the measured direct exchange), where the direct
+# exchange's extra bytes on each host link, (H - 1 - log2 H) x S, cost more
+# than the extra hops, (log2 H - 1), each worth HOP_BYTES: a cross-host hop's
+# alpha in bytes of the link (the cost model's fitted net kind at 1 Gbit/s:
+# 168 us x 119 MB/s = 20 KiB). That puts the crossover at 10 KiB for 8
+# hosts, 1.8 KiB for 64, under 200 B for 1,024 (the model's plan,
+# docs/benchmarks.md; no layout this large can run here).
+DOUBLING_MIN_HOSTS = 8
+HOP_BYTES = 20 << 10
+
+
+def leaders_doubling(hosts: int, nbytes: int) -> bool:
+    """Whether ``hosts`` leaders exchange ``nbytes`` by recursive doubling (else directly)."""
+    if hosts < DOUBLING_MIN_HOSTS or hosts & (hosts - 1):
+        return False
+    rounds = hosts.bit_length() - 1
+    return (hosts - 1 - rounds) * nbytes > (rounds - 1) * HOP_BYTES
+
+
+def _doubling(
+    call: Call, leaders: tuple[int, ...], buf: torch.Tensor, part: Reduction, op: OpCode
+) -> None:
+    """Recursive doubling among ``leaders`` (a power of two of them), in place.
+
+    Round k: the leader at position i exchanges with the one at i XOR 2^k
+    (a two-rank direct exchange, lower rank's contribution first), so after
+    log2 H rounds each holds ((h0 + h1) + (h2 + h3)) + ...: the canonical
+    tree over the hosts (a power of two splits in halves), the direct
+    exchange's deterministic bits, on every leader alike. Each round's plan
+    runs on its own link, with the direct exchange's header."""
+    me = call.mesh.rank
+    i = leaders.index(me)
+    step = 1
+    while step < len(leaders):
+        partner = leaders[i ^ step]
+        allreduce_direct(call.on((min(me, partner), max(me, partner))), buf, part, op)
+        step <<= 1
 
 
 def _host_rings(

@@ -14,8 +14,10 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``ALLREDUCE``: ``algorithm="auto"``: every rank on one host with shared
   memory between all (``local``: the slot areas exist): ``SHM`` at any size
   and world (collectives/shm_allreduce.py: reduced straight from each
-  other's memory); else, several hosts (``host_aware``: ``topology="auto"``,
-  ``Mesh.topology`` at least 2 hosts of the same number >= 2 of ranks;
+  other's memory); else, several hosts (``host_aware``: ``Mesh.topology``
+  at least 2 hosts of the same number >= 2 of ranks, and ``topology="hosts"``
+  or ``"auto"`` with the cross-host link measured slow at set-up,
+  ``Topology.fast_links``; a loopback-class link takes the flat rows;
   deterministic also each host's ranks consecutive and one subtree of the
   canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
   ``host_leaders_max_bytes`` (``STAR`` instead on few hosts while the
@@ -88,11 +90,16 @@ def host_aware(topology: Topology | None, options: Options) -> bool:
 
 
 def several_hosts(topology: Topology | None, options: Options) -> bool:
-    """``topology="auto"`` and at least two hosts of the same number (>= 2) of ranks."""
-    if topology is None or options.topology != "auto":
+    """At least two hosts of the same number (>= 2) of ranks, and: ``topology="hosts"``,
+    or ``"auto"`` where the cross-host link measured slower than a link inside a
+    host (``Topology.fast_links``, transport/link_probe.py: on a loopback-class
+    link the host-aware phases are CPU the link does not repay)."""
+    if topology is None or options.topology == "flat":
         return False
     shape = topology.shape
-    return shape is not None and shape[0] >= 2 and shape[1] >= 2
+    if shape is None or shape[0] < 2 or shape[1] < 2:
+        return False
+    return options.topology == "hosts" or not topology.fast_links
 
 
 # How many more messages than a leader the star's root may handle (each a

@@ -21,9 +21,11 @@ link's wake-ups and hang-up. Control, p2p and set-up stay on TCP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,6 +33,7 @@ from typing import Any
 from ..config import Options, timeout_seconds
 from .control import Causes, ControlChannel, abort_record, overlay
 from .data_links import DataLinks
+from .link_probe import PROBE_KEY, Roles, Verdict, echo, measure
 from .loop import Links, Pace, Progress
 from .plan import Plan
 from .rendezvous import CONTROL, DATA, P2P, Rendezvous
@@ -74,6 +77,9 @@ class Mesh:
         # Which ranks share a host (identical on every rank: built from every
         # rank's host key, exchanged through the store at set-up).
         self.topology = Topology.flat(world)
+        # The cross-host link's measurement (link_probe.py), where taken.
+        self.probe: Verdict | None = None
+        self._probe_roles: Roles | None = None
         keys = [""] * world
         if world > 1:
             self._rendezvous = Rendezvous(
@@ -82,7 +88,13 @@ class Mesh:
             try:
                 keys = self._rendezvous.exchange(offered_key(options.host_id))
                 self.topology = Topology.from_keys(keys)
+                # Whatever Options.topology says, so that set-up is the same on
+                # every rank even where a rank's options differ (that surfaces
+                # as a header mismatch at the first collective, not a hang here).
+                self._probe_roles = Roles.of(self.topology)
                 self._links = self._rendezvous.connect_set_up(self._set_up_pairs(keys))
+                if self._probe_roles is not None:
+                    self._probe_link(self._probe_roles, timeout_s)
             except BaseException:
                 self._drop_setup()
                 raise
@@ -129,7 +141,38 @@ class Mesh:
         mine = keys[self.rank]
         pairs = {(p, CONTROL) for p in overlay(self.rank, self.world)}
         pairs |= {(p, DATA) for p, k in enumerate(keys) if p != self.rank and mine and k == mine}
+        if self._probe_roles is not None:  # the probe's (closed after it: _probe_link)
+            pairs |= {(p, DATA) for p in self._probe_roles.peers(self.rank)}
         return pairs
+
+    def _probe_link(self, roles: Roles, timeout_s: float) -> None:
+        """Measure the cross-host link (``link_probe.py``: the prober times round
+        trips to its local and its remote peer, they echo) and take the verdict
+        every rank reads from the store into ``topology.fast_links``. The
+        remote peer's socket is closed after: the probe leaves no link."""
+        assert self._rendezvous is not None
+        rendezvous, rank = self._rendezvous, self.rank
+        key = rendezvous.key(PROBE_KEY)
+        socks = {p: self._links[(p, DATA)] for p in roles.peers(rank)}
+        for sock in socks.values():
+            sock.settimeout(timeout_s)
+        try:
+            if rank == roles.prober:
+                self.probe = measure(rank, roles, socks[roles.local], socks[roles.remote])
+                self._store.set(key, self.probe.encode())
+            else:
+                if socks:
+                    echo(rank, roles.prober, socks[roles.prober])
+                deadline = time.monotonic() + timeout_s
+                self.probe = Verdict.decode(rendezvous.store_get(key, deadline))
+        finally:
+            for sock in socks.values():
+                sock.setblocking(False)
+            across = roles.remote if rank == roles.prober else roles.prober
+            if rank in (roles.prober, roles.remote):
+                self._links.pop((across, DATA)).close()
+        self.topology = dataclasses.replace(self.topology, fast_links=self.probe.fast)
+        log.info("rank %d: %s", rank, self.probe.describe())
 
     def run(self, plan: Plan, what: str, pace: Pace) -> None:
         """Run a collective's plan (``loop.Progress.run``), first making the data

@@ -12,6 +12,10 @@ rank's *local rank* is its position on its host and its *counterparts* are
 the ranks at that position on every host (host order). An empty key (a
 machine where the shared-memory transport is off, so no identity was
 offered) makes that rank a host of its own: nothing is assumed shared.
+
+``fast_links`` says whether the cross-host link measured as fast as a link
+inside a host (``link_probe.py``, at set-up; the verdict comes through the
+store, so it too is the same on every rank).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class Topology:
     hosts: tuple[tuple[int, ...], ...]
     host_of: tuple[int, ...]  # host index of each rank
     local_rank: tuple[int, ...]  # position of each rank on its host
+    # The cross-host link measured loopback-class (link_probe.py); False unmeasured.
+    fast_links: bool = False
 
     @classmethod
     def from_keys(cls, keys: Sequence[str]) -> Topology:

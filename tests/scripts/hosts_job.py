@@ -3,6 +3,9 @@
 Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - the topology is 2 hosts x 2 ranks, torchrun's placement (ranks 2h, 2h+1
   on host h), and shared memory joins exactly the rank on its own host;
+- the set-up's probe found the shaped cross-host link slow, and every rank
+  holds the same verdict (transport/link_probe.py), so the default options
+  run host-aware;
 - a host-aware group (the star row for small messages off) picks
   HOST_LEADERS for a small message and HOST_SLICES for a large one; a
   ``topology="flat"`` group does not; default options pick the star for
@@ -59,6 +62,13 @@ det_flat = group(deterministic=True, topology="flat")
 mesh = backend(hosts)._runtime.mesh
 assert mesh.topology.hosts == ((0, 1), (2, 3)), mesh.topology
 assert sorted(mesh.shm) == [rank ^ 1], (rank, sorted(mesh.shm))
+assert mesh.probe is not None and not mesh.probe.fast, mesh.probe
+assert not mesh.topology.fast_links
+verdicts: list[object] = [None] * world
+dist.all_gather_object(verdicts, mesh.probe.encode())
+assert verdicts == [mesh.probe.encode()] * world, verdicts
+if rank == 0:
+    print(f"PROBE {mesh.probe.describe()}", flush=True)
 for g in (hosts, det):
     assert [algo(g, n * 4) for n in SIZES] == [Algo.HOST_LEADERS, Algo.HOST_SLICES]
 for g in (flat, det_flat):
