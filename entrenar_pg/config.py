@@ -182,7 +182,8 @@ class Options:
             inside a host, allreduce runs host-aware
             (``collectives/hierarchical.py``: in the host over its local
             links, across hosts one rank per host or per slice), where it is
-            as fast, flat; ``"hosts"``: host-aware on any link (no probe);
+            as fast, flat; ``"hosts"``: host-aware on any link (the probe still runs,
+            so set-up is alike on every rank; its verdict is ignored);
             ``"flat"``: every rank is treated alike, as on one host (the
             flat ring, star and direct). Env ``ENTRENAR_TOPOLOGY``.
         host_leaders_max_bytes: host-aware allreduce (``topology``): messages
