@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, free_port, rank_env, torchrun
+from preloaded import start_script
 
 SCRIPTS = REPO / "tests" / "scripts"
 pytestmark = pytest.mark.slow
@@ -86,16 +86,7 @@ def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port, TIMEOUT_S=str(timeout_s))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "fault.py"), mode],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(start_script([str(SCRIPTS / "fault.py"), mode], env=env))
     results: dict[int, list[str]] = {}
     for p in procs:
         try:
@@ -153,12 +144,7 @@ def test_a_mismatched_last_broadcast_fails_every_process(world: int, mode: str) 
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port, TIMEOUT_S="20")
-        cmd = [sys.executable, str(SCRIPTS / "last_call.py"), mode]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
+        procs.append(start_script([str(SCRIPTS / "last_call.py"), mode], env=env))
     outs = []
     try:
         for p in procs:
