@@ -9,7 +9,8 @@ Popen methods the tests use (``pid``, ``stdout``, ``poll``, ``wait``,
 Why: a fresh interpreter spends about 1.4 s of CPU importing torch, which was
 most of what a rank of the fault tests cost (some 40 ranks over the suite). Here
 the process is forked by multiprocessing's fork server, which imported torch
-once (``FORKSERVER_PRELOAD``) and runs nothing else, so no thread, socket or
+once (``FORKSERVER_PRELOAD``; test_api_collectives.spawn_ranks forks its ranks
+from the same server) and runs nothing else, so no thread, socket or
 group state is forked into it. It is still a separate OS process with its own
 pid, session (``new_session``), environment, ``sys.argv`` and exit status
 (``-N`` when killed by signal N, as with Popen); its exit runs the script's
@@ -32,39 +33,65 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
 import torch
 
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+# torch._dynamo too: building any optimizer imports it (about 1 s of CPU per rank).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def start_script(
-    argv: Sequence[str], *, env: Mapping[str, str], new_session: bool = False
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    new_session: bool = False,
+    cwd: str | os.PathLike[str] | None = None,
+    log: str | os.PathLike[str] | None = None,
 ) -> ScriptProcess:
-    """Start ``python *argv`` (a script path and its arguments, or ``-c CODE args``)."""
+    """Start ``python *argv`` (a script path and its arguments, or ``-c CODE args``).
+
+    Its stdout and stderr are pipes (``ScriptProcess.stdout``/``stderr``), or
+    both go to the file ``log`` (then those are None, as Popen's would be).
+    """
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     ctx = mp.get_context("forkserver")
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+    if log is None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+    else:
+        out_w = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err_w = os.dup(out_w)
     # A Connection pickles as a duplicate of its fd, sent to the fork server with the job.
     writers = (Connection(out_w, readable=False), Connection(err_w, readable=False))
-    proc = ctx.Process(
-        target=_run, args=(list(argv), dict(env), *writers, new_session), daemon=True
-    )
+    where = Place(list(argv), dict(env), new_session, None if cwd is None else str(cwd))
+    proc = ctx.Process(target=_run, args=(where, *writers), daemon=True)
     try:
         proc.start()
     finally:
         for w in writers:
             w.close()
+    if log is not None:
+        return ScriptProcess(proc, None, None)
     return ScriptProcess(proc, open(out_r, errors="replace"), open(err_r, errors="replace"))
+
+
+@dataclass(frozen=True)
+class Place:
+    """What the forked process becomes: ``python *argv`` in ``cwd`` with ``env``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    new_session: bool
+    cwd: str | None
 
 
 class ScriptProcess:
     """A started script: the subset of ``subprocess.Popen`` the tests call."""
 
-    def __init__(self, proc: Any, stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(self, proc: Any, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
         self._proc = proc
         self.pid: int = proc.pid
         self.stdout = stdout
@@ -86,7 +113,7 @@ class ScriptProcess:
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Both pipes read to their end, then the exit; TimeoutExpired past ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        chunks: dict[IO[str], list[str]] = {self.stdout: [], self.stderr: []}
+        chunks: dict[IO[str], list[str]] = {f: [] for f in (self.stdout, self.stderr) if f}
         with selectors.DefaultSelector() as sel:
             for f in chunks:
                 if not f.closed:
@@ -105,7 +132,8 @@ class ScriptProcess:
         self.wait(left)
         for f in chunks:
             f.close()
-        return "".join(chunks[self.stdout]), "".join(chunks[self.stderr])
+        out, err = ("".join(chunks[f]) if f else "" for f in (self.stdout, self.stderr))
+        return out, err
 
     def send_signal(self, sig: int) -> None:
         if self._proc.exitcode is None:
@@ -115,12 +143,13 @@ class ScriptProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _run(
-    argv: list[str], env: dict[str, str], out: Connection, err: Connection, new_session: bool
-) -> None:
+def _run(place: Place, out: Connection, err: Connection) -> None:
     """In the forked process: become ``python *argv`` with ``env``, output to the pipes."""
-    if new_session:
+    argv, env = place.argv, place.env
+    if place.new_session:
         os.setsid()
+    if place.cwd is not None:
+        os.chdir(place.cwd)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
