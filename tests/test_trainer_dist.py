@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GLOO_EXIT_ABORT, run_session
+from preloaded import start_script
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
@@ -232,15 +233,13 @@ def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path
     d = run_dir(tmp_path, "r")
     ckpt_dir = tmp_path / "r" / "ckpt"
     shutil.copytree(reference_run / "ckpt", ckpt_dir)
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
+    killed = start_script(
+        ["-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
-    assert killed.returncode == -9, killed.stderr
+    _, err = killed.communicate(timeout=60)
+    assert killed.returncode == -9, err
     leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".tmp")]
     assert len(leftovers) == 1 and leftovers[0].startswith(".latest.pt."), leftovers
 
