@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import torch
 
+from benchmarks.sessions import TERM_GRACE_S, TIMED_OUT
+
 # torch._dynamo too: building any optimizer imports it (about 1 s of CPU per rank).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
@@ -51,7 +53,7 @@ def start_script(
     cwd: str | os.PathLike[str] | None = None,
     log: str | os.PathLike[str] | None = None,
 ) -> ScriptProcess:
-    """Start ``python *argv`` (a script path and its arguments, or ``-c CODE args``).
+    """Start ``python *argv``: a script and its arguments, ``-c CODE args`` or ``-m MODULE args``.
 
     Its stdout and stderr are pipes (``ScriptProcess.stdout``/``stderr``), or
     both go to the file ``log`` (then those are None, as Popen's would be).
@@ -76,6 +78,34 @@ def start_script(
     if log is not None:
         return ScriptProcess(proc, None, None)
     return ScriptProcess(proc, open(out_r, errors="replace"), open(err_r, errors="replace"))
+
+
+def run_in_session(
+    argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str], cwd: str | os.PathLike[str]
+) -> subprocess.CompletedProcess[str]:
+    """benchmarks.sessions.run_in_session for ``python *argv``, started here: output
+    captured; past ``timeout_s`` its session gets SIGTERM (a launcher's chance to
+    stop its workers), then SIGKILL, and the status is ``TIMED_OUT``."""
+    p = start_script(argv, env=env, cwd=cwd, new_session=True)
+    cmd = [sys.executable, *argv]
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal_session(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_session(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        return subprocess.CompletedProcess(cmd, TIMED_OUT, out, err)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _signal_session(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # the whole session already ended
+        pass
 
 
 @dataclass(frozen=True)
@@ -146,6 +176,9 @@ class ScriptProcess:
 def _run(place: Place, out: Connection, err: Connection) -> None:
     """In the forked process: become ``python *argv`` with ``env``, output to the pipes."""
     argv, env = place.argv, place.env
+    # daemonic for the test process (stopped at its exit), but a script may start
+    # its own multiprocessing children, as any interpreter may
+    mp.current_process().daemon = False
     if place.new_session:
         os.setsid()
     if place.cwd is not None:
@@ -167,6 +200,10 @@ def _run(place: Place, out: Connection, err: Connection) -> None:
             sys.argv = ["-c", *argv[2:]]
             sys.path[:0] = ["", *paths]
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file first
+            sys.path[:0] = [os.getcwd(), *paths]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path[:0] = [os.path.dirname(os.path.abspath(argv[0])), *paths]
