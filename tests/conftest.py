@@ -12,13 +12,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import preloaded
 import pytest
 import torch
 import torch.distributed as dist
 
 import entrenar_pg
+from benchmarks import sessions
 from benchmarks.netns import namespaces_allowed
-from benchmarks.sessions import TIMED_OUT, run_in_session
+from benchmarks.sessions import TIMED_OUT
 from entrenar_pg import EntrenarProcessGroup, Options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,9 +155,10 @@ def torchrun(
         str(script),
         *args,
     ]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=REPO
-    )
+    done = run_in_session(cmd, timeout_s=timeout_s, env=full_env)
+    if done.returncode == TIMED_OUT:
+        raise subprocess.TimeoutExpired(cmd, timeout_s, done.stdout, done.stderr)
+    return done
 
 
 # gloo (the reference, not the subject) now and then aborts in its own
@@ -187,6 +190,17 @@ def run_session(
             f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-6000:]}"
         )
     return done
+
+
+def run_in_session(
+    cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """benchmarks.sessions.run_in_session; a Python command (torchrun's launcher, a
+    script) starts from preloaded's fork server, without importing torch again."""
+    if cmd[0] != sys.executable:
+        return sessions.run_in_session(cmd, timeout_s=timeout_s, env=env)
+    full_env = dict(os.environ) if env is None else env
+    return preloaded.run_in_session(cmd[1:], timeout_s=timeout_s, env=full_env, cwd=REPO)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import make_groups
+from preloaded import ScriptProcess, start_script
 
 from entrenar_pg import EntrenarProcessGroup, GroupDestroyedError, PeerConnectionError
 
@@ -59,23 +58,18 @@ class Job:
     """The store server and the peer processes of one test; all killed at the end."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[ScriptProcess] = []
         self.store = self._start(STORE_SERVER)
         line = self.store.stdout.readline() if self.store.stdout else ""
         assert line.strip().isdigit(), f"the store server did not start: {line!r}"
         self.port = int(line)
 
-    def _start(self, code: str, *args: str) -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            [sys.executable, "-c", code, *args],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
+    def _start(self, code: str, *args: str) -> ScriptProcess:
+        p = start_script(["-c", code, *args], env=dict(os.environ, OMP_NUM_THREADS="1"))
         self.procs.append(p)
         return p
 
-    def peers(self, world: int) -> list[subprocess.Popen[str]]:
+    def peers(self, world: int) -> list[ScriptProcess]:
         return [self._start(PEER, str(self.port), str(r), str(world)) for r in range(1, world)]
 
     def group(self, world: int, timeout_s: float = 30.0) -> EntrenarProcessGroup:

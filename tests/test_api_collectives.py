@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
+from preloaded import FORKSERVER_PRELOAD
 
 from entrenar_pg import Options
 
 # ----------------------------------------------------------------------------- spawning
-
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
 
 
 def spawn_ranks(world: int, fn: Callable[..., None], *args: Any, timeout_s: float = 150.0) -> None:
@@ -42,7 +41,7 @@ def spawn_ranks(world: int, fn: Callable[..., None], *args: Any, timeout_s: floa
     after ``timeout_s`` are killed (by pid) and the test fails: a hang is a failure.
 
     The ranks are fresh processes forked by multiprocessing's fork server,
-    which has imported torch once (``FORKSERVER_PRELOAD``): each rank then
+    which has imported torch once (``preloaded.FORKSERVER_PRELOAD``): each rank then
     starts in milliseconds instead of importing torch again (about 2 s of
     CPU each, some 40 ranks over the suite). The server runs nothing but
     those imports, so no thread or group state is forked into a rank.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_session
 
 from benchmarks import bench, deepspeed_peer
 from benchmarks.baseline import add_baseline_ratios, mark_baseline, merge_runs
@@ -26,8 +26,6 @@ from benchmarks.machine import entrenar_available
 from benchmarks.report import report_lines
 from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
 from benchmarks.sizes import parse_sizes, plan_for, rotated
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_parse_sizes_ranges_and_lists() -> None:
@@ -205,14 +203,7 @@ def test_quick_bench_smoke(tmp_path: Path) -> None:
     # instead of --quick's two rounds of three (the GPT steps of five variants
     # were half this run's CPU); every DDP row is still checked below.
     cmd = [sys.executable, "-m", "benchmarks.bench", "--quick", "--ddp-steps", "1"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
+    proc = run_session([*cmd, "--out", str(out)], timeout=150, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((out / "bench.json").read_text())
     meta = result["meta"]
@@ -254,7 +245,7 @@ def test_deepspeed_column_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.bench", "--world-sizes", "2", "--sizes", "4K"]
     cmd += ["--algos", "gloo,deepspeed", "--rounds", "2", "--repeats", "4", "--no-ddp"]
     cmd += ["--no-raw", "--no-mpi", "--timeout", "180", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
+    proc = run_session(cmd, timeout=220, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((out / "bench.json").read_text())
     measured = {r["variant"] for r in result["allreduce"]}

@@ -13,8 +13,6 @@ import ctypes
 import math
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_ranks, torchrun
+from preloaded import start_script
 
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
 from entrenar_pg.call import requests as rq
@@ -332,8 +331,9 @@ def test_digest_keeps_its_copy_alive() -> None:
         print("ok")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
+    proc = start_script(["-c", code], env=dict(os.environ))
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0 and out.strip() == "ok", (proc.returncode, err)
 
 
 # ---------------------------------------------------------------------- C-RING-001

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import free_port, make_groups, rank_env
+from preloaded import start_script
 
 from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
 
@@ -44,13 +44,8 @@ def run_blame(
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(BLAME), mode, str(victim)],
-            env=rank_env(r, world, port, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        start_script(
+            [str(BLAME), mode, str(victim)], env=rank_env(r, world, port, **extra), new_session=True
         )
         for r in range(world)
     ]

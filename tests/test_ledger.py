@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, free_port, rank_env, run_ranks
+from preloaded import ScriptProcess, start_script
 
 from entrenar_pg import Options
 from entrenar_pg.config import ENV_LEDGER
@@ -250,12 +251,9 @@ def test_fsdp2_sharded_parameters_are_hashed_whole(tmp_path):
 # ---------------------------------------------------------------------- trainer runs
 
 
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, str(REPO / "trainer" / "train.py"), *TINY, *args]
-    out = open(log, "wb")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
+def _start(args: list[str], env: dict[str, str], log: Path) -> ScriptProcess:
+    cmd = [str(REPO / "trainer" / "train.py"), *TINY, *args]
+    return start_script(cmd, env=env, cwd=REPO, log=log, new_session=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, free_port, rank_env, torchrun
+from preloaded import start_script
 
 SCRIPTS = REPO / "tests" / "scripts"
 pytestmark = pytest.mark.slow
@@ -25,35 +25,36 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One job of 3 ranks: entrenar is the default group, gloo a group of the
+    same ranks; then both again on groups of the first 2 ranks. Its output dir."""
+    out = tmp_path_factory.mktemp("ddp")
+    args = ["--backends", "entrenar", "gloo", "--members", "3", "2", "--out", str(out)]
+    _ok(torchrun(SCRIPTS / "ddp_check.py", 3, *args, timeout_s=240))
+    return out
+
+
+@pytest.mark.xdist_group("process_ddp")  # one worker runs the shared job once
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_matches_gloo_and_ranks_agree(world: int, tmp_path: Path) -> None:
-    # One job: entrenar is the default group, gloo a group of the same ranks.
-    _ok(
-        torchrun(
-            SCRIPTS / "ddp_check.py",
-            world,
-            "--backends",
-            "entrenar",
-            "gloo",
-            "--out",
-            str(tmp_path),
-            timeout_s=180,
-        )
-    )
+@pytest.mark.parametrize("members", [2, 3])
+def test_ddp_matches_gloo_and_ranks_agree(members: int, ddp_job: Path) -> None:
     states = {
-        b: [torch.load(tmp_path / b / f"rank{r}.pt") for r in range(world)]
+        b: [torch.load(ddp_job / f"n{members}" / b / f"rank{r}.pt") for r in range(members)]
         for b in ("entrenar", "gloo")
     }
     ours = states["entrenar"]
-    for r in range(1, world):
+    for r in range(1, members):
         for k, v in ours[0].items():
-            assert torch.equal(v, ours[r][k]), f"rank {r} differs from rank 0 in {k}"
+            assert torch.equal(v, ours[r][k]), f"N={members}: rank {r} differs from rank 0 in {k}"
     for k, v in ours[0].items():
+        where = f"N={members}: {k} vs gloo"
         if v.is_floating_point():
-            torch.testing.assert_close(v, states["gloo"][0][k], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                v, states["gloo"][0][k], rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}"
+            )
         else:
-            assert torch.equal(v, states["gloo"][0][k]), k
+            assert torch.equal(v, states["gloo"][0][k]), where
 
 
 @pytest.mark.timeout(200)
@@ -85,16 +86,7 @@ def _spawn(mode: str, world: int, timeout_s: float) -> dict[int, list[str]]:
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port, TIMEOUT_S=str(timeout_s))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "fault.py"), mode],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(start_script([str(SCRIPTS / "fault.py"), mode], env=env))
     results: dict[int, list[str]] = {}
     for p in procs:
         try:
@@ -152,12 +144,7 @@ def test_a_mismatched_last_broadcast_fails_every_process(world: int, mode: str) 
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port, TIMEOUT_S="20")
-        cmd = [sys.executable, str(SCRIPTS / "last_call.py"), mode]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
+        procs.append(start_script([str(SCRIPTS / "last_call.py"), mode], env=env))
     outs = []
     try:
         for p in procs:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import free_port, rank_env, run_ranks
+from preloaded import start_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "profile_ddp.py"
@@ -37,14 +36,7 @@ def run_script(tmp_path: Path) -> None:
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT)],
-            env=rank_env(r, 2, port, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        start_script([str(SCRIPT)], env=rank_env(r, 2, port, **extra), new_session=True)
         for r in range(2)
     ]
     try:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -36,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, free_port, make_groups, rank_env, run_ranks
+from preloaded import ScriptProcess, start_script
 
 from entrenar_pg import (
     CollectiveMismatchError,
@@ -586,23 +585,16 @@ def test_destroy_then_a_new_group_works() -> None:
         assert _run(2, Options(transport="shm"), fn, shm_expected=True) == [1.0, 1.0]
 
 
-def _start(world: int, mode: str, **env: str) -> list[subprocess.Popen[str]]:
+def _start(world: int, mode: str, **env: str) -> list[ScriptProcess]:
     port = free_port()
     extra = dict(PYTHONPATH=str(REPO), **env)
     return [
-        subprocess.Popen(
-            [sys.executable, str(JOB), mode],
-            env=rank_env(r, world, port, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        start_script([str(JOB), mode], env=rank_env(r, world, port, **extra), new_session=True)
         for r in range(world)
     ]
 
 
-def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+def _kill_all(procs: list[ScriptProcess]) -> None:
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

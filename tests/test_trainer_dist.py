@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GLOO_EXIT_ABORT, run_session
+from preloaded import start_script
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("TRAINER_TEST_BACKEND", "entrenar")
@@ -52,11 +53,18 @@ def torchrun(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.2", str(REPO / "trainer" / "train.py"),
-        "--backend", backend, *TINY, "--threads", "1", *args,
+        "--monitor-interval=0.2", *train_command(args, backend)[1:],
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return run_session(cmd, timeout=timeout, check=check, env=env)
+    return run_session(cmd, timeout=timeout, check=check, env=TRAIN_ENV)
+
+
+def train_command(args: list[str], backend: str = BACKEND) -> list[str]:
+    """trainer/train.py with the tiny model: one process, or torchrun's worker command."""
+    script = str(REPO / "trainer" / "train.py")
+    return [sys.executable, script, "--backend", backend, *TINY, "--threads", "1", *args]
+
+
+TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def records(metrics: Path) -> list[dict]:
@@ -139,17 +147,30 @@ def test_world_size_invariance(tmp_path, reference, nproc):
     assert end["final_loss"] == reference["final_loss"]
 
 
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory) -> Path:
+    """STEPS/2 steps at N=4, stopped, then resumed at N=1 to STEPS: its directory.
+
+    One stop-and-resume serves both resume tests (four interpreters fewer than
+    a pair each). A resume at the same world size runs in
+    test_killed_rank_restarts_and_resumes_from_checkpoint (N=2 to N=2, through
+    torchrun's restart) and in the temp-file test below (N=2 to N=2, --resume).
+    """
+    tmp = tmp_path_factory.mktemp("resume")
+    d = run_dir(tmp, "r")
+    torchrun(4, [*DET, "--steps", str(STEPS // 2), *d], timeout=90)
+    torchrun(1, [*DET, "--steps", str(STEPS), "--resume", *d], timeout=60)
+    return tmp / "r"
+
+
 @ON_REFERENCE
-@pytest.mark.timeout(150)
-def test_resume_continues_the_same_trajectory(tmp_path, reference):
+@pytest.mark.timeout(240)  # with the shared runs' set-up
+def test_resume_continues_the_same_trajectory(resumed_run, reference):
     """STEPS/2 steps, stop, resume to STEPS: bitwise the straight run."""
-    d = run_dir(tmp_path, "r")
     half = STEPS // 2
-    torchrun(2, [*DET, "--steps", str(half), *d], timeout=60)
-    first = end_record(tmp_path / "r" / "metrics.jsonl")
+    recs = records(resumed_run / "metrics.jsonl")
+    first = [r for r in recs if r.get("event") == "end"][0]  # the stopped run's own end
     assert first["step"] == half and first["param_hash"] != reference["param_hash"]
-    torchrun(2, [*DET, "--steps", str(STEPS), "--resume", *d], timeout=60)
-    recs = records(tmp_path / "r" / "metrics.jsonl")
     start = [r for r in recs if r.get("event") == "start"][-1]
     assert start["resumed_from"]["step"] == half and start["step"] == half
     end = recs[-1]
@@ -160,14 +181,10 @@ def test_resume_continues_the_same_trajectory(tmp_path, reference):
 
 
 @ON_REFERENCE
-@pytest.mark.timeout(150)
-def test_resume_at_another_world_size(tmp_path, reference):
+@pytest.mark.timeout(240)  # with the shared runs' set-up
+def test_resume_at_another_world_size(resumed_run, reference):
     """Saved at N=4, resumed at N=1: the checkpoint is world-size independent."""
-    d = run_dir(tmp_path, "r")
-    half = STEPS // 2
-    torchrun(4, [*DET, "--steps", str(half), *d], timeout=90)
-    torchrun(1, [*DET, "--steps", str(STEPS), "--resume", *d], timeout=60)
-    recs = records(tmp_path / "r" / "metrics.jsonl")
+    recs = records(resumed_run / "metrics.jsonl")
     start = [r for r in recs if r.get("event") == "start"][-1]
     assert start["resumed_from"]["world_size"] == 4 and start["world_size"] == 1
     assert recs[-1]["param_hash"] == reference["param_hash"]
@@ -216,15 +233,13 @@ def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path
     d = run_dir(tmp_path, "r")
     ckpt_dir = tmp_path / "r" / "ckpt"
     shutil.copytree(reference_run / "ckpt", ckpt_dir)
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
+    killed = start_script(
+        ["-c", KILLED_CHECKPOINT_WRITER, str(ckpt_dir / "latest.pt")],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
-    assert killed.returncode == -9, killed.stderr
+    _, err = killed.communicate(timeout=60)
+    assert killed.returncode == -9, err
     leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".tmp")]
     assert len(leftovers) == 1 and leftovers[0].startswith(".latest.pt."), leftovers
 
@@ -240,11 +255,9 @@ def test_resume_removes_the_temp_file_of_a_writer_killed_mid_checkpoint(tmp_path
 
 @pytest.mark.timeout(60)
 def test_deterministic_mode_rejects_non_power_of_two(tmp_path):
-    proc = torchrun(
-        1,
-        ["--deterministic", "--micro-batches", "3", *run_dir(tmp_path, "r")],
-        timeout=50,
-        check=False,
-    )
+    # One plain process (a world of one, as train.py makes without torchrun):
+    # the check is the trainer's own, so a launcher would add only its start-up.
+    args = ["--deterministic", "--micro-batches", "3", *run_dir(tmp_path, "r")]
+    proc = run_session(train_command(args), timeout=50, check=False, env=TRAIN_ENV)
     assert proc.returncode != 0
     assert "powers of two" in proc.stderr

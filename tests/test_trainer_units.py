@@ -6,14 +6,13 @@ import math
 import os
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from preloaded import ScriptProcess, start_script
 
 from trainer import checkpoint as ckpt
 from trainer.common import is_power_of_two, param_hash, state_hash, tree_sum
@@ -364,16 +363,9 @@ ckpt.save_atomic({"format": ckpt.FORMAT_VERSION, "step": 7}, sys.argv[1])
 """
 
 
-def _python(code: str, *args: str) -> subprocess.Popen[str]:
+def _python(code: str, *args: str) -> ScriptProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_script(["-c", code, *args], env=env, cwd=REPO)
 
 
 def _temp_files(directory: Path) -> list[str]:

@@ -5,7 +5,12 @@ must register the backend. The first of ``--backends`` is the default group's;
 each further one (the reference, gloo) gets a group of every rank from
 ``new_group``, in the same processes, so one job starts the interpreters once.
 Each backend trains its own copy of the model from the same seeds and saves
-each rank's final state_dict to OUT/<backend>/rank{r}.pt.
+each rank's final state_dict to OUT/n<members>/<backend>/rank{r}.pt.
+
+``--members n ...`` (default: the job's world size) trains once per group size
+n, each backend on the group of the first n ranks (the whole job's are the
+groups above): one job checks several group sizes, starting the interpreters
+once.
 """
 
 import argparse
@@ -20,13 +25,23 @@ p = argparse.ArgumentParser()
 p.add_argument("--backends", nargs="+", default=["entrenar"])
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=8)
+p.add_argument("--members", type=int, nargs="+")
 args = p.parse_args()
 
-dist.init_process_group(args.backends[0], timeout=timedelta(seconds=60))
+TIMEOUT = timedelta(seconds=60)
+dist.init_process_group(args.backends[0], timeout=TIMEOUT)
 rank, world = dist.get_rank(), dist.get_world_size()
-groups = {args.backends[0]: dist.group.WORLD}
-for backend in args.backends[1:]:
-    groups[backend] = dist.new_group(backend=backend, timeout=timedelta(seconds=60))
+
+
+def groups_of(members: int) -> dict[str, dist.ProcessGroup]:
+    """Each backend's group of the first ``members`` ranks; the default group is the whole job's."""
+    groups = {}
+    for backend in args.backends:
+        if backend == args.backends[0] and members == world:
+            groups[backend] = dist.group.WORLD
+        else:  # new_group is collective over the default group: every rank makes every group
+            groups[backend] = dist.new_group(list(range(members)), backend=backend, timeout=TIMEOUT)
+    return groups
 
 
 def train(group: dist.ProcessGroup, out: str) -> None:
@@ -60,6 +75,10 @@ def train(group: dist.ProcessGroup, out: str) -> None:
     dist.barrier(group=group)
 
 
-for backend, group in groups.items():
-    train(group, os.path.join(args.out, backend))
+for members in args.members or [world]:
+    groups = groups_of(members)
+    if rank < members:
+        for backend, group in groups.items():
+            train(group, os.path.join(args.out, f"n{members}", backend))
+dist.barrier()  # the ranks outside the last group wait for its members to finish
 dist.destroy_process_group()
