@@ -460,6 +460,31 @@ def test_training_clean() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_batch_exchange_builds_its_plan_once_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records' exchange keeps its plan per payload length: a training loop's
+    steps (the same batch every step) build it once, then only restamp it.
+    (Built per exchange before: 10 plans for these 6 steps, 3 distinct lengths.)"""
+    from entrenar_pg.transport.plan import Plan
+    from entrenar_pg.wire import OpCode
+
+    opened: dict[int, int] = {}
+    real_open = Plan.open
+
+    def counting_open(self: Plan, peer: int, header: Any, **kw: Any) -> None:
+        if header.op == OpCode.CHECK:
+            opened[self.rank] = opened.get(self.rank, 0) + 1
+        real_open(self, peer, header, **kw)
+
+    monkeypatch.setattr(Plan, "open", counting_open)
+    world = 3
+    results = run_ranks(world, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
+    assert results == [(-1, "no violation")] * world
+    # Lengths: one record (the 4 per-call batches before the first step), the
+    # first step's parameters alone, then each step's 4 records + parameters.
+    assert opened == {r: 3 * (world - 1) for r in range(world)}
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 def test_weight_perturbation_caught_at_step_k(world: int) -> None:
     k, victim = 4, 1
