@@ -245,6 +245,54 @@ def test_projection_parts_add_up(numel: int) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_projection_views_are_kept_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket projected again (the same memory every step) makes no view of it:
+    the (blocks x 4096) and tail views are kept by address and range. They own
+    nothing, so the tensor is freed as before, and a new tensor at the same
+    address is read as it is now. (Before: two views made per call.)"""
+    import gc
+
+    proj = Projection()
+    x = torch.randn(5 * 4096 + 7)
+    first = proj.floats(x)
+    made: list[int] = []
+    real_as_strided, real_getitem = torch.Tensor.as_strided, torch.Tensor.__getitem__
+
+    def as_strided(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        made.append(1)
+        return real_as_strided(self, *a, **k)
+
+    def getitem(self: torch.Tensor, *a: Any) -> torch.Tensor:
+        made.append(1)
+        return real_getitem(self, *a)
+
+    monkeypatch.setattr(torch.Tensor, "as_strided", as_strided)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    for part in ((0, 1), (1, 2)):
+        proj.floats(x, part=part)  # the first time at each range: views made
+    made.clear()
+    assert proj.floats(x) == first
+    proj.floats(x, part=(1, 2), hasher=hashing.hasher())
+    assert made == []
+    monkeypatch.undo()
+    # The same address, other values: read as they are now.
+    x.copy_(torch.randn(x.numel()))
+    assert proj.floats(x) == Projection().floats(x)
+    # Nothing kept alive by the cache: a large tensor's memory goes back when it does.
+    big = torch.ones(16 << 20)  # 64 MiB: its own mapping, unmapped when freed
+    proj.floats(big)
+    held = _resident_bytes()
+    del big
+    gc.collect()
+    assert held - _resident_bytes() > 32 << 20, "the projection's cache kept the tensor alive"
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
     """The fused pass (projection and hash in one read: a share of at most FUSED_ROWS
