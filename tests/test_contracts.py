@@ -244,6 +244,54 @@ def test_projection_parts_add_up(numel: int) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_projection_views_are_kept_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket projected again (the same memory every step) makes no view of it:
+    the (blocks x 4096) and tail views are kept by address and range. They own
+    nothing, so the tensor is freed as before, and a new tensor at the same
+    address is read as it is now. (Before: two views made per call.)"""
+    import gc
+
+    proj = Projection()
+    x = torch.randn(5 * 4096 + 7)
+    first = proj.floats(x)
+    made: list[int] = []
+    real_as_strided, real_getitem = torch.Tensor.as_strided, torch.Tensor.__getitem__
+
+    def as_strided(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        made.append(1)
+        return real_as_strided(self, *a, **k)
+
+    def getitem(self: torch.Tensor, *a: Any) -> torch.Tensor:
+        made.append(1)
+        return real_getitem(self, *a)
+
+    monkeypatch.setattr(torch.Tensor, "as_strided", as_strided)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    for part in ((0, 1), (1, 2)):
+        proj.floats(x, part=part)  # the first time at each range: views made
+    made.clear()
+    assert proj.floats(x) == first
+    proj.floats(x, part=(1, 2), hasher=hashing.hasher())
+    assert made == []
+    monkeypatch.undo()
+    # The same address, other values: read as they are now.
+    x.copy_(torch.randn(x.numel()))
+    assert proj.floats(x) == Projection().floats(x)
+    # Nothing kept alive by the cache: a large tensor's memory goes back when it does.
+    big = torch.ones(16 << 20)  # 64 MiB: its own mapping, unmapped when freed
+    proj.floats(big)
+    held = _resident_bytes()
+    del big
+    gc.collect()
+    assert held - _resident_bytes() > 32 << 20, "the projection's cache kept the tensor alive"
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_one_pass_measures_as_separate_passes(dtype: torch.dtype) -> None:
     """The fused pass (projection and hash in one read: a share of at most FUSED_ROWS
@@ -457,6 +505,31 @@ def _train(
 def test_training_clean() -> None:
     results = run_ranks(3, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
     assert results == [(-1, "no violation")] * 3
+
+
+@pytest.mark.timeout(60)
+def test_batch_exchange_builds_its_plan_once_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records' exchange keeps its plan per payload length: a training loop's
+    steps (the same batch every step) build it once, then only restamp it.
+    (Built per exchange before: 10 plans for these 6 steps, 3 distinct lengths.)"""
+    from entrenar_pg.transport.plan import Plan
+    from entrenar_pg.wire import OpCode
+
+    opened: dict[int, int] = {}
+    real_open = Plan.open
+
+    def counting_open(self: Plan, peer: int, header: Any, **kw: Any) -> None:
+        if header.op == OpCode.CHECK:
+            opened[self.rank] = opened.get(self.rank, 0) + 1
+        real_open(self, peer, header, **kw)
+
+    monkeypatch.setattr(Plan, "open", counting_open)
+    world = 3
+    results = run_ranks(world, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
+    assert results == [(-1, "no violation")] * world
+    # Lengths: one record (the 4 per-call batches before the first step), the
+    # first step's parameters alone, then each step's 4 records + parameters.
+    assert opened == {r: 3 * (world - 1) for r in range(world)}
 
 
 @pytest.mark.timeout(60)

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from .. import step_hook
 from ..collectives.common import Call
 from ..errors import ContractViolation
-from ..transport import Plan
 from ..wire import Algo, OpCode
 from . import records, replicas
 from .hashing import FAST_HASH, HASH_NAME, digest_sized
@@ -67,25 +66,41 @@ def exchange(call: Call, payload: list[int], aux: int) -> list[list[int]]:
 
     Bytes on the wire per rank: (N - 1) x the payload each way. The rows are
     Python arrays, not tensors: a few hundred bytes need no torch call (each
-    costs tens of us in a loaded job thread, measured).
+    costs tens of us in a loaded job thread, measured). The plan and its rows
+    are kept per payload length (a DDP step's batch has the same length every
+    step), so a later exchange only copies the payload in and restamps the
+    sequence number, as a cached collective's plan does (collectives/direct.py).
     """
     n, r = call.world, call.rank
-    rows = [
-        array("q", payload) if p == r else array("q", bytes(8 * len(payload))) for p in range(n)
-    ]
-    if n > 1:
+    if n == 1:
+        return [list(payload)]
+    flags = call.choice.flags
+    key = (_EXCHANGE, len(payload), aux, n, flags, call.team)
+    cached = call.scratch.plan(key)
+    if cached is not None:
+        plan, rows = cached
+        rows[r][:] = array("q", payload)
+        plan.restamp(call.seq)
+    else:
+        rows = [
+            array("q", payload) if p == r else array("q", bytes(8 * len(payload))) for p in range(n)
+        ]
         header = call.header(
             OpCode.CHECK, Algo.DIRECT, torch.int64, numel=n * len(payload), aux=aux
         )
-        plan = Plan(r)
+        plan = call.plan()
         mine = memoryview(rows[r]).cast("B")
         for p in range(n):
             if p != r:
                 plan.open(p, header)
                 plan.send(p, mine)
                 plan.recv(p, memoryview(rows[p]).cast("B"))
-        call.mesh.run(plan, call.what(OpCode.CHECK), call)
+        call.scratch.keep_plan(key, (plan, rows))
+    call.mesh.run(plan, call.what(OpCode.CHECK), call)
     return [row.tolist() for row in rows]
+
+
+_EXCHANGE = "check-exchange"  # the exchange's plans in the group's scratch pool
 
 
 @dataclass(slots=True)

@@ -95,10 +95,11 @@ def digest_sized(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     nbytes = 0
     for t in tensors:
         if t.is_cpu and t.is_contiguous():
-            size = t.nbytes
-            if size:
-                h.update(tensor_memory(t))
-                nbytes += size
+            key = (t.data_ptr(), t.nbytes)  # tensor_memory's key, inlined: once per tensor
+            if key[1]:
+                view = _MEMORY.get(key)
+                h.update(view if view is not None else tensor_memory(t))
+                nbytes += key[1]
         elif t.numel():
             view = tensor_bytes(t)
             h.update(view)

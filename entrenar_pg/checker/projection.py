@@ -28,6 +28,7 @@ CHUNK_ROWS = 64
 # than the chunks save. Larger shares go chunk by chunk.
 FUSED_ROWS = 2 * CHUNK_ROWS
 SEED = 0x5EED_C0DE
+_MAX_CACHED_VIEWS = 256  # (columns, tail) views by address and range: a model's buckets, with room
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
 # every rank), so a corruption that recurs call after call meets fresh vectors.
@@ -63,6 +64,7 @@ class Projection:
         self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
         self._tails: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._views: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.r64, self.r32, self.rint = self.base(0)
 
     def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,6 +153,9 @@ class Projection:
         # they fit the cache or nothing rides along, and the block weights
         # applied in Python floats (one tolist instead of a conversion, a
         # slice and a dot).
+        cols = rest = None
+        if x.dtype == work and (blocks > 0 or with_tail):
+            cols, rest = self._views_of(x, n, b0, blocks, with_tail)
         if hasher is not None and (x.dtype != work or blocks > FUSED_ROWS):
             per_block = self._hashed_chunks(x, r, b0, f1, work, hasher)
         else:
@@ -158,22 +163,45 @@ class Projection:
                 hasher.update(tensor_memory(x))
             if blocks <= 0:
                 per_block = None
-            elif x.dtype == work:
-                # (BLOCK x blocks), column j = block b0 + j: x must be flat and contiguous.
-                cols = x.as_strided((BLOCK, blocks), (1, BLOCK), x.storage_offset() + b0 * BLOCK)
+            elif cols is not None:
                 per_block = torch.mm(r, cols).tolist()
             else:
                 per_block = self._converted_chunks(x, r, b0, f1, work)
         if per_block is not None:
             sums = [sum(map(operator.mul, per_block[k], w[k][b0:f1])) for k in range(PROJECTIONS)]
         if with_tail:  # the last, partial block: its weight applied in Python floats
-            rest = x[full * BLOCK :]
+            if rest is None:
+                rest = x[full * BLOCK :]
             if rest.dtype != work:
                 rest = rest.to(work)
             last = torch.mv(self._tail_vectors(r, variant, tail), rest).tolist()
             sums = [sums[k] + last[k] * w[k][full] for k in range(PROJECTIONS)]
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
+
+    def _views_of(
+        self, x: torch.Tensor, n: int, b0: int, blocks: int, with_tail: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The (BLOCK x blocks) view of blocks [b0, b0 + blocks) of the flat contiguous
+        CPU tensor ``x`` (column j = block b0 + j) and its partial last block, if any.
+
+        Cached by address, size, dtype and range: a DDP bucket is the same memory
+        every step, and two view constructions per call cost tens of us in a
+        loaded job thread (measured). The views are built over a byte view of the
+        address that does not own the memory (``tensor_memory``), so the cache
+        keeps nothing alive; they are used only for an ``x`` that lies at that
+        address now (the caller holds it), so they read exactly its bytes.
+        """
+        key = (x.data_ptr(), n, x.dtype, b0, blocks)
+        got = self._views.get(key)
+        if got is None:
+            flat = torch.frombuffer(tensor_memory(x), dtype=x.dtype)
+            cols = flat.as_strided((BLOCK, blocks), (1, BLOCK), b0 * BLOCK) if blocks > 0 else None
+            rest = flat[n // BLOCK * BLOCK :] if with_tail else None
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            got = self._views[key] = (cols, rest)
+        return got
 
     def _tail_vectors(self, r: torch.Tensor, variant: int, tail: int) -> torch.Tensor:
         """``r[:, :tail]`` (cached: a bucket's tail is the same every step)."""

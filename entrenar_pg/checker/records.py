@@ -54,6 +54,16 @@ def i2f(i: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", i))[0])
 
 
+_SLOT_INTS = struct.Struct(f"<{REDUCED_WIDTH - 1}q")
+_SLOT_FLOATS = struct.Struct(f"<{REDUCED_WIDTH - 1}d")
+
+
+def slot_floats(rec: Sequence[int], at: int) -> tuple[float, ...]:
+    """A reduced slot's float fields (S_IN.., NORM, S_OUT..) at ``rec[at:]`` as floats,
+    in one conversion (``i2f`` of each)."""
+    return _SLOT_FLOATS.unpack(_SLOT_INTS.pack(*rec[at : at + REDUCED_WIDTH - 1]))
+
+
 def width(contract: Contract) -> int:
     return REDUCED_WIDTH if contract.rule is Rule.REDUCED else COPIED_WIDTH
 

@@ -48,11 +48,13 @@ class Judge:
     def collective(self, recs: list[list[int]]) -> list[str]:
         """Judge one collective (row i: rank i's record); the ids of the contracts that held."""
         first = recs[0]
-        op = OpCode(first[R.OPCODE])
-        contract = CONTRACTS[op]
+        contract = _CONTRACT_OF[first[R.OPCODE]]
         # (The call's description, _where, is built only for a violation: a
-        # verdict that holds costs a few comparisons.)
-        if any(r[R.OPCODE] != first[R.OPCODE] or r[R.SEQ] != first[R.SEQ] for r in recs):
+        # verdict that holds costs a few comparisons; enum constructions and
+        # generators are left out for the same reason, a few us each in a
+        # loaded step.)
+        code, seq = first[R.OPCODE], first[R.SEQ]
+        if any(r[R.OPCODE] != code or r[R.SEQ] != seq for r in recs):
             # The frame headers make this unreachable: it means the records are out of step.
             self.fail(
                 f"{contract.id} at {_where(first)}: the ranks' records are of different calls", []
@@ -77,7 +79,7 @@ class Judge:
             )
         dtype = CODE_DTYPE.get(recs[0][R.DTYPE])
         held = [NONFINITE_ID] if dtype is not None and dtype.is_floating_point else []
-        kind = Kind(recs[0][R.KIND])
+        kind = _KIND_OF[recs[0][R.KIND]]
         if contract.replicated:
             differ, listing = minority([r[R.DIGEST] for r in recs])
             if differ:
@@ -122,10 +124,14 @@ class Judge:
             if kind is Kind.PREMUL_SUM
             else 1.0
         )
-        got = [math.fsum(R.i2f(r[at + R.S_OUT + k]) for r in recs) for k in ks]
-        expected = [f * math.fsum(R.i2f(r[at + R.S_IN + k]) for r in recs) for k in ks]
+        # Each rank's slot fields as floats in one conversion (S_IN, NORM, S_OUT
+        # are adjacent); the sums are the same fsums, over the same values in the
+        # same order, as one i2f per field.
+        fields = [R.slot_floats(r, at) for r in recs]
+        got = [math.fsum(v[R.S_OUT + k] for v in fields) for k in ks]
+        expected = [f * math.fsum(v[R.S_IN + k] for v in fields) for k in ks]
         tau = self.tolerance + (n + 1) * ROUNDOFF[dtype]
-        bound = tau * abs(f) * math.fsum(R.i2f(r[at + R.NORM]) for r in recs)
+        bound = tau * abs(f) * math.fsum(v[R.NORM] for v in fields)
         if all(abs(got[k] - expected[k]) <= bound for k in ks):
             return ""
         return (
@@ -160,6 +166,10 @@ class Judge:
         return [contract.id]
 
 
+_CONTRACT_OF = {int(op): c for op, c in CONTRACTS.items()}  # by a record's OPCODE field
+_KIND_OF = {int(k): k for k in Kind}
+
+
 def _where(rec: list[int]) -> str:
     name = op_name(OpCode(rec[R.OPCODE]))
     dtype = CODE_DTYPE.get(rec[R.DTYPE])
@@ -173,9 +183,9 @@ def _where(rec: list[int]) -> str:
 
 def minority(values: Sequence[int]) -> tuple[list[int], str]:
     """Ranks that disagree with the majority value (all ranks if there is no strict majority)."""
-    counts = Counter(values)
-    if len(counts) == 1:
+    if values.count(values[0]) == len(values):  # the common case, without a Counter
         return [], ""
+    counts = Counter(values)
     top, top_n = counts.most_common(1)[0]
     ties = [v for v, c in counts.items() if c == top_n]
     by_value = ", ".join(
