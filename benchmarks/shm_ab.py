@@ -12,7 +12,7 @@ allreduce between the two every ``--per`` calls (the phase counter lives in
 the shared memory, so either picks up where the other left). The baseline
 must still run on this checkout's modules below it (``common``, ``wire``,
 ``reduce_ops``, ``shm``). Reported: per-iteration maximum over ranks,
-median and 10th percentile, new / baseline; both are checked to give the
+median and quartiles, new / baseline; both are checked to give the
 same sum first.
 """
 
@@ -130,6 +130,9 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
     dist.destroy_process_group()
 
 
+_QUANTILES = (0.25, 0.5, 0.75)  # the columns: quartiles and median
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))]
@@ -164,10 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     for proc in procs:
         proc.join(60)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; N={a.world}; ")
-    print(f"per iteration, max over ranks; {a.blocks} alternating blocks of {a.per} calls")
+    print(f"per iteration, max over ranks; {a.blocks} alternating blocks of {a.per} calls; us")
     print(
-        f"{'size':>9} {'base med':>10} {'new med':>10} {'new/base':>8}  {'base p10':>10} "
-        f"{'new p10':>10} {'new/base':>8}"
+        f"{'size':>9} {'base p25':>9} {'base med':>9} {'base p75':>9}  {'new p25':>9} "
+        f"{'new med':>9} {'new p75':>9}  {'new/base med':>12} {'p25':>5} {'p75':>5}"
     )
     for nbytes in args["sizes"]:
         per_iter = {
@@ -176,11 +179,12 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for name in ("baseline", "new")
         }
-        bm, nm = (_quantile(per_iter[k], 0.5) * 1e6 for k in ("baseline", "new"))
-        b1, n1 = (_quantile(per_iter[k], 0.1) * 1e6 for k in ("baseline", "new"))
+        base = [_quantile(per_iter["baseline"], q) * 1e6 for q in _QUANTILES]
+        new = [_quantile(per_iter["new"], q) * 1e6 for q in _QUANTILES]
+        ratios = [n / b for n, b in zip(new, base, strict=True)]
         print(
-            f"{nbytes:>9} {bm:10.1f} {nm:10.1f} {nm / bm:8.2f}  "
-            f"{b1:10.1f} {n1:10.1f} {n1 / b1:8.2f}"
+            f"{nbytes:>9} {base[0]:9.1f} {base[1]:9.1f} {base[2]:9.1f}  {new[0]:9.1f} "
+            f"{new[1]:9.1f} {new[2]:9.1f}  {ratios[1]:12.2f} {ratios[0]:5.2f} {ratios[2]:5.2f}"
         )
 
 

@@ -123,6 +123,7 @@ class SlotArea:
         self._lock = threading.Lock()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
+        self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
 
     # ---------------------------------------------------------------- data
 
@@ -220,14 +221,22 @@ class SlotArea:
         wake-up would make this rank the one its peers wait for next."""
         # A peer running on another core publishes within microseconds: look
         # a few times before giving the core away (no syscall if it does).
-        for _ in range(_TIGHT_LOOKS):
+        # Unless the last wait's peer came only while this rank's core was
+        # given away (``_looks``): then it probably shares this core, and
+        # looking only delays the yield that lets it run.
+        for _ in range(self._looks):
             if self.ready(phase):
+                self._looks = _TIGHT_LOOKS
                 return
-        spin_until = time.perf_counter() + max(spin_s, pace.spin_s)
-        while time.perf_counter() < spin_until:
+        now = time.perf_counter()
+        spin_until = now + max(spin_s, pace.spin_s)
+        while now < spin_until:
             os.sched_yield()
+            then, now = now, time.perf_counter()
             if not self.missing(phase):
+                self._looks = _FEW_LOOKS if now - then > _GAVE_AWAY_S else _TIGHT_LOOKS
                 return
+        self._looks = _TIGHT_LOOKS
         self._sleep_until(phase, progress, what, pace.timeout_s)
 
     def _foreign_traffic(self, phase: int) -> None:
@@ -279,6 +288,12 @@ class SlotArea:
 _MAX_CACHED_VIEWS = 64
 # Looks at the peers' words before the first sched_yield (~0.2 us each).
 _TIGHT_LOOKS = 50
+# The same after a wait whose peer came while the core was away: a yield
+# that took longer than ``_GAVE_AWAY_S`` (an idle core's takes ~0.6 us)
+# ran someone else, likely the peer itself on this core (two ranks on one
+# core: 50 looks would cost each wait ~8 us of the peer's time).
+_FEW_LOOKS = 2
+_GAVE_AWAY_S = 5e-6
 
 
 def new_area_nonce(view: memoryview, nonce: bytes) -> None:
