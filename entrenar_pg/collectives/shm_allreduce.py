@@ -162,7 +162,7 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
         host = None
         parts[area.rank].copy_(buf)
     area.publish(phase, shape.packed)
-    if not area.ready(phase):
+    if not area.arrived(phase):
         _wait(area, phase, call, op, shape.packed, _spin_for(began))
     packed = shape.packed
     for raw in area.peer_headers[parity]:
@@ -320,7 +320,7 @@ def _await(
 ) -> None:
     """Every peer published ``phase`` (spinning for a multiple of the work
     since ``began``), and none failed since."""
-    if not area.ready(phase):
+    if not area.arrived(phase):
         _wait(area, phase, call, op, packed, _spin_for(began))
     if area.failed_peer() is not None:
         _raise_failed(area, call, op)
