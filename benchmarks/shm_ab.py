@@ -89,6 +89,8 @@ class _Swap:
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
     torch.set_num_threads(1)
+    if args["pin"]:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     os.environ["ENTRENAR_TRANSPORT"] = "shm"
     import entrenar_pg  # noqa: F401  (registers the backend)
 
@@ -145,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="float32 message sizes")
     p.add_argument("--blocks", type=int, default=10, help="alternating blocks per size")
     p.add_argument("--per", type=int, default=20, help="timed calls per block")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r to CPU r mod the CPU count: ranks on cores of their own, as on a "
+        "quiet machine (a loaded scheduler may put two ranks on one core for a whole run)",
+    )
     a = p.parse_args(argv)
     root = os.path.join(a.baseline_tree, "entrenar_pg")
     if not os.path.exists(f"{root}/collectives/shm_allreduce.py"):
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": parse_sizes(a.sizes),
         "blocks": a.blocks,
         "per": a.per,
+        "pin": a.pin,
     }
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -166,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     got = dict(queue.get(timeout=900) for _ in procs)
     for proc in procs:
         proc.join(60)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; N={a.world}; ")
+    pinned = "; ranks pinned to CPUs" if a.pin else ""
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; N={a.world}{pinned}")
     print(f"per iteration, max over ranks; {a.blocks} alternating blocks of {a.per} calls; us")
     print(
         f"{'size':>9} {'base p25':>9} {'base med':>9} {'base p75':>9}  {'new p25':>9} "
