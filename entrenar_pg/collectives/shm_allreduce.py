@@ -9,7 +9,8 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
 A wait spins for a multiple of this rank's own work in the phase before it
 sleeps (``_spin_for``).
 
-- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, else 1 MiB), one
+- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 32 KiB for two
+  ranks summing with numpy, else 1 MiB), one
   phase: each rank writes its 32-byte wire header and its input into its
   slot, publishes, waits for every peer, compares every peer's header byte
   for byte with its own (so a mismatch raises ``CollectiveMismatchError``
@@ -27,8 +28,9 @@ sleeps (``_spin_for``).
   phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
   MiB (the reduction then reads a chunk copied in a phase earlier, after
   another chunk went through the caches), so the chunks stay in sequence.
-  Two ranks slice above 256 KiB (the reduction halves; measured in
-  ``PAIR_SMALL_MAX_BYTES``' comment); more ranks on this 2-core machine
+  Two ranks slice above 256 KiB, or above 32 KiB when they sum with numpy
+  (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
+  and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
   gain nothing from it below 1 MiB.
 - Two ranks summing (SUM, AVG, PREMUL_SUM) a dtype numpy adds alike
   (``_NUMPY_SUM``), small or one chunk: the same phases with no torch op.
@@ -74,6 +76,15 @@ from .common import Call, ScratchPool, chunk_bounds
 # phase costs more than the slices save up to 1 MiB, so they keep 1 MiB.
 SMALL_MAX_BYTES = 1 << 20
 PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
+# The same for two ranks summing with numpy (``_Pair``: their sliced phase B is
+# one np.add, no torch op). Sliced against one phase, measured with
+# ``benchmarks/shm_ab.py`` (2026-11-26, loaded machine, interleaved): ranks on
+# cores of their own (``--pin``, a quiet machine's placement) 1.03x at 48 KiB,
+# 0.97-1.0x at 64 KiB, 0.93x at 128 KiB, 0.83x at 256 KiB; two ranks on one
+# core 0.89x at 32 KiB, 0.87x at 64 KiB, 0.75x at 256 KiB. (The first
+# measurement's 1.04x at 256 KiB paid 50 tight looks per extra phase on a
+# shared core; ``SlotArea.wait`` now looks less there.)
+PAIR_SUM_SMALL_MAX_BYTES = 1 << 15
 # A large message's chunk: a slot (``chunk_elems``).
 CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
@@ -125,22 +136,21 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
     nbytes = numel * dtype.itemsize
     chunk = chunk_elems(dtype)
-    if nbytes <= small_max_bytes(area.world):
+    pair = _new_pair(area, dtype, nbytes, red.combine_kind) if numel <= chunk else None
+    limit = small_max_bytes(area.world)
+    if nbytes <= (limit if pair is None else min(limit, PAIR_SUM_SMALL_MAX_BYTES)):
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
         return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
     lengths = {min(chunk, numel), numel % chunk or chunk}
     cuts = {m: _cut(area, dtype, m) for m in lengths}
-    pair_cut = None
-    if numel <= chunk:
-        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
-        pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
+    pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
     return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
 
 def small_max_bytes(world: int) -> int:
-    """The largest message the one-phase small path takes at ``world`` ranks."""
+    """The largest message the one-phase small path takes at ``world`` ranks
+    (two ranks summing a ``_NUMPY_SUM`` dtype: ``PAIR_SUM_SMALL_MAX_BYTES``)."""
     return PAIR_SMALL_MAX_BYTES if world == 2 else SMALL_MAX_BYTES
 
 
