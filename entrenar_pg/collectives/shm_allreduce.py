@@ -306,7 +306,9 @@ def _sliced_pair(
     cut.send[p][:] = theirs  # phase A: the peer's slice of this rank's input
     area.publish(phase, packed)
     _await(area, phase, call, op, packed, began)
-    _check_headers(area, call, p, packed)
+    for raw in area.peer_headers[p]:  # as in ``_small``: a call only on a difference
+        if packed != raw:
+            _check_headers(area, call, p, packed)
     began = time.perf_counter()  # phase B: this rank's slice, summed in rank order
     if cut.host_first:
         np.add(mine_sum, cut.peer_in[p], cut.reduced[p])  # out by position (``_small``)
