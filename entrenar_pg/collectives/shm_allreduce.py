@@ -78,12 +78,14 @@ SMALL_MAX_BYTES = 1 << 20
 PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # The same for two ranks summing with numpy (``_Pair``: their sliced phase B is
 # one np.add, no torch op). Sliced against one phase, measured with
-# ``benchmarks/shm_ab.py`` (2026-11-26, loaded machine, interleaved): ranks on
-# cores of their own (``--pin``, a quiet machine's placement) 1.03x at 48 KiB,
-# 0.97-1.0x at 64 KiB, 0.93x at 128 KiB, 0.83x at 256 KiB; two ranks on one
-# core 0.89x at 32 KiB, 0.87x at 64 KiB, 0.75x at 256 KiB. (The first
-# measurement's 1.04x at 256 KiB paid 50 tight looks per extra phase on a
-# shared core; ``SlotArea.wait`` now looks less there.)
+# ``benchmarks/shm_ab.py`` (2026-11-26, interleaved): quiet machine (load 2),
+# ranks on cores of their own (``--pin``) 1.00x at 32 KiB, 0.93x at 64 KiB,
+# 0.91x at 128 KiB, 0.83x at 256 KiB (unpinned 1.00, 1.00, 0.93, 0.86); two
+# ranks on one core 0.71-0.89x from 32 KiB (the two halves' work no longer
+# runs one after the other). Under heavy memory load (load 18-20, 1 MiB at
+# twice its quiet time) 1.15-1.24x. (The first measurement's 1.04x at 256
+# KiB paid 50 tight looks per extra phase on a shared core; ``SlotArea.wait``
+# now looks less there.)
 PAIR_SUM_SMALL_MAX_BYTES = 1 << 15
 # A large message's chunk: a slot (``chunk_elems``).
 CHUNK_BYTES = SLOT_DATA_BYTES
