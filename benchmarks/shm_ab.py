@@ -12,7 +12,7 @@ allreduce between the two every ``--per`` calls (the phase counter lives in
 the shared memory, so either picks up where the other left). The baseline
 must still run on this checkout's modules below it (``common``, ``wire``,
 ``reduce_ops``, ``shm``). Reported: per-iteration maximum over ranks,
-median and 10th percentile, new / baseline; both are checked to give the
+median and quartiles, new / baseline; both are checked to give the
 same sum first.
 """
 
@@ -89,6 +89,8 @@ class _Swap:
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
     torch.set_num_threads(1)
+    if args["pin"]:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     os.environ["ENTRENAR_TRANSPORT"] = "shm"
     import entrenar_pg  # noqa: F401  (registers the backend)
 
@@ -130,6 +132,9 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
     dist.destroy_process_group()
 
 
+_QUANTILES = (0.25, 0.5, 0.75)  # the columns: quartiles and median
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))]
@@ -142,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="float32 message sizes")
     p.add_argument("--blocks", type=int, default=10, help="alternating blocks per size")
     p.add_argument("--per", type=int, default=20, help="timed calls per block")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r to CPU r mod the CPU count: ranks on cores of their own, as on a "
+        "quiet machine (a loaded scheduler may put two ranks on one core for a whole run)",
+    )
     a = p.parse_args(argv)
     root = os.path.join(a.baseline_tree, "entrenar_pg")
     if not os.path.exists(f"{root}/collectives/shm_allreduce.py"):
@@ -151,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": parse_sizes(a.sizes),
         "blocks": a.blocks,
         "per": a.per,
+        "pin": a.pin,
     }
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -163,11 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     got = dict(queue.get(timeout=900) for _ in procs)
     for proc in procs:
         proc.join(60)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; N={a.world}; ")
-    print(f"per iteration, max over ranks; {a.blocks} alternating blocks of {a.per} calls")
+    pinned = "; ranks pinned to CPUs" if a.pin else ""
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; N={a.world}{pinned}")
+    print(f"per iteration, max over ranks; {a.blocks} alternating blocks of {a.per} calls; us")
     print(
-        f"{'size':>9} {'base med':>10} {'new med':>10} {'new/base':>8}  {'base p10':>10} "
-        f"{'new p10':>10} {'new/base':>8}"
+        f"{'size':>9} {'base p25':>9} {'base med':>9} {'base p75':>9}  {'new p25':>9} "
+        f"{'new med':>9} {'new p75':>9}  {'new/base med':>12} {'p25':>5} {'p75':>5}"
     )
     for nbytes in args["sizes"]:
         per_iter = {
@@ -176,11 +189,12 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for name in ("baseline", "new")
         }
-        bm, nm = (_quantile(per_iter[k], 0.5) * 1e6 for k in ("baseline", "new"))
-        b1, n1 = (_quantile(per_iter[k], 0.1) * 1e6 for k in ("baseline", "new"))
+        base = [_quantile(per_iter["baseline"], q) * 1e6 for q in _QUANTILES]
+        new = [_quantile(per_iter["new"], q) * 1e6 for q in _QUANTILES]
+        ratios = [n / b for n, b in zip(new, base, strict=True)]
         print(
-            f"{nbytes:>9} {bm:10.1f} {nm:10.1f} {nm / bm:8.2f}  "
-            f"{b1:10.1f} {n1:10.1f} {n1 / b1:8.2f}"
+            f"{nbytes:>9} {base[0]:9.1f} {base[1]:9.1f} {base[2]:9.1f}  {new[0]:9.1f} "
+            f"{new[1]:9.1f} {new[2]:9.1f}  {ratios[1]:12.2f} {ratios[0]:5.2f} {ratios[2]:5.2f}"
         )
 
 

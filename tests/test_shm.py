@@ -226,6 +226,7 @@ SLOT_OPS = [
 SLOT_SIZES = [0, 1, 1001]
 # Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
 BIG_SIZES = [
+    16_387,  # float32 ~64 KiB: a two-rank numpy sum's sliced path, one phase otherwise
     100_003,  # float32: past the two-rank small path's size (sliced at N=2, one phase at N=3)
     (1 << 18) + 3,
     slots.SLOT_DATA_BYTES // 4 + 5,

@@ -9,7 +9,8 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
 A wait spins for a multiple of this rank's own work in the phase before it
 sleeps (``_spin_for``).
 
-- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, else 1 MiB), one
+- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 32 KiB for two
+  ranks summing with numpy, else 1 MiB), one
   phase: each rank writes its 32-byte wire header and its input into its
   slot, publishes, waits for every peer, compares every peer's header byte
   for byte with its own (so a mismatch raises ``CollectiveMismatchError``
@@ -27,8 +28,9 @@ sleeps (``_spin_for``).
   phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
   MiB (the reduction then reads a chunk copied in a phase earlier, after
   another chunk went through the caches), so the chunks stay in sequence.
-  Two ranks slice above 256 KiB (the reduction halves; measured in
-  ``PAIR_SMALL_MAX_BYTES``' comment); more ranks on this 2-core machine
+  Two ranks slice above 256 KiB, or above 32 KiB when they sum with numpy
+  (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
+  and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
   gain nothing from it below 1 MiB.
 - Two ranks summing (SUM, AVG, PREMUL_SUM) a dtype numpy adds alike
   (``_NUMPY_SUM``), small or one chunk: the same phases with no torch op.
@@ -74,6 +76,17 @@ from .common import Call, ScratchPool, chunk_bounds
 # phase costs more than the slices save up to 1 MiB, so they keep 1 MiB.
 SMALL_MAX_BYTES = 1 << 20
 PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
+# The same for two ranks summing with numpy (``_Pair``: their sliced phase B is
+# one np.add, no torch op). Sliced against one phase, measured with
+# ``benchmarks/shm_ab.py`` (2026-11-26, interleaved): quiet machine (load 2),
+# ranks on cores of their own (``--pin``) 1.00x at 32 KiB, 0.93x at 64 KiB,
+# 0.91x at 128 KiB, 0.83x at 256 KiB (unpinned 1.00, 1.00, 0.93, 0.86); two
+# ranks on one core 0.71-0.89x from 32 KiB (the two halves' work no longer
+# runs one after the other). Under heavy memory load (load 18-20, 1 MiB at
+# twice its quiet time) 1.15-1.24x. (The first measurement's 1.04x at 256
+# KiB paid 50 tight looks per extra phase on a shared core; ``SlotArea.wait``
+# now looks less there.)
+PAIR_SUM_SMALL_MAX_BYTES = 1 << 15
 # A large message's chunk: a slot (``chunk_elems``).
 CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
@@ -125,22 +138,21 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
     nbytes = numel * dtype.itemsize
     chunk = chunk_elems(dtype)
-    if nbytes <= small_max_bytes(area.world):
+    pair = _new_pair(area, dtype, nbytes, red.combine_kind) if numel <= chunk else None
+    limit = small_max_bytes(area.world)
+    if nbytes <= (limit if pair is None else min(limit, PAIR_SUM_SMALL_MAX_BYTES)):
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
         return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
     lengths = {min(chunk, numel), numel % chunk or chunk}
     cuts = {m: _cut(area, dtype, m) for m in lengths}
-    pair_cut = None
-    if numel <= chunk:
-        pair = _new_pair(area, dtype, nbytes, red.combine_kind)
-        pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
+    pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
     return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
 
 def small_max_bytes(world: int) -> int:
-    """The largest message the one-phase small path takes at ``world`` ranks."""
+    """The largest message the one-phase small path takes at ``world`` ranks
+    (two ranks summing a ``_NUMPY_SUM`` dtype: ``PAIR_SUM_SMALL_MAX_BYTES``)."""
     return PAIR_SMALL_MAX_BYTES if world == 2 else SMALL_MAX_BYTES
 
 
@@ -162,17 +174,19 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
         host = None
         parts[area.rank].copy_(buf)
     area.publish(phase, shape.packed)
-    if not area.ready(phase):
+    if not area.arrived(phase):
         _wait(area, phase, call, op, shape.packed, _spin_for(began))
     packed = shape.packed
     for raw in area.peer_headers[parity]:
-        if raw != packed:
+        if packed != raw:  # bytearray first: its compare is a memcmp, memoryview's is not
             _check_headers(area, call, parity, packed)
     if area.failed_peer() is not None:
         _raise_failed(area, call, op)
     if host is not None:
         first, second = pair.slots[parity]  # type: ignore[union-attr]
-        np.add(first, second, out=host[1])  # rank order
+        # rank order; ``out`` passed by position: numpy's keyword parsing
+        # costs ~0.35 us a call, as much as the 4 KiB add itself
+        np.add(first, second, host[1])
     elif len(parts) == 2:  # rank order is the tree order
         combine_into(buf, parts[0], parts[1], shape.kind)
     else:
@@ -294,12 +308,14 @@ def _sliced_pair(
     cut.send[p][:] = theirs  # phase A: the peer's slice of this rank's input
     area.publish(phase, packed)
     _await(area, phase, call, op, packed, began)
-    _check_headers(area, call, p, packed)
+    for raw in area.peer_headers[p]:  # as in ``_small``: a call only on a difference
+        if packed != raw:
+            _check_headers(area, call, p, packed)
     began = time.perf_counter()  # phase B: this rank's slice, summed in rank order
     if cut.host_first:
-        np.add(mine_sum, cut.peer_in[p], out=cut.reduced[p])
+        np.add(mine_sum, cut.peer_in[p], cut.reduced[p])  # out by position (``_small``)
     else:
-        np.add(cut.peer_in[p], mine_sum, out=cut.reduced[p])
+        np.add(cut.peer_in[p], mine_sum, cut.reduced[p])
     area.publish(phase + 1)
     mine[:] = cut.own_out[p]  # this rank's own sum out while the peer finishes its
     _await(area, phase + 1, call, op, packed, began)
@@ -320,7 +336,7 @@ def _await(
 ) -> None:
     """Every peer published ``phase`` (spinning for a multiple of the work
     since ``began``), and none failed since."""
-    if not area.ready(phase):
+    if not area.arrived(phase):
         _wait(area, phase, call, op, packed, _spin_for(began))
     if area.failed_peer() is not None:
         _raise_failed(area, call, op)

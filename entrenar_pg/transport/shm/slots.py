@@ -16,7 +16,9 @@ k + 2) every peer has finished reading it: double-buffering by parity means
 no separate "done reading" word and no wait for readers, except that a rank
 cannot get more than one phase ahead of the slowest.
 
-Waiting (``SlotArea.wait``): look at the peers' words; spin a little with
+Waiting (``SlotArea.arrived``, then ``SlotArea.wait``): look at the peers'
+words (fewer times after a wait whose peer came only while this rank's
+core was away: it likely shares the core); spin a little with
 ``sched_yield`` (the job's ``spin_s``, or longer where the caller says
 the peers are busy with a large copy); then set this rank's ``SLEEPS`` word,
 fence, look again, and sleep in the progress loop's ``poll()`` (``Sleeper``) on the peers'
@@ -123,6 +125,7 @@ class SlotArea:
         self._lock = threading.Lock()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
+        self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
 
     # ---------------------------------------------------------------- data
 
@@ -181,12 +184,19 @@ class SlotArea:
                 except OSError:
                     pass  # gone: our own wait hears its hang-up
 
-    def ready(self, phase: int) -> bool:
-        """Every peer published ``phase`` (a look, no waiting)."""
-        for _, ctl in self._peer_ctl:
-            if ctl[_ARRIVED] < phase:
-                return False
-        return True
+    def arrived(self, phase: int) -> bool:
+        """Every peer published ``phase``, looking up to ``_looks`` times (no
+        syscall): a peer running on another core publishes within
+        microseconds, so the caller's ``wait`` (and the arguments it builds)
+        comes only after these looks."""
+        peers = self._peer_ctl
+        for _ in range(self._looks):
+            for _, ctl in peers:
+                if ctl[_ARRIVED] < phase:
+                    break
+            else:
+                return True
+        return False
 
     def failed_peer(self) -> int | None:
         """A peer whose group failed (``mark_failed``), or None. One that
@@ -212,22 +222,25 @@ class SlotArea:
         self, phase: int, progress: Sleeper, what: str, pace: Pace, spin_s: float = 0.0
     ) -> None:
         """Return once every peer published ``phase`` (module docstring: how),
-        timing out at the job's ``pace``.
+        timing out at the job's ``pace``; called once ``arrived`` said no.
 
         ``spin_s``: spin at least this long before sleeping (the job's
         ``pace.spin_s`` if longer): a phase whose peers are busy with the same
         large copy as this rank is worth spinning for, where a sleep's
         wake-up would make this rank the one its peers wait for next."""
-        # A peer running on another core publishes within microseconds: look
-        # a few times before giving the core away (no syscall if it does).
-        for _ in range(_TIGHT_LOOKS):
-            if self.ready(phase):
-                return
-        spin_until = time.perf_counter() + max(spin_s, pace.spin_s)
-        while time.perf_counter() < spin_until:
+        # The caller looked first (``arrived``). If the peer then came only
+        # while this rank's core was given away, it probably shares this
+        # core: the next wait looks only ``_FEW_LOOKS`` times, as more looks
+        # would only delay the yield that lets it run.
+        now = time.perf_counter()
+        spin_until = now + max(spin_s, pace.spin_s)
+        while now < spin_until:
             os.sched_yield()
+            then, now = now, time.perf_counter()
             if not self.missing(phase):
+                self._looks = _FEW_LOOKS if now - then > _GAVE_AWAY_S else _TIGHT_LOOKS
                 return
+        self._looks = _TIGHT_LOOKS
         self._sleep_until(phase, progress, what, pace.timeout_s)
 
     def _foreign_traffic(self, phase: int) -> None:
@@ -279,6 +292,12 @@ class SlotArea:
 _MAX_CACHED_VIEWS = 64
 # Looks at the peers' words before the first sched_yield (~0.2 us each).
 _TIGHT_LOOKS = 50
+# The same after a wait whose peer came while the core was away: a yield
+# that took longer than ``_GAVE_AWAY_S`` (an idle core's takes ~0.6 us)
+# ran someone else, likely the peer itself on this core (two ranks on one
+# core: 50 looks would cost each wait ~8 us of the peer's time).
+_FEW_LOOKS = 2
+_GAVE_AWAY_S = 5e-6
 
 
 def new_area_nonce(view: memoryview, nonce: bytes) -> None:
