@@ -352,6 +352,7 @@ def test_chunked_large_path_at_chunk_boundaries(
     (rank order; the canonical tree when deterministic)."""
     monkeypatch.setattr(shm_allreduce, "SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "PAIR_SMALL_MAX_BYTES", 0)
+    monkeypatch.setattr(shm_allreduce, "PAIR_SUM_SMALL_MAX_BYTES", 0)
     monkeypatch.setattr(shm_allreduce, "CHUNK_BYTES", PIPE_CHUNK_BYTES)
     ran: list[str] = []
     # Two ranks summing one chunk take its memcpy/numpy twin (_sliced_pair).

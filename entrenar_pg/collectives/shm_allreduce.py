@@ -139,8 +139,7 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     nbytes = numel * dtype.itemsize
     chunk = chunk_elems(dtype)
     pair = _new_pair(area, dtype, nbytes, red.combine_kind) if numel <= chunk else None
-    limit = small_max_bytes(area.world)
-    if nbytes <= (limit if pair is None else min(limit, PAIR_SUM_SMALL_MAX_BYTES)):
+    if nbytes <= small_max_bytes(area.world, numpy_sum=pair is not None):
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
         return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
@@ -150,10 +149,12 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
 
-def small_max_bytes(world: int) -> int:
-    """The largest message the one-phase small path takes at ``world`` ranks
-    (two ranks summing a ``_NUMPY_SUM`` dtype: ``PAIR_SUM_SMALL_MAX_BYTES``)."""
-    return PAIR_SMALL_MAX_BYTES if world == 2 else SMALL_MAX_BYTES
+def small_max_bytes(world: int, numpy_sum: bool = False) -> int:
+    """The largest message the one-phase small path takes at ``world`` ranks;
+    ``numpy_sum``: two ranks summing a ``_NUMPY_SUM`` dtype (``_Pair``)."""
+    if world != 2:
+        return SMALL_MAX_BYTES
+    return PAIR_SUM_SMALL_MAX_BYTES if numpy_sum else PAIR_SMALL_MAX_BYTES
 
 
 def chunk_elems(dtype: torch.dtype) -> int:
