@@ -8,15 +8,14 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from short_timeout import init_group
 
 mode = sys.argv[1]
-dist.init_process_group("entrenar", timeout=timedelta(seconds=float(os.environ["TIMEOUT_S"])))
+init_group()  # set-up under a generous timeout, then TIMEOUT_S
 rank = dist.get_rank()
-dist.barrier()
 start = time.monotonic()
 try:
     if mode == "kill":

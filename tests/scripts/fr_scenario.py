@@ -18,21 +18,16 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from short_timeout import init_group
 
 import entrenar_pg
 
 mode, victim, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-# Set-up under a generous timeout (a loaded machine starts the three
-# processes seconds apart); the calls under the short one the test is about.
-dist.init_process_group("entrenar", timeout=timedelta(seconds=60))
+init_group()  # set-up under a generous timeout, then TIMEOUT_S
 rank, world = dist.get_rank(), dist.get_world_size()
-dist.barrier()
-backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-backend.set_timeout(timedelta(seconds=float(os.environ["TIMEOUT_S"])))
 t = torch.ones(1024)
 ops = [
     dist.P2POp(dist.isend, t.clone(), (rank + 1) % world),
