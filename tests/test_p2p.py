@@ -382,3 +382,36 @@ def test_a_stalled_p2p_link_names_the_peer_and_breaks_the_group() -> None:
     finally:
         for g in groups:
             g.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_message_sent_before_the_peer_left_is_received() -> None:
+    """A peer sends, then destroys its group (the end of a pipeline schedule):
+    the recv of what it sent must complete, even where this rank's p2p thread
+    sees the peer's hang-up on its own connection in the same poll as the
+    message on the peer's (found as "rank 1 left the group mid-collective" in
+    the pipelining test under load). The thread is held while both arrive."""
+    groups = make_groups(2)
+    try:
+        # Both connections exist first (rank 0's own made first, so it comes first
+        # in the poll): the message is many calls into the job, as in a pipeline.
+        got = torch.empty(4)
+        groups[0].send([torch.ones(4)], 1, 0).wait()
+        groups[1].recv([got], 0, 0).wait()
+        groups[1].send([torch.ones(4)], 0, 0).wait()
+        groups[0].recv([got], 1, 0).wait()
+        channel = groups[0]._runtime.p2p
+        out = torch.empty(4)
+        w = groups[0].recv([out], 1, 0)
+        with channel._lock:  # hold rank 0's p2p thread out of its poll
+            channel._loop.wake()
+            time.sleep(0.2)  # it woke, and waits for the lock to handle that
+            groups[1].send([torch.full((4,), 7.0)], 0, 0).wait()
+            groups[1].shutdown()  # its goodbye and hang-ups, after the message
+            time.sleep(0.2)
+        w.wait(timedelta(seconds=10))
+        assert out.tolist() == [7.0] * 4
+        assert groups[0]._runtime.state.error is None  # a peer that finished is not a failure
+    finally:
+        for g in groups:
+            g.shutdown()

@@ -284,6 +284,10 @@ class P2PChannel:
         """This rank's own connection is readable: the peer hung up (or wrote garbage)."""
         error = link.out_ended(self._causes)
         if error is not None:
+            # What the peer sent before it closed may be waiting, unread, on
+            # its own connection (both hang-ups and the data can come in one
+            # poll, this one first): take it, so its recvs complete.
+            self._pump(link, receiving=True)
             self._link_down(link, error)
 
     def _next_deadline(self) -> float:
