@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from benchmarks.model.costs import DEDICATED, Conditions, Fabric, Phase, Shape, total_time
 from benchmarks.model.links import LinkParams, LinkTable
+from benchmarks.sizes import format_bytes
 from entrenar_pg.config import Options
 
 FRAME = "frame"  # per-frame CPU work on the busiest rank: beta = seconds per frame
@@ -251,6 +252,10 @@ def broadcast_flat(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[P
 
 
 FLAT: dict[str, Rooted] = {"barrier": barrier_star, "broadcast": broadcast_flat}
+RETUNED: dict[str, tuple[Rooted, ...]] = {
+    "barrier": (barrier_star,),
+    "broadcast": (broadcast_direct, broadcast_chain),
+}
 CANDIDATES: dict[str, dict[str, Rooted]] = {
     "barrier": {
         "leaders star": barrier_leaders_star,
@@ -273,11 +278,17 @@ class Compared:
     flat_s: float
     candidate: str
     host_aware_s: float
+    retuned_s: float  # the fastest flat algorithm (broadcast: direct or chain, any threshold)
 
     @property
     def ratio(self) -> float:
         """Host-aware time / flat time: below 1, host-aware pays."""
         return self.host_aware_s / self.flat_s if self.flat_s > 0 else 1.0
+
+    @property
+    def retuned_ratio(self) -> float:
+        """The fastest flat algorithm's time / the policy's: what a threshold alone gains."""
+        return self.retuned_s / self.flat_s if self.flat_s > 0 else 1.0
 
 
 def compare(
@@ -300,9 +311,59 @@ def compare(
         for name, algo in CANDIDATES[op].items()
     }
     best = min(times, key=lambda k: times[k])
-    return Compared(op, shape, flat, best, times[best])
+    flats = [total_time(algo(shape, fabric, True), links, where) for algo in RETUNED[op]]
+    return Compared(op, shape, flat, best, times[best], min(flats))
 
 
 def cross_host_bytes(phases: list[Phase], inter: str) -> float:
     """Bytes through the busiest host link per direction over all phases."""
     return sum(p.nbytes.get(inter, 0.0) for p in phases)
+
+
+TABLE_SHAPES = ((2, 2), (4, 2), (8, 8), (64, 8), (1024, 8))
+TABLE_SIZES = {"barrier": (0,), "broadcast": (0, 4 << 10, 1 << 20, 64 << 20)}
+FRAME_CASES = (0.0, ASSUMED_FRAME_S)
+PLAN_HOSTS = tuple(2**i for i in range(1, 11))
+PLAN_LOCALS = (2, 8)
+PAYS = 0.95  # host-aware "pays" where it takes at most this share of the flat time
+PLAN_SIZES = {"barrier": (0,), "broadcast": (0, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)}
+
+
+def ratio_table(op: str, links: LinkTable, fabric: Fabric, confirm: bool = True) -> str:
+    """Markdown: host-aware / flat for ``op`` per shape and size, with ``FRAME`` at each
+    of ``FRAME_CASES`` (cells ``ratio (candidate)``, one per frame cost, "/" between)."""
+    sizes = TABLE_SIZES[op]
+    frames = " / ".join(f"{f * 1e6:.0f} µs" for f in FRAME_CASES)
+    head = f"| H x L (frame {frames}) | " + " | ".join(format_bytes(s) for s in sizes) + " |"
+    lines = [head, "|---" * (len(sizes) + 1) + "|"]
+    for h, local in TABLE_SHAPES:
+        cells = []
+        for s in sizes:
+            shape = Shape(h, local, s)
+            got = [compare(op, shape, fabric, with_frame(links, f), confirm) for f in FRAME_CASES]
+            cells.append(" / ".join(f"{c.ratio:.2f} ({c.candidate})" for c in got))
+        lines.append(f"| {h} x {local} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def crossover_lines(op: str, links: LinkTable, fabric: Fabric, confirm: bool = True) -> list[str]:
+    """Per (H, L) of ``PLAN_HOSTS`` x ``PLAN_LOCALS``: the sizes of ``PLAN_SIZES`` where
+    the fastest candidate pays (at most ``PAYS`` of the flat time), by how much
+    (host-aware / flat), beside what the fastest flat algorithm alone would give."""
+    out = []
+    for h in PLAN_HOSTS:
+        for local in PLAN_LOCALS:
+            got = [compare(op, Shape(h, local, s), fabric, links, confirm) for s in PLAN_SIZES[op]]
+            wins = [c for c in got if c.ratio <= PAYS]
+            if not wins:
+                out.append(
+                    f"- {h} x {local}: flat everywhere (best {min(c.ratio for c in got):.2f})"
+                )
+                continue
+            cells = ", ".join(
+                f"{format_bytes(c.shape.nbytes)} {c.ratio:.2f} ({c.candidate}; "
+                f"flat retuned {c.retuned_ratio:.2f})"
+                for c in wins
+            )
+            out.append(f"- {h} x {local}: host-aware at {cells}")
+    return out
