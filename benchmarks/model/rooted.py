@@ -170,6 +170,13 @@ def _segments(s: int) -> tuple[int, int]:
     return seg, math.ceil(s / seg) if seg else 0
 
 
+def _store_and_forward(name: str, kind: str, hops: int, seg: int) -> Phase:
+    """The first segment through ``hops`` links of ``kind`` in sequence, each receiving it
+    whole before passing it on: ``hops`` alphas and ``hops`` segment times, of which
+    all but one are the pipeline's fill (a link carries the segment once)."""
+    return Phase(name, {kind: hops}, {kind: seg}, fill=hops - 1)
+
+
 def broadcast_chain(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
     """The flat chain in rank order: the first segment stores and forwards through H-1
     cross-host and N-H local hops, the rest streams at the slower link's rate (S per
@@ -181,13 +188,9 @@ def broadcast_chain(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[
     seg, count = _segments(s)
     phases = []
     if h > 1:
-        phases.append(
-            Phase("chain across hosts", {fabric.inter: h - 1}, {fabric.inter: (h - 1) * seg})
-        )
+        phases.append(_store_and_forward("chain across hosts", fabric.inter, h - 1, seg))
     if n > h:
-        phases.append(
-            Phase("chain inside hosts", {fabric.intra: n - h}, {fabric.intra: (n - h) * seg})
-        )
+        phases.append(_store_and_forward("chain inside hosts", fabric.intra, n - h, seg))
     stream = _on(shape, fabric, s - seg, s - seg)
     stream[FRAME] = 2 * count
     if confirm:
@@ -233,7 +236,7 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
     seg, count = _segments(s)
     phases = []
     if h > 1:
-        phases.append(Phase("leaders' chain", {fabric.inter: h - 1}, {fabric.inter: (h - 1) * seg}))
+        phases.append(_store_and_forward("leaders' chain", fabric.inter, h - 1, seg))
     if local > 1:
         phases.append(Phase("fan-out", {fabric.intra: 1}, {fabric.intra: (local - 1) * seg}))
     stream = _on(shape, fabric, (local - 1) * (s - seg), s - seg)
