@@ -11,6 +11,8 @@
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
 - ``rooted``: barrier and broadcast, flat (as implemented) against host-aware
   candidates (``rooted.py``): the ratio table and where host-aware pays.
+- ``measure-rooted``: the flat barrier and broadcast measured on emulated hosts
+  (``rooted_measure.py``; root, namespaces), beside gloo and the model.
 - ``predict --hosts H --local L [--sizes ...]``: every algorithm's time and
   the policy's pick (asked with the topology) for one shape.
 
@@ -23,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
-from benchmarks.model import check, costs, fit, measure, plan, rooted, wake
+from benchmarks.model import check, costs, fit, measure, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import parse_sizes
 
@@ -131,6 +134,15 @@ def cmd_rooted(args: argparse.Namespace) -> None:
             print("\n".join(lines))
 
 
+def cmd_measure_rooted(args: argparse.Namespace) -> None:
+    sizes = list(parse_sizes(args.sizes))
+    rows = rooted_measure.measure(args.hosts, args.local, args.rate, sizes, args.rounds)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rate": args.rate, "rows": rows}, indent=1) + "\n")
+    cores = os.cpu_count() or 1
+    print(rooted_measure.report(rows, _links(args.links), args.rate, cores))
+
+
 def cmd_predict(args: argparse.Namespace) -> None:
     links = _links(args.links)
     for size in parse_sizes(args.sizes):
@@ -177,6 +189,14 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--links")
     ro = sub.add_parser("rooted", help="barrier and broadcast: flat against host-aware")
     ro.add_argument("--links")
+    mr = sub.add_parser("measure-rooted", help="flat barrier and broadcast on emulated hosts")
+    mr.add_argument("--hosts", type=int, default=2)
+    mr.add_argument("--local", type=int, default=2)
+    mr.add_argument("--rate", default="1gbit", help="tc rate of every host link ('' unshaped)")
+    mr.add_argument("--sizes", default="4K,1M")
+    mr.add_argument("--rounds", type=int, default=15)
+    mr.add_argument("--links")
+    mr.add_argument("--out", default="", help="JSON path for the rows")
     pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
     pl.add_argument("--links")
     pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
@@ -195,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "predict": cmd_predict,
         "rooted": cmd_rooted,
+        "measure-rooted": cmd_measure_rooted,
     }
     commands[args.cmd](args)
     return 0
