@@ -478,4 +478,5 @@ def test_rooted_command_prints_both_tables(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     for shape in ("| 2 x 2 |", "| 1024 x 8 |"):
         assert out.count(shape) == 3  # barrier, broadcast, broadcast confirming on its links
-    assert "barrier, where host-aware pays (frame 20 µs)" in out
+    assert "barrier, where host-aware pays (frame 5 µs)" in out
+    assert "| H x L (frame 0 µs / 5 µs / 20 µs) |" in out
