@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, cli, costs, fit, plan, rooted, wake
+from benchmarks.model import check, cli, costs, fit, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import (
     GLOO_NET,
     KINDS,
@@ -480,3 +480,36 @@ def test_rooted_command_prints_both_tables(capsys: pytest.CaptureFixture[str]) -
         assert out.count(shape) == 3  # barrier, broadcast, broadcast confirming on its links
     assert "barrier, where host-aware pays (frame 5 µs)" in out
     assert "| H x L (frame 0 µs / 5 µs / 20 µs) |" in out
+
+
+def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None:
+    """The report of measured rows (no processes): entrenar / gloo per op, and the
+    prediction of the flat algorithm under the emulated run's conditions (ranks per
+    core, tbf's burst), as ``check`` would set them."""
+    rows = [
+        {
+            "backend": b,
+            "op": op,
+            "bytes": s,
+            "hosts": 2,
+            "local": 2,
+            "median_s": t * scale,
+            "min_s": t * scale,
+        }
+        for b, scale in (("entrenar", 1.0), ("gloo", 2.0))
+        for op, s, t in (("barrier", 0, 1e-3), ("broadcast", 1 << 20, 20e-3))
+    ]
+    out = rooted_measure.report(rows, LINKS, "1gbit", cores=2)
+    lines = [x for x in out.splitlines() if x.startswith("| 2 x 2 |")]
+    assert len(lines) == 2 and all("| 0.50 |" in x for x in lines)  # entrenar half gloo's
+    shape = costs.Shape(2, 2, 1 << 20)
+    where = check.conditions_of({"rate": "1gbit", "machine": {"nproc": 2}}, shape)
+    assert where.ranks_per_core == 2 and where.free_net_bytes > 0
+    links = rooted.with_frame(LINKS, rooted.ASSUMED_FRAME_S)
+    want = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links, where)
+    got = rooted_measure.predicted(rows[1], links, "1gbit", 2)
+    dedicated = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links)
+    assert got == pytest.approx(want)
+    # LINKS has no wake kind: the conditions take only tbf's burst off the root's link
+    assert want == pytest.approx(dedicated - check.TBF_BURST_BYTES * LINKS[NET].beta)
+    assert check.duration(want) in lines[1]
