@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, cli, costs, fit, plan, wake
+from benchmarks.model import check, cli, costs, fit, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import (
     GLOO_NET,
     KINDS,
@@ -365,3 +365,151 @@ def test_fit_wake_recovers_the_wake_up_alpha_from_cluster_rows() -> None:
     assert fitted.meta["wake_rows"] == 4 * 2 * 3
     with pytest.raises(ValueError, match="no row below 1 MiB"):
         wake.fit_wake([{"meta": {}, "rows": rows}], LINKS)  # a core per rank: nothing to fit
+
+
+ROOTED_SHAPES = [(2, 2), (4, 2), (8, 8), (64, 8), (1024, 8)]
+
+
+@pytest.mark.parametrize(("h", "local"), ROOTED_SHAPES)
+def test_broadcast_cross_host_bytes(h: int, local: int) -> None:
+    """Per host link per direction, the data alone: the flat direct (N-L) x S (the root
+    to every rank elsewhere), the chain and the leaders' chain S (one crossing per host
+    boundary), the root to the leaders (H-1) x S, the leaders' tree ceil(log2 H) x S;
+    the header confirmation adds L x (N-L) 32-byte frames to each."""
+    n = h * local
+    for s in (4 << 10, 1 << 20, 64 << 20):
+        shape = costs.Shape(h, local, s)
+        assert _link(rooted.broadcast_direct, shape) == (n - local) * s
+        assert _link(rooted.broadcast_hosts_direct, shape) == (h - 1) * s
+        assert _link(rooted.broadcast_chain, shape) == s
+        assert _link(rooted.broadcast_hosts_chain, shape) == s
+        assert _link(rooted.broadcast_hosts_tree, shape) == math.ceil(math.log2(h)) * s
+        confirm = local * (n - local) * rooted.HEADER_BYTES
+        assert _link(rooted.broadcast_direct, shape, True) == (n - local) * s + confirm
+        assert _link(rooted.broadcast_chain, shape, True) == s + confirm
+
+
+def _link(algo: rooted.Rooted, shape: costs.Shape, confirm: bool = False) -> float:
+    return rooted.cross_host_bytes(algo(shape, costs.ENTRENAR, confirm), NET)
+
+
+@pytest.mark.parametrize(("h", "local"), ROOTED_SHAPES)
+def test_barrier_and_broadcast_hops_and_frames(h: int, local: int) -> None:
+    """Hops in sequence and the busiest rank's frames: the flat barrier 2 hops and
+    2(N-1) frames at rank 0; the leaders' star 4 hops, at most 2(H-1) frames in one
+    phase; the dissemination 2 + ceil(log2 H) hops; the flat chain N-1 hops, the
+    leaders' chain H (H-1 across, 1 inside)."""
+    n, e = h * local, costs.ENTRENAR
+    rounds = math.ceil(math.log2(h))
+    star = rooted.barrier_star(costs.Shape(h, local, 0), e)
+    assert costs.hops(star) == 2 and star[0].nbytes[rooted.FRAME] == 2 * (n - 1)
+    leaders = rooted.barrier_leaders_star(costs.Shape(h, local, 0), e)
+    assert costs.hops(leaders) == 4
+    assert max(p.nbytes[rooted.FRAME] for p in leaders) == max(2 * (h - 1), local - 1)
+    dissemination = rooted.barrier_leaders_dissemination(costs.Shape(h, local, 0), e)
+    assert costs.hops(dissemination) == 2 + rounds
+    shape = costs.Shape(h, local, 64 << 20)
+    chain = rooted.broadcast_chain(shape, e)
+    assert costs.hops(chain) == n - 1
+    assert [p.messages for p in chain[:2]] == [{NET: h - 1}, {SHM: n - h}]
+    assert costs.hops(rooted.broadcast_hosts_chain(shape, e)) == h
+    assert costs.hops(rooted.broadcast_hosts_tree(shape, e)) == rounds + 1
+    # one rank per host: the candidates have no in-host phase
+    alone = costs.Shape(h, 1, 4 << 10)
+    assert costs.hops(rooted.barrier_leaders_star(alone, e)) == 2
+    assert costs.hops(rooted.broadcast_hosts_direct(alone, e)) == 1
+
+
+@pytest.mark.parametrize("s", [0, 4 << 10, 1 << 20, (1 << 20) + 1, 64 << 20])
+def test_flat_broadcast_is_what_the_policy_picks(s: int) -> None:
+    for h, local in ROOTED_SHAPES:
+        shape = costs.Shape(h, local, s)
+        algo = choose(OpCode.BROADCAST, s, shape.world, Options()).algo
+        want = rooted.broadcast_direct if algo.name == "DIRECT" else rooted.broadcast_chain
+        assert algo.name in ("DIRECT", "CHAIN")
+        assert rooted.broadcast_flat(shape, costs.ENTRENAR) == want(shape, costs.ENTRENAR)
+
+
+def test_rooted_times_grow_with_size_and_frames() -> None:
+    """Every algorithm alone (not the policy's pick: at 8 x 8 its direct 1 MiB is
+    predicted slower than its chain of 4 MiB, see docs/benchmarks.md)."""
+    algos = [*rooted.RETUNED["broadcast"], *rooted.CANDIDATES["broadcast"].values()]
+    for frame in (0.0, 30e-6):
+        links = rooted.with_frame(LINKS, frame)
+        for h, local in ROOTED_SHAPES:
+            for algo in algos:
+                t = [
+                    costs.total_time(algo(costs.Shape(h, local, s), costs.ENTRENAR), links)
+                    for s in SIZES
+                ]
+                assert all(b >= a for a, b in zip(t, t[1:], strict=False)), (algo, h, local)
+    shape = costs.Shape(64, 8, 0)
+    slow = rooted.compare("barrier", shape, costs.ENTRENAR, rooted.with_frame(LINKS, 30e-6))
+    fast = rooted.compare("barrier", shape, costs.ENTRENAR, rooted.with_frame(LINKS, 0.0))
+    # 2 hops at the slower alpha, then rank 0's 2(N-1) frames (more than its link's bytes)
+    assert slow.flat_s == pytest.approx(2 * LINKS[NET].alpha + 2 * (64 * 8 - 1) * 30e-6)
+    assert fast.flat_s < slow.flat_s / 10
+
+
+def test_compare_finds_where_host_aware_pays() -> None:
+    """Few hosts, no frame cost: the barrier's local hops pay only where they are cheaper
+    than a cross-host one (the leaders' 1 cross-host round at 2 hosts against the star's
+    2); where every hop costs the same (the fitted table, where each is a wake-up) its 2
+    extra hops lose. The flat direct broadcast of 1 MiB through the root's link loses to
+    the root sending one copy per host; 64 MiB on 2 x 2: the chain crosses each host
+    boundary once already (1.0)."""
+    links = rooted.with_frame(LINKS, 0.0)
+    e = costs.ENTRENAR
+    barrier = rooted.compare("barrier", costs.Shape(2, 2, 0), e, links)
+    assert barrier.ratio < 1 and barrier.candidate == "leaders dissemination"
+    even = LinkTable({**links.params, SHM: LinkParams(LINKS[NET].alpha, LINKS[SHM].beta)}, {})
+    assert rooted.compare("barrier", costs.Shape(2, 2, 0), e, even).ratio > 1
+    mib = rooted.compare("broadcast", costs.Shape(4, 2, 1 << 20), e, links)
+    assert mib.ratio < 0.5 and mib.retuned_ratio < 1
+    big = rooted.compare("broadcast", costs.Shape(2, 2, 64 << 20), e, links)
+    assert big.ratio == pytest.approx(1.0, abs=0.02)
+    lines = rooted.crossover_lines("broadcast", links, e)
+    assert len(lines) == len(rooted.PLAN_HOSTS) * len(rooted.PLAN_LOCALS)
+    assert lines[0].startswith("- 2 x 2: host-aware at ") and "1 MiB" in lines[0]
+
+
+def test_rooted_command_prints_both_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["rooted"]) == 0
+    out = capsys.readouterr().out
+    for shape in ("| 2 x 2 |", "| 1024 x 8 |"):
+        assert out.count(shape) == 3  # barrier, broadcast, broadcast confirming on its links
+    assert "barrier, where host-aware pays (frame 5 µs)" in out
+    assert "| H x L (frame 0 µs / 5 µs / 20 µs) |" in out
+
+
+def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None:
+    """The report of measured rows (no processes): entrenar / gloo per op, and the
+    prediction of the flat algorithm under the emulated run's conditions (ranks per
+    core, tbf's burst), as ``check`` would set them."""
+    rows = [
+        {
+            "backend": b,
+            "op": op,
+            "bytes": s,
+            "hosts": 2,
+            "local": 2,
+            "median_s": t * scale,
+            "min_s": t * scale,
+        }
+        for b, scale in (("entrenar", 1.0), ("gloo", 2.0))
+        for op, s, t in (("barrier", 0, 1e-3), ("broadcast", 1 << 20, 20e-3))
+    ]
+    out = rooted_measure.report(rows, LINKS, "1gbit", cores=2)
+    lines = [x for x in out.splitlines() if x.startswith("| 2 x 2 |")]
+    assert len(lines) == 2 and all("| 0.50 |" in x for x in lines)  # entrenar half gloo's
+    shape = costs.Shape(2, 2, 1 << 20)
+    where = check.conditions_of({"rate": "1gbit", "machine": {"nproc": 2}}, shape)
+    assert where.ranks_per_core == 2 and where.free_net_bytes > 0
+    links = rooted.with_frame(LINKS, rooted.ASSUMED_FRAME_S)
+    want = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links, where)
+    got = rooted_measure.predicted(rows[1], links, "1gbit", 2)
+    dedicated = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links)
+    assert got == pytest.approx(want)
+    # LINKS has no wake kind: the conditions take only tbf's burst off the root's link
+    assert want == pytest.approx(dedicated - check.TBF_BURST_BYTES * LINKS[NET].beta)
+    assert check.duration(want) in lines[1]

@@ -9,6 +9,10 @@
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
+- ``rooted``: barrier and broadcast, flat (as implemented) against host-aware
+  candidates (``rooted.py``): the ratio table and where host-aware pays.
+- ``measure-rooted``: the flat barrier and broadcast measured on emulated hosts
+  (``rooted_measure.py``; root, namespaces), beside gloo and the model.
 - ``predict --hosts H --local L [--sizes ...]``: every algorithm's time and
   the policy's pick (asked with the topology) for one shape.
 
@@ -21,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
-from benchmarks.model import check, costs, fit, measure, plan, wake
+from benchmarks.model import check, costs, fit, measure, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import parse_sizes
 
@@ -114,6 +119,30 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(f"\nplots: {path}, {path.with_name(THRESHOLD_PLOT)}")
 
 
+def cmd_rooted(args: argparse.Namespace) -> None:
+    links = _links(args.links)
+    fabric = costs.ENTRENAR
+    for op in ("barrier", "broadcast"):
+        print(f"\n{op}: host-aware / flat (the fastest candidate), per frame cost:\n")
+        print(rooted.ratio_table(op, links, fabric))
+        if op == "broadcast":
+            print("\nbroadcast, the candidates confirming along their own links only:\n")
+            print(rooted.ratio_table(op, links, fabric, confirm=False))
+        for frame in rooted.FRAME_CASES:
+            print(f"\n{op}, where host-aware pays (frame {frame * 1e6:.0f} µs):\n")
+            lines = rooted.crossover_lines(op, rooted.with_frame(links, frame), fabric)
+            print("\n".join(lines))
+
+
+def cmd_measure_rooted(args: argparse.Namespace) -> None:
+    sizes = list(parse_sizes(args.sizes))
+    rows = rooted_measure.measure(args.hosts, args.local, args.rate, sizes, args.rounds)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rate": args.rate, "rows": rows}, indent=1) + "\n")
+    cores = os.cpu_count() or 1
+    print(rooted_measure.report(rows, _links(args.links), args.rate, cores))
+
+
 def cmd_predict(args: argparse.Namespace) -> None:
     links = _links(args.links)
     for size in parse_sizes(args.sizes):
@@ -158,6 +187,16 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--local", type=int, required=True)
     pr.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     pr.add_argument("--links")
+    ro = sub.add_parser("rooted", help="barrier and broadcast: flat against host-aware")
+    ro.add_argument("--links")
+    mr = sub.add_parser("measure-rooted", help="flat barrier and broadcast on emulated hosts")
+    mr.add_argument("--hosts", type=int, default=2)
+    mr.add_argument("--local", type=int, default=2)
+    mr.add_argument("--rate", default="1gbit", help="tc rate of every host link ('' unshaped)")
+    mr.add_argument("--sizes", default="4K,1M")
+    mr.add_argument("--rounds", type=int, default=15)
+    mr.add_argument("--links")
+    mr.add_argument("--out", default="", help="JSON path for the rows")
     pl = sub.add_parser("plan", help="table, crossovers and plot up to 1,024 x 8")
     pl.add_argument("--links")
     pl.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
@@ -175,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "fit-wake": cmd_fit_wake,
         "plan": cmd_plan,
         "predict": cmd_predict,
+        "rooted": cmd_rooted,
+        "measure-rooted": cmd_measure_rooted,
     }
     commands[args.cmd](args)
     return 0

@@ -1,0 +1,88 @@
+"""Measure the flat barrier and broadcast on emulated hosts and set them beside the model.
+
+``python -m benchmarks.model measure-rooted [--hosts 2 --local 2 --rate 1gbit]``:
+H namespaces x L ranks (``netns_job.run_ranks``, links shaped as the
+cluster bench shapes them), ranks ``rooted_rank.py``; per op and backend the
+median over rounds of (last rank's end - last rank's start), and entrenar's
+prediction (``rooted.barrier_star`` / ``rooted.broadcast_flat`` under the
+run's ``Conditions``: ranks per core and tbf's burst, as ``check`` does) at
+the assumed frame cost and at none. Prints a Markdown table; ``--out`` keeps
+the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+from benchmarks import netns_job
+from benchmarks.cluster_config import ClusterConfig
+from benchmarks.model import check, costs, rooted
+from benchmarks.model.links import LinkTable
+from benchmarks.model.rooted_rank import op_names
+from benchmarks.sizes import format_bytes
+
+
+def measure(
+    hosts: int, local: int, rate: str, sizes: list[int], rounds: int
+) -> list[dict[str, Any]]:
+    """One job; a row per (backend, op): the median call and the samples."""
+    cfg = ClusterConfig(
+        hosts=hosts, local=local, sizes=tuple(sizes), rate=rate or None, timeout_s=300.0
+    )
+    backends = ["entrenar", "gloo"]
+    spec = {"sizes": sizes, "rounds": rounds, "backends": backends}
+    prefix = f"enrr{os.getpid() % 100000}"
+    per_rank = netns_job.run_ranks(cfg, "benchmarks.model.rooted_rank", spec, prefix)
+    rows = []
+    for backend in backends:
+        for name in op_names(sizes):
+            pairs = [rec["times"][backend][name] for rec in per_rank]
+            calls = [
+                max(p[i][1] for p in pairs) - max(p[i][0] for p in pairs) for i in range(rounds)
+            ]
+            rows.append(
+                {
+                    "backend": backend,
+                    "op": name.split()[0],
+                    "bytes": int(name.split()[1]) if " " in name else 0,
+                    "hosts": hosts,
+                    "local": local,
+                    "median_s": statistics.median(calls),
+                    "min_s": min(calls),
+                }
+            )
+    return rows
+
+
+def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
+    """entrenar's flat algorithm for ``row`` under the emulated run's conditions."""
+    shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
+    where = check.conditions_of({"rate": rate, "machine": {"nproc": cores}}, shape)
+    algo = rooted.FLAT[str(row["op"])]
+    return costs.total_time(algo(shape, costs.ENTRENAR, True), links, where)
+
+
+def report(rows: list[dict[str, Any]], links: LinkTable, rate: str, cores: int) -> str:
+    frames = rooted.FRAME_CASES
+    head = " | ".join(f"predicted (frame {f * 1e6:.0f} µs)" for f in frames)
+    lines = [
+        f"| H x L | op | size | gloo | entrenar | entrenar / gloo | {head} |",
+        "|---" * (6 + len(frames)) + "|",
+    ]
+    gloo = {(r["op"], r["bytes"]): r["median_s"] for r in rows if r["backend"] == "gloo"}
+    for r in rows:
+        if r["backend"] != "entrenar":
+            continue
+        g = gloo[(r["op"], r["bytes"])]
+        preds = []
+        for f in frames:
+            p = predicted(r, rooted.with_frame(links, f), rate, cores)
+            preds.append(f"{check.duration(p)} ({p / r['median_s'] - 1:+.0%})")
+        lines.append(
+            f"| {r['hosts']} x {r['local']} | {r['op']} | {format_bytes(r['bytes'])} "
+            f"| {check.duration(g)} | {check.duration(r['median_s'])} "
+            f"| {r['median_s'] / g:.2f} | " + " | ".join(preds) + " |"
+        )
+    return "\n".join(lines)
