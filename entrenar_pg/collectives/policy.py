@@ -33,7 +33,9 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree order.
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
 - ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
-  ``star_max_bytes``; ``CHAIN`` (pipelined, in rank order from the root) above.
+  ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
+  up to the cost model's crossover, ``broadcast_direct_max_bytes``);
+  ``CHAIN`` (pipelined, in rank order from the root) above.
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
   deterministic), then each rank's chunk straight to the root.
@@ -132,6 +134,33 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
     return more_messages <= STAR_MORE_MESSAGES and extra <= options.host_star_max_bytes
 
 
+# A cross-host hop's alpha in bytes of the link: the cost model's fitted net
+# kind at 1 Gbit/s, 168 us x 119 MB/s = 20 KiB (benchmarks/model/fitted_links.json).
+# Where an algorithm trades hops for bytes on slow hosts, a hop is worth this many.
+HOP_BYTES = 20 << 10
+
+
+def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
+    """The largest broadcast the root sends to every rank itself (``DIRECT``);
+    larger ones go down the ``CHAIN`` (pipelined, rank order from the root).
+
+    One host: ``star_max_bytes`` (measured on loopback). Several hosts over a
+    slow link (``several_hosts``) whose ranks are consecutive, so the chain
+    crosses each host boundary once (S on a host link, where ``DIRECT`` puts
+    (N - L) x S on the root host's) at the price of N - 2 more hops: the
+    cost model's crossover (N - 2) x ``HOP_BYTES`` / (N - L - 1), a hop's
+    alpha in bytes of the link (benchmarks/model/rooted.py, docs/benchmarks.md
+    "Barrier and broadcast"): 40 KiB at 2 x 2, 24 KiB at 4 x 2.
+    """
+    if not several_hosts(topology, options):
+        return options.star_max_bytes
+    assert topology is not None and topology.shape is not None
+    if not topology.is_contiguous:
+        return options.star_max_bytes
+    world, local = topology.world, topology.shape[1]
+    return min(options.star_max_bytes, (world - 2) * HOP_BYTES // (world - local - 1))
+
+
 def choose(
     op: OpCode,
     nbytes: int,
@@ -168,7 +197,8 @@ def choose(
         if algo is Algo.RING and tree:
             algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:
-        algo = Algo.DIRECT if world <= 2 or nbytes <= options.star_max_bytes else Algo.CHAIN
+        direct = world <= 2 or nbytes <= broadcast_direct_max_bytes(topology, options)
+        algo = Algo.DIRECT if direct else Algo.CHAIN
     elif op is OpCode.REDUCE:
         if world <= 2 or nbytes <= options.star_max_bytes:
             algo = Algo.STAR
