@@ -52,7 +52,7 @@ import torch
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
-from entrenar_pg.collectives import hierarchical, policy
+from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
@@ -176,15 +176,15 @@ def test_policy_rows_for_hosts() -> None:
         (RS, 64, three, o, Algo.HOST_SLICES),
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
-        # Broadcast on slow hosts of consecutive ranks: DIRECT up to the cost
-        # model's crossover (N-2) x 20 KiB / (N-L-1), then the chain.
+        # Broadcast on slow hosts of consecutive ranks: DIRECT up to 64 KiB
+        # (measured), then the chain.
         (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
-        (OpCode.BROADCAST, 40 << 10, two, o, Algo.DIRECT),
-        (OpCode.BROADCAST, (40 << 10) + 4, two, o, Algo.CHAIN),
-        (OpCode.BROADCAST, 24 << 10, four, o, Algo.DIRECT),
-        (OpCode.BROADCAST, (24 << 10) + 4, four, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 64 << 10, two, o, Algo.DIRECT),
+        (OpCode.BROADCAST, (64 << 10) + 4, two, o, Algo.CHAIN),
+        (OpCode.BROADCAST, (64 << 10) + 4, four, o, Algo.CHAIN),
         (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop
         (OpCode.BROADCAST, 1 << 20, two, Options(topology="flat"), Algo.DIRECT),
+        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.CHAIN),
     ]
     # A cross-host link measured loopback-class (link_probe.py): the flat rows,
     # unless topology="hosts" forces the host-aware ones.
@@ -439,7 +439,7 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
 def test_leaders_doubling_rule() -> None:
     """Recursive doubling among the leaders from 8 hosts (a power of two), where
     (H - 1 - log2 H) x S > (log2 H - 1) x HOP_BYTES: 10 KiB at 8 hosts."""
-    hop = policy.HOP_BYTES
+    hop = hierarchical.HOP_BYTES
     assert not hierarchical.leaders_doubling(8, hop // 2)  # 4 x 10 KiB = 2 x 20 KiB: not more
     assert hierarchical.leaders_doubling(8, hop // 2 + 1)
     assert hierarchical.leaders_doubling(1024, 256)  # 1,013 x 256 B > 9 x 20 KiB

@@ -252,8 +252,8 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
 def broadcast_flat(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
     """The one-host rule (policy.choose, BROADCAST): direct with two ranks or up to
     ``star_max_bytes``, the chain above. (On slow hosts of consecutive ranks the
-    policy now takes the chain above ``policy.broadcast_direct_max_bytes``, the
-    crossover this model gives: 40 KiB at 2 x 2, 24 KiB at 4 x 2.)"""
+    policy takes the chain above 64 KiB, ``policy.broadcast_direct_max_bytes``:
+    measured; this model's crossover is 40 KiB at 2 x 2, 24 KiB at 4 x 2.)"""
     if shape.world <= 2 or shape.nbytes <= Options().star_max_bytes:
         return broadcast_direct(shape, fabric, confirm)
     return broadcast_chain(shape, fabric, confirm)

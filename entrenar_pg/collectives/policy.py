@@ -34,7 +34,7 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
 - ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
-  up to the cost model's crossover, ``broadcast_direct_max_bytes``);
+  up to 64 KiB, measured: ``broadcast_direct_max_bytes``);
   ``CHAIN`` (pipelined, in rank order from the root) above.
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
@@ -134,10 +134,16 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
     return more_messages <= STAR_MORE_MESSAGES and extra <= options.host_star_max_bytes
 
 
-# A cross-host hop's alpha in bytes of the link: the cost model's fitted net
-# kind at 1 Gbit/s, 168 us x 119 MB/s = 20 KiB (benchmarks/model/fitted_links.json).
-# Where an algorithm trades hops for bytes on slow hosts, a hop is worth this many.
-HOP_BYTES = 20 << 10
+# Broadcast on several hosts over a slow link: the root sends to every rank
+# itself (``DIRECT``) up to this many bytes, the chain above. Measured on
+# emulated hosts at 1 Gbit/s (benchmarks/model/rooted_measure.py, the one-host
+# rule against this one, docs/benchmarks.md "Barrier and broadcast"): at 2 x 2
+# DIRECT 0.49 ms against the chain's 0.69 at 64 KiB, 1.18 against 0.81 at
+# 128 KiB, 16.1 against 8.3 at 1 MiB; at 4 x 2 2.25 against 2.85 ms at 64 KiB,
+# 10.6 against 5.4 at 256 KiB, 52.3 against 26.3 at 1 MiB. (The cost model
+# puts the crossover at 24-40 KiB; tbf's 128 KiB burst lets the first bytes
+# of DIRECT's (N - L) x S through at once, which it does not charge.)
+HOST_BROADCAST_DIRECT_MAX_BYTES = 64 << 10
 
 
 def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
@@ -145,20 +151,17 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
     larger ones go down the ``CHAIN`` (pipelined, rank order from the root).
 
     One host: ``star_max_bytes`` (measured on loopback). Several hosts over a
-    slow link (``several_hosts``) whose ranks are consecutive, so the chain
-    crosses each host boundary once (S on a host link, where ``DIRECT`` puts
-    (N - L) x S on the root host's) at the price of N - 2 more hops: the
-    cost model's crossover (N - 2) x ``HOP_BYTES`` / (N - L - 1), a hop's
-    alpha in bytes of the link (benchmarks/model/rooted.py, docs/benchmarks.md
-    "Barrier and broadcast"): 40 KiB at 2 x 2, 24 KiB at 4 x 2.
+    slow link (``several_hosts``) whose ranks are consecutive, so that the
+    chain crosses each host boundary once (S on a host link, where ``DIRECT``
+    puts (N - L) x S on the root host's, for N - 2 more hops):
+    ``HOST_BROADCAST_DIRECT_MAX_BYTES``.
     """
     if not several_hosts(topology, options):
         return options.star_max_bytes
-    assert topology is not None and topology.shape is not None
+    assert topology is not None
     if not topology.is_contiguous:
         return options.star_max_bytes
-    world, local = topology.world, topology.shape[1]
-    return min(options.star_max_bytes, (world - 2) * HOP_BYTES // (world - local - 1))
+    return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
 
 
 def choose(
