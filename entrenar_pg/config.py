@@ -71,6 +71,11 @@ SHM_SLEEP_CAP_S = 0.05
 # for both: the joins run in turn, and two of them stay under abort()'s
 # promise to return within a second.
 ABORT_JOIN_S = 0.4
+# How long the p2p thread waits for a peer's own connection after the peer
+# hung up this rank's (``P2PChannel._out_event``): its handshake is done before
+# it sends, so only the acceptor thread's hand-over is left; the messages it
+# sent before leaving then complete their recvs.
+P2P_ENDING_GRACE_S = 0.5
 # How long shutdown() lets the running job finish before closing its links
 # under it (a job waiting on a silent peer would otherwise keep its thread
 # until the job's own timeout).

@@ -415,3 +415,32 @@ def test_a_message_sent_before_the_peer_left_is_received() -> None:
     finally:
         for g in groups:
             g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_first_message_sent_just_before_the_peer_left_is_received() -> None:
+    """As above, but the message is the peer's first to this rank: its
+    connection reaches this rank's acceptor thread, which hands it to the p2p
+    thread only after the peer's hang-up of this rank's own connection was
+    seen. The p2p thread waits for it (``config.P2P_ENDING_GRACE_S``)
+    instead of failing the recv at once."""
+    groups = make_groups(2)
+    try:
+        got = torch.empty(4)
+        groups[0].send([torch.ones(4)], 1, 0).wait()  # rank 0's own connection only
+        groups[1].recv([got], 0, 0).wait()
+        channel = groups[0]._runtime.p2p
+        out = torch.empty(4)
+        w = groups[0].recv([out], 1, 0)
+        with channel._lock:  # the p2p thread and the acceptor's hand-over wait here
+            channel._loop.wake()
+            time.sleep(0.2)
+            groups[1].send([torch.full((4,), 7.0)], 0, 0).wait()
+            groups[1].shutdown()
+            time.sleep(0.2)
+        w.wait(timedelta(seconds=10))
+        assert out.tolist() == [7.0] * 4
+        assert groups[0]._runtime.state.error is None
+    finally:
+        for g in groups:
+            g.shutdown()

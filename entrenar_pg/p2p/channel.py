@@ -51,7 +51,7 @@ from functools import partial
 import torch
 
 from ..call.work import P2PWork
-from ..config import ABORT_JOIN_S, GroupTimeout
+from ..config import ABORT_JOIN_S, P2P_ENDING_GRACE_S, GroupTimeout
 from ..errors import EntrenarError, PeerConnectionError, group_destroyed
 from ..flight_recorder import FlightRecorder
 from ..transport.loop import POLLHANG, Links
@@ -283,12 +283,24 @@ class P2PChannel:
     def _out_event(self, link: PeerLink) -> None:
         """This rank's own connection is readable: the peer hung up (or wrote garbage)."""
         error = link.out_ended(self._causes)
-        if error is not None:
-            # What the peer sent before it closed may be waiting, unread, on
-            # its own connection (both hang-ups and the data can come in one
-            # poll, this one first): take it, so its recvs complete.
-            self._pump(link, receiving=True)
-            self._link_down(link, error)
+        if error is None:
+            return
+        if not link.in_open:
+            # The peer's own connection may still be on its way (its
+            # handshake done, the acceptor thread not yet through
+            # ``Connections.opened``): what it sent before closing would be
+            # lost. Wait for it up to ``P2P_ENDING_GRACE_S`` (``_expire``); the closed
+            # socket leaves the poll meanwhile (it would read as ready forever),
+            # and comes back with the peer's connection (``Connections.watch``).
+            if link.ending is None:
+                link.ending = (error, time.monotonic() + P2P_ENDING_GRACE_S)
+                self._conns.forget(link)
+            return
+        # What the peer sent before it closed may be waiting, unread, on its
+        # own connection (both hang-ups and the data can come in one poll,
+        # this one first): take it, so its recvs complete.
+        self._pump(link, receiving=True)
+        self._link_down(link, error)
 
     def _next_deadline(self) -> float:
         """The earliest time a posted recv or a busy link times out."""
@@ -300,6 +312,7 @@ class P2PChannel:
         posted = self._inbox.matching.next_deadline()
         if posted is not None:
             deadlines.append(posted)
+        deadlines += [ln.ending[1] for ln in self._links.values() if ln.ending and not ln.dead]
         return min(deadlines) if deadlines else time.monotonic() + 3600.0
 
     def _expire(self) -> None:
@@ -312,6 +325,9 @@ class P2PChannel:
             error = link.stall(now, timeout_s, self._causes)
             if error is not None:
                 self._link_down(link, error)
+        for link in self._links.values():
+            if link.ending is not None and link.dead is None and now >= link.ending[1]:
+                self._link_down(link, link.ending[0])  # the peer's connection never came
 
     def _link_down(self, link: PeerLink, error: EntrenarError, breaks_group: bool = True) -> None:
         """Give up on a link: fail everything pending with its peer, with

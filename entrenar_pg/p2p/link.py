@@ -51,6 +51,9 @@ class PeerLink:
     out_open: bool = False  # ``out`` has its connection
     in_open: bool = False  # ``inc`` has its connection
     connecting: bool = False  # ``out``'s connection is being opened
+    # The peer hung up ``out`` before its own connection reached this rank
+    # (``P2PChannel._out_event``): the error, and when to give up waiting for it.
+    ending: tuple[EntrenarError, float] | None = None
 
     @classmethod
     def unconnected(cls, peer: int) -> PeerLink:
