@@ -112,6 +112,53 @@ def run_ranks(
                 g.shutdown()
 
 
+def each_rank(
+    groups: list[EntrenarProcessGroup],
+    ranks: Sequence[int],
+    fn: Callable[[int, EntrenarProcessGroup], Any],
+    *,
+    timeout_s: float = 30.0,
+    meanwhile: Callable[[], None] | None = None,
+) -> dict[int, Any]:
+    """``fn(rank, group)`` on a thread for each of ``ranks`` (the others do
+    nothing), ``meanwhile()`` once they started; each rank's result or the
+    exception it raised (the failure tests' outcome). A rank still running
+    after ``timeout_s`` fails the test (a hang is a failure)."""
+    got: dict[int, Any] = {}
+
+    def target(rank: int) -> None:
+        try:
+            got[rank] = fn(rank, groups[rank])
+        except BaseException as e:  # an outcome, for the test to judge
+            got[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    if meanwhile is not None:
+        meanwhile()
+    for t in threads:
+        t.join(timeout_s)
+    hung = [r for r, t in zip(ranks, threads, strict=True) if t.is_alive()]
+    if hung:
+        pytest.fail(f"rank(s) {hung} still running after {timeout_s}s: a hang")
+    return got
+
+
+def allreduce_errors(
+    groups: list[EntrenarProcessGroup],
+    ranks: Sequence[int],
+    numel: int,
+    meanwhile: Callable[[], None] | None = None,
+) -> dict[int, BaseException]:
+    """An allreduce of ``numel`` ones on ``ranks`` only (``each_rank``); the
+    error each rank raised, by rank."""
+    got = each_rank(
+        groups, ranks, lambda r, g: g.allreduce([torch.ones(numel)]).wait(), meanwhile=meanwhile
+    )
+    return {r: v for r, v in got.items() if isinstance(v, BaseException)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,10 +22,10 @@ import time
 
 import pytest
 import torch
-from conftest import make_groups
+from conftest import allreduce_errors, make_groups, run_ranks
 from test_failures import run_blame
 
-from entrenar_pg import Options, PeerConnectionError
+from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
 from entrenar_pg.transport.control import overlay
 
 # Sockets the ranks of one host hold after set-up and a collective, with no
@@ -61,20 +61,13 @@ def settled_socket_fds(want: int, within_s: float = 5.0) -> int:
 
 def allreduce_all(groups: list, numel: int = 4) -> list[float]:
     """One ``numel``-element allreduce on every rank (threads); each rank's first element."""
-    out: list[float] = [0.0] * len(groups)
 
-    def one(rank: int) -> None:
+    def one(rank: int, pg: EntrenarProcessGroup) -> float:
         t = torch.full((numel,), float(rank + 1))
-        groups[rank].allreduce([t]).wait()
-        out[rank] = t[0].item()
+        pg.allreduce([t]).wait()
+        return t[0].item()
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(len(groups))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "an allreduce hung"
-    return out
+    return run_ranks(len(groups), one, groups=groups)
 
 
 @pytest.mark.timeout(120)
@@ -236,26 +229,6 @@ def test_data_sockets_only_to_local_peers_and_plan_partners(algorithm: str) -> N
     assert socket_fds() == before, "every socket closed at shutdown"
 
 
-def failing_allreduce(groups: list, ranks: list[int], numel: int) -> dict[int, BaseException]:
-    """Each of ``ranks`` allreduces ``numel`` ones in its own thread; what each
-    raised, by rank. None may hang (each thread joined within 30 s)."""
-    errors: dict[int, BaseException] = {}
-
-    def one(rank: int) -> None:
-        try:
-            groups[rank].allreduce([torch.ones(numel)]).wait()
-        except BaseException as e:  # the expected outcome
-            errors[rank] = e
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return errors
-
-
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -> None:
     """4 thread ranks, each its own emulated host (no data socket at set-up):
@@ -266,7 +239,7 @@ def test_a_rank_that_never_joins_the_first_collective_is_named_by_every_rank() -
     world = 4
     groups = make_groups(world, emulated_hosts(world, 1, "ring"), timeout_s=2.0)
     try:
-        errors = failing_allreduce(groups, [0, 2, 3], numel=4)
+        errors = allreduce_errors(groups, [0, 2, 3], numel=4)
         assert sorted(errors) == [0, 2, 3]
         for r, e in errors.items():
             assert isinstance(e, PeerConnectionError), (r, e)
@@ -300,7 +273,7 @@ def test_an_abort_reaches_ranks_with_no_link_to_the_failing_one() -> None:
                 end = groups[r]._runtime.mesh.causes.how_ended(victim, 10.0)
                 assert isinstance(end, AbortRecord) and end.culprit == 3, (r, end)
         start = time.monotonic()
-        errors = failing_allreduce(groups, [r for r in range(world) if r != victim], numel=64)
+        errors = allreduce_errors(groups, [r for r in range(world) if r != victim], numel=64)
         assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
         assert sorted(errors) == [r for r in range(world) if r != victim]
         for r, e in errors.items():
@@ -340,7 +313,7 @@ def test_a_first_data_connect_to_a_rank_that_left_names_it_on_every_rank() -> No
     try:
         groups[3].shutdown()
         start = time.monotonic()
-        errors = failing_allreduce(groups, [0, 1, 2], numel=64)
+        errors = allreduce_errors(groups, [0, 1, 2], numel=64)
         assert time.monotonic() - start < 10.0, "a rank waited for the timeout"
         assert sorted(errors) == [0, 1, 2]
         for r, e in errors.items():

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, make_groups, rank_env
+from conftest import allreduce_errors, free_port, make_groups, rank_env
 from preloaded import start_script
 
 from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
@@ -101,30 +101,6 @@ def test_killed_rank_is_blamed_even_when_the_store_host_exits(victim: int, trans
         assert f"culprit: rank {victim}" in message, message
 
 
-def allreduce_on(
-    groups: list[EntrenarProcessGroup], ranks: list[int], numel: int, meanwhile=None
-) -> dict[int, BaseException]:
-    """Start an allreduce on ``ranks`` only (threads), run ``meanwhile()``, and
-    return the error each rank raised; a rank still blocked after 30 s fails."""
-    errors: dict[int, BaseException] = {}
-
-    def rank_fn(rank: int) -> None:
-        try:
-            groups[rank].allreduce([torch.ones(numel)]).wait()
-        except BaseException as e:
-            errors[rank] = e
-
-    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    if meanwhile is not None:
-        meanwhile()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return errors
-
-
 @pytest.mark.timeout(60)
 def test_rank_that_never_joins_is_blamed_not_the_root() -> None:
     """Threads, N=3, star: rank 2 never issues the allreduce. Rank 1 waits on
@@ -132,7 +108,7 @@ def test_rank_that_never_joins_is_blamed_not_the_root() -> None:
     query with whom it waits on; rank 2's comm thread is idle and does not)."""
     groups = make_groups(3, Options(algorithm="star"), timeout_s=2.0)
     try:
-        errors = allreduce_on(groups, [0, 1], 100)
+        errors = allreduce_errors(groups, [0, 1], 100)
         assert sorted(errors) == [0, 1]
         for rank, e in errors.items():
             assert isinstance(e, PeerConnectionError), (rank, e)
@@ -156,7 +132,7 @@ def test_abort_cause_and_culprit_reach_every_rank(transport: str) -> None:
         groups[1].mesh.abort(CollectiveMismatchError("rank 1: injected", culprit=2))
 
     try:
-        errors = allreduce_on(groups, [0, 2], 1000, abort_rank_1)
+        errors = allreduce_errors(groups, [0, 2], 1000, abort_rank_1)
         for rank in (0, 2):
             e = errors[rank]
             assert isinstance(e, CollectiveMismatchError), (rank, e)

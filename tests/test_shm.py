@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, free_port, make_groups, rank_env, run_ranks
+from conftest import REPO, each_rank, free_port, make_groups, rank_env, run_ranks
 from preloaded import ScriptProcess, start_script
 
 from entrenar_pg import (
@@ -478,25 +478,6 @@ def test_back_to_back_calls_with_skew() -> None:
             assert torch.equal(got[rank][i], want), (i, n, rank)
 
 
-def _each_rank(groups: list[EntrenarProcessGroup], fn: Any, ranks: list[int]) -> dict[int, Any]:
-    """``fn(rank, group)`` on threads for ``ranks``; each one's result or exception."""
-    got: dict[int, Any] = {}
-
-    def target(rank: int) -> None:
-        try:
-            got[rank] = fn(rank, groups[rank])
-        except BaseException as e:
-            got[rank] = e
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return got
-
-
 MISMATCHES = [  # (what rank 2 does differently, elements)
     ("size", 100),
     ("size", 400_000),
@@ -536,7 +517,7 @@ def test_a_mismatch_raises_in_the_call_on_every_rank(
             else:
                 pg.allreduce([t], _opts(c10d.AllreduceOptions, reduceOp=op)).wait()
 
-        got = _each_rank(groups, fn, [0, 1, 2])
+        got = each_rank(groups, [0, 1, 2], fn)
         for rank in range(3):
             e = got[rank]
             assert isinstance(e, CollectiveMismatchError), (rank, e)
@@ -566,7 +547,7 @@ def test_a_two_rank_mismatch_raises_on_both_ranks(differs: str, numel: int) -> N
             pg.allreduce([torch.ones(8)]).wait()  # one good call first
             pg.allreduce([t]).wait()
 
-        got = _each_rank(groups, fn, [0, 1])
+        got = each_rank(groups, [0, 1], fn)
         for rank in range(2):
             e = got[rank]
             assert isinstance(e, CollectiveMismatchError), (rank, e)
