@@ -63,18 +63,23 @@ _MAX_CACHED = 1024  # views kept: a model's parameters and buckets, with room
 
 
 def tensor_memory(t: torch.Tensor) -> memoryview:
-    """A byte view of a contiguous CPU tensor's memory (no copy; the caller holds ``t``).
+    """A byte view of a contiguous CPU tensor's memory (no copy; the caller holds ``t``)."""
+    return memory_at(t.data_ptr(), t.nbytes)
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A byte view of ``nbytes`` at ``address`` (a live tensor's values).
 
     Cached by address and size, which name exactly the bytes of the values
     whichever tensor owns them now: the same parameters and buckets are
     hashed every step, and a ctypes view costs a few us to build.
     """
-    key = (t.data_ptr(), t.nbytes)
+    key = (address, nbytes)
     view = _MEMORY.get(key)
     if view is None:
         if len(_MEMORY) >= _MAX_CACHED:
             _MEMORY.clear()
-        view = _MEMORY[key] = memoryview((ctypes.c_char * key[1]).from_address(key[0])).cast("B")
+        view = _MEMORY[key] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
     return view
 
 
@@ -95,11 +100,10 @@ def digest_sized(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     nbytes = 0
     for t in tensors:
         if t.is_cpu and t.is_contiguous():
-            key = (t.data_ptr(), t.nbytes)  # tensor_memory's key, inlined: once per tensor
-            if key[1]:
-                view = _MEMORY.get(key)
-                h.update(view if view is not None else tensor_memory(t))
-                nbytes += key[1]
+            size = t.nbytes  # read once per tensor
+            if size:
+                h.update(memory_at(t.data_ptr(), size))
+                nbytes += size
         elif t.numel():
             view = tensor_bytes(t)
             h.update(view)
