@@ -226,7 +226,7 @@ SLOT_OPS = [
 SLOT_SIZES = [0, 1, 1001]
 # Beyond SMALL_MAX_BYTES (one chunk), several chunks (CHUNK_BYTES), with odd tails.
 BIG_SIZES = [
-    16_387,  # float32 ~64 KiB: a two-rank numpy sum's sliced path, one phase otherwise
+    16_387,  # float32 ~64 KiB: one phase (at N=2 too: a numpy sum's add in place)
     100_003,  # float32: past the two-rank small path's size (sliced at N=2, one phase at N=3)
     (1 << 18) + 3,
     slots.SLOT_DATA_BYTES // 4 + 5,
@@ -376,7 +376,8 @@ def test_chunked_large_path_at_chunk_boundaries(
         for c in cases
         if c[0] in shm_allreduce._NUMPY_SUM and c[1] in (R.SUM, R.AVG, R.PREMUL_SUM)
     ]
-    one_chunk_sums = [c for c in one_chunk_sums if c[3] <= shm_allreduce.chunk_elems(c[0])]
+    # (one element: torch's add, ``_new_pair``)
+    one_chunk_sums = [c for c in one_chunk_sums if 2 <= c[3] <= shm_allreduce.chunk_elems(c[0])]
     want_pair = world * len(one_chunk_sums) if world == 2 else 0
     assert ran.count("_sliced_pair") == want_pair, (ran.count("_sliced_pair"), want_pair)
     for i, (dtype, op, factor, n) in enumerate(cases):
@@ -384,6 +385,91 @@ def test_chunked_large_path_at_chunk_boundaries(
         for rank in range(world):
             assert got[rank][i].dtype == dtype, (dtype, op, n, rank)
             assert torch.equal(got[rank][i], want), (dtype, op, factor, n, rank)
+
+
+# Two ranks summing with numpy around the one-phase limit (the add in place
+# into the caller's buffer) and its sliced path above: (dtype, op, factor).
+PAIR_SUMS = [
+    (torch.float32, R.SUM, None),
+    (torch.float32, R.AVG, None),
+    (torch.float32, R.PREMUL_SUM, 0.25),
+    (torch.float64, R.SUM, None),
+    (torch.int32, R.SUM, None),
+    (torch.uint8, R.SUM, None),
+]
+
+
+def _pair_sizes(dtype: torch.dtype) -> list[int]:
+    limit = shm_allreduce.PAIR_SUM_SMALL_MAX_BYTES // dtype.itemsize
+    return [1, (32 << 10) // dtype.itemsize, (64 << 10) // dtype.itemsize, limit, limit + 1]
+
+
+NAN_SIZES = [1, 2, 17, (64 << 10) // 4, shm_allreduce.PAIR_SUM_SMALL_MAX_BYTES // 4 + 1]
+
+
+def _with_nans(rank: int, n: int) -> torch.Tensor:
+    """float32 data with NaNs of a payload per rank at some places (both
+    ranks', one rank's), signed zeros and infinities: a sum in the other
+    operand order, or summed twice, shows in the bits."""
+    t = _data(rank, n, torch.float32)
+    bits = t.view(torch.int32)
+    bits[0::7] = 0x7FC00001 + rank  # both NaN: the left operand's payload wins
+    bits[3::11] = 0x7FC00010 + 16 * rank if rank == 0 else bits[3::11]
+    t[5::13] = -0.0 if rank == 0 else 0.0
+    t[6::17] = float("inf") if rank == 0 else float("-inf")
+    return t
+
+
+@pytest.mark.timeout(120)
+def test_two_rank_sums_in_one_phase_in_place_then_sliced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks summing with numpy: up to ``PAIR_SUM_SMALL_MAX_BYTES`` one
+    phase, each rank adding the peer's slot into its own buffer in place (64
+    KiB of float32 included), above it the sliced path; every case twice in
+    a row, so through both slot parities, with the other rank's data the
+    second time; the bits of the single-process reference in rank order on
+    both ranks, signed zeros and infinities included, and where both inputs
+    are NaNs of other payloads the same NaN on both ranks (one element too:
+    numpy's one-element add into itself would take the other payload)."""
+    ran: list[str] = []
+    for name in ("_small", "_sliced_pair"):
+        monkeypatch.setattr(shm_allreduce, name, _counting(getattr(shm_allreduce, name), ran))
+    cases = [(dt, op, f, n) for dt, op, f in PAIR_SUMS for n in _pair_sizes(dt)]
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for dtype, op, factor, n in cases:
+            for turn in (0, 1):  # parity p, then p ^ 1; the ranks' data swapped
+                t = _data(rank ^ turn, n, dtype)
+                opts = _opts(c10d.AllreduceOptions, reduceOp=_reduce_op(op, factor))
+                pg.allreduce([t], opts).wait()
+                out.append(t)
+        for n in NAN_SIZES:
+            t = _with_nans(rank, n)
+            pg.allreduce([t]).wait()
+            out.append(t)
+        return out
+
+    got = _run(2, Options(transport="shm"), fn, True)
+    small = [c for c in cases if c[3] * c[0].itemsize <= shm_allreduce.PAIR_SUM_SMALL_MAX_BYTES]
+    assert ran.count("_small") == 2 * (2 * len(small) + len(NAN_SIZES) - 1), ran.count("_small")
+    assert ran.count("_sliced_pair") == 2 * (2 * (len(cases) - len(small)) + 1)
+    i = 0
+    for dtype, op, factor, n in cases:
+        want = _reference(2, dtype, op, factor, n, False)  # rank 0's data on the left
+        for _turn in (0, 1):  # swapped data: the same sum (a + b == b + a, exactly)
+            for rank in (0, 1):
+                g = got[rank][i]
+                assert g.dtype == dtype and torch.equal(g, want), (dtype, op, n, _turn, rank)
+            i += 1
+    for n in NAN_SIZES:  # numpy's NaN payloads need not be torch's: the ranks agree
+        want = _with_nans(0, n) + _with_nans(1, n)
+        nan = want.isnan()
+        assert torch.equal(got[0][i].view(torch.int32), got[1][i].view(torch.int32)), n
+        for rank in (0, 1):
+            g = got[rank][i]
+            assert torch.equal(g.isnan(), nan) and torch.equal(g[~nan], want[~nan]), (n, rank)
+            assert torch.equal(g[~nan].view(torch.int32), want[~nan].view(torch.int32)), n
+        i += 1
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
 A wait spins for a multiple of this rank's own work in the phase before it
 sleeps (``_spin_for``).
 
-- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 32 KiB for two
+- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 128 KiB for two
   ranks summing with numpy, else 1 MiB), one
   phase: each rank writes its 32-byte wire header and its input into its
   slot, publishes, waits for every peer, compares every peer's header byte
@@ -28,14 +28,17 @@ sleeps (``_spin_for``).
   phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
   MiB (the reduction then reads a chunk copied in a phase earlier, after
   another chunk went through the caches), so the chunks stay in sequence.
-  Two ranks slice above 256 KiB, or above 32 KiB when they sum with numpy
+  Two ranks slice above 256 KiB, or above 128 KiB when they sum with numpy
   (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
   and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
   gain nothing from it below 1 MiB.
 - Two ranks summing (SUM, AVG, PREMUL_SUM) a dtype numpy adds alike
   (``_NUMPY_SUM``), small or one chunk: the same phases with no torch op.
   The copies are memcpys between memoryviews and the sum is ``np.add`` on
-  views made once per shape (``_Pair``, ``_PairCut``); the caller's buffer
+  views made once per shape (``_Pair``, ``_PairCut``); the one phase adds
+  the peer's slot into the caller's buffer in place, in rank order (each
+  rank still reads the peer's slot of phase q before it publishes q + 1,
+  so the double buffering above covers it); the caller's buffer
   is viewed through its address (remembered per shape), which is right for
   whatever contiguous tensor of the shape's size lies there. At 4 KiB a
   torch op costs ~0.7-0.9 us of dispatch and these ~0.1-0.3 us; at 1 MiB the
@@ -76,17 +79,18 @@ from .common import Call, ScratchPool, chunk_bounds
 # phase costs more than the slices save up to 1 MiB, so they keep 1 MiB.
 SMALL_MAX_BYTES = 1 << 20
 PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
-# The same for two ranks summing with numpy (``_Pair``: their sliced phase B is
-# one np.add, no torch op). Sliced against one phase, measured with
-# ``benchmarks/shm_ab.py`` (2026-11-26, interleaved): quiet machine (load 2),
-# ranks on cores of their own (``--pin``) 1.00x at 32 KiB, 0.93x at 64 KiB,
-# 0.91x at 128 KiB, 0.83x at 256 KiB (unpinned 1.00, 1.00, 0.93, 0.86); two
-# ranks on one core 0.71-0.89x from 32 KiB (the two halves' work no longer
-# runs one after the other). Under heavy memory load (load 18-20, 1 MiB at
-# twice its quiet time) 1.15-1.24x. (The first measurement's 1.04x at 256
-# KiB paid 50 tight looks per extra phase on a shared core; ``SlotArea.wait``
-# now looks less there.)
-PAIR_SUM_SMALL_MAX_BYTES = 1 << 15
+# The same for two ranks summing with numpy (``_Pair``: the one phase adds the
+# peer's slot into the caller's buffer in place, their sliced phase B is one
+# np.add, no torch op). One phase against sliced, ``benchmarks/shm_ab.py``
+# (2026-11-26, interleaved, ranks on cores of their own (``--pin``), load
+# 2-8 from other jobs): 0.88x at 32 KiB, 0.85x at 64 KiB, 0.84x at 128 KiB,
+# 0.91-0.96x at 256 KiB, 0.95x at 512 KiB, 1.02x at 1 MiB; an add in place
+# streams two arrays, not three (~30% less time at 64 KiB). One phase up to
+# 128 KiB: at 256 KiB the sliced path measured 0.83x of the three-array one
+# phase on a quiet machine, more than the add in place saves. With both
+# ranks sharing one core under other jobs' load the sliced path was 1.2x
+# faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
+PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
 # A large message's chunk: a slot (``chunk_elems``).
 CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
@@ -184,10 +188,18 @@ def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpC
     if area.failed_peer() is not None:
         _raise_failed(area, call, op)
     if host is not None:
-        first, second = pair.slots[parity]  # type: ignore[union-attr]
-        # rank order; ``out`` passed by position: numpy's keyword parsing
-        # costs ~0.35 us a call, as much as the 4 KiB add itself
-        np.add(first, second, host[1])
+        # The peer's slot added into the caller's buffer in place, in rank
+        # order (both ranks get the same bits, NaN payloads too: numpy's
+        # loops take them alike whichever operand is the output, from two
+        # elements on, ``_new_pair``), ``out`` passed by position: numpy's
+        # keyword parsing costs ~0.35 us a call, as much as the 4 KiB add.
+        # In place, numpy streams two arrays, not three: ~30% less time than
+        # summing the two slots into the buffer from 32 KiB on.
+        mine, peer = host[1], pair.peer[parity]  # type: ignore[union-attr]
+        if pair.first:  # type: ignore[union-attr]
+            np.add(mine, peer, mine)
+        else:
+            np.add(peer, mine, mine)
     elif len(parts) == 2:  # rank order is the tree order
         combine_into(buf, parts[0], parts[1], shape.kind)
     else:
@@ -219,7 +231,8 @@ class _Pair:
 
     raw: list[list[memoryview]]  # [parity][rank]: the slot data, as bytes
     own: list[memoryview]  # [parity]: this rank's slot data, as bytes
-    slots: list[tuple[np.ndarray, np.ndarray]]  # [parity]: rank 0's and rank 1's slot data
+    peer: list[np.ndarray]  # [parity]: the peer's slot data
+    first: bool  # this rank is rank 0: its input is the sum's left operand
     dtype: type  # numpy's
     nbytes: int
     # A caller buffer's address -> its bytes and its numpy view. Made from the
@@ -230,14 +243,16 @@ class _Pair:
 
 def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _Pair | None:
     np_dtype = _NUMPY_SUM.get(dtype)
-    if area.world != 2 or kind is not Kind.SUM or np_dtype is None or not nbytes:
+    # Not one element: numpy adds a one-element array into itself with its
+    # reduction's loop, whose NaN takes the other operand's payload (the
+    # two ranks, one adding into each operand, would disagree); torch's add
+    # (``combine_into``, the same call on both ranks) takes it.
+    if area.world != 2 or kind is not Kind.SUM or np_dtype is None or nbytes < 2 * dtype.itemsize:
         return None
+    r = area.rank
     raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
-    slots: list[tuple[np.ndarray, np.ndarray]] = [
-        (np.frombuffer(raw[p][0], dtype=np_dtype), np.frombuffer(raw[p][1], dtype=np_dtype))
-        for p in (0, 1)
-    ]
-    return _Pair(raw, [raw[p][area.rank] for p in (0, 1)], slots, np_dtype, nbytes, {})
+    peer: list[np.ndarray] = [np.frombuffer(raw[p][1 - r], dtype=np_dtype) for p in (0, 1)]
+    return _Pair(raw, [raw[p][r] for p in (0, 1)], peer, r == 0, np_dtype, nbytes, {})
 
 
 def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]:
