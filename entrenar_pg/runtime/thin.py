@@ -102,7 +102,8 @@ class DoneWork(EntrenarWork):
         return fut
 
     def wait(self, timeout: timedelta | float | None = _UNSET) -> bool:
-        if timeout is not None and not isinstance(timeout, timedelta):
+        # torch's blocking call passes nothing: one identity test, then done
+        if timeout is not _UNSET and timeout is not None and not isinstance(timeout, timedelta):
             float(timeout)  # EntrenarWork.wait's conversion: a bad argument raises alike
         return True
 
