@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -534,16 +535,40 @@ def test_two_rank_sum_path_follows_the_callers_buffer(monkeypatch: pytest.Monkey
     assert 2 <= len(made) < 2 * 3 * rounds, len(made)
 
 
+class _SlowAdds:
+    """numpy for ``shm_allreduce``, but one thread's ``add`` sleeps first."""
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self.delayed = 0
+
+    def add(self, *args: Any) -> Any:
+        if threading.get_ident() == self.thread:
+            self.delayed += 1
+            time.sleep(0.002)
+        return np.add(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
 @pytest.mark.timeout(120)
-def test_back_to_back_calls_with_skew() -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_back_to_back_calls_with_skew(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls queued without waiting, one rank delayed before some of them:
     the fast ranks run up to a phase ahead (double-buffered slots) and must
-    wait, not overwrite a slot a slow rank still reads. Small and chunked
-    sizes interleaved; every result is checked."""
-    world = 3
-    sizes = [1000, 70_000, 1, (1 << 18) + 3, 0, 1000, slots.SLOT_DATA_BYTES // 4 + 5] * 3
+    wait, not overwrite a slot a slow rank still reads (at N=2 also while it
+    adds that slot into its own buffer, 64 and 128 KiB of float32). Small
+    and chunked sizes interleaved; every result is checked."""
+    pair = [16_384, 32_768, 16_384]  # one phase at N=2: the peer's slot added in place
+    big = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5]
+    sizes = [1000, 70_000, 1, *pair, big[0], 0, 1000, big[1]] * 3
+    slow = _SlowAdds()  # rank 1's numpy adds start late: a peer racing ahead would show
+    monkeypatch.setattr(shm_allreduce, "np", slow)
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        if rank == 1:  # its jobs run in its group's comm thread (not waited for)
+            slow.thread = pg._runtime.engine._comm_ident
         works, outs = [], []
         for i, n in enumerate(sizes):
             if rank == 1 and i % 3 == 0:
@@ -556,6 +581,7 @@ def test_back_to_back_calls_with_skew() -> None:
         return outs
 
     got = _run(world, Options(transport="shm"), fn, True)
+    assert slow.delayed >= (3 * len(pair) if world == 2 else 0), slow.delayed
     for i, n in enumerate(sizes):
         want = _data(0, n, torch.float32) + i
         for r in range(1, world):
