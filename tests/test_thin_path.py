@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -207,6 +208,36 @@ def test_the_work_answers_as_the_long_paths() -> None:
         assert thin[1:-1] == long[1:-1]
         assert torch.equal(thin[-1], long[-1])
         assert thin[1:4] == (True, True, None)
+
+
+def test_a_kept_work_keeps_its_result_and_a_dropped_one_is_reused() -> None:
+    """The thin path returns its last DoneWork again only when nobody else holds
+    it (torch's blocking call drops it after wait()): a Work a caller kept
+    answers for its own call, whatever runs after it."""
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int, bool, bool, bool]:
+        paths = Paths(pg)
+        first, second = torch.ones(8), torch.full((8,), 2.0)
+        pg.allreduce([first], blocking()).wait()  # teaches the thin path SUM on float32
+        made = set()
+        for _ in range(5):  # dropped after each call, as dist.all_reduce drops it
+            thin, w = went_thin(pg, paths, [first], blocking())
+            assert thin
+            made.add(weakref.ref(w))  # alive after the del only where the path keeps it
+            del w
+        live = {r() for r in made} - {None}
+        _, kept = went_thin(pg, paths, [first], blocking())
+        _, later = went_thin(pg, paths, [second], blocking())
+        return (
+            len(made) if len(live) == 1 else -len(live),
+            len({id(kept), id(later)}),
+            kept.result()[0] is first,
+            kept.get_future().value()[0] is first,
+            later.result()[0] is second,
+        )
+
+    for got in run_ranks(2, fn, timeout_s=40):
+        assert got == (1, 2, True, True, True)
 
 
 # ---------------------------------------------------------------------- stepping aside
