@@ -50,7 +50,7 @@ ENV_XDG_CACHE_HOME = "XDG_CACHE_HOME"
 ENV_HOME = "HOME"
 FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
-ALGORITHMS = ("auto", "ring", "star", "direct")
+ALGORITHMS = ("auto", "ring", "star", "direct", "doubling")
 TRANSPORTS = ("auto", "tcp", "shm")
 TOPOLOGIES = ("auto", "flat", "hosts")
 

@@ -74,7 +74,7 @@ class Choice(NamedTuple):
         return max(1, self.segment_bytes // dtype.itemsize)
 
 
-_NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
+_NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT, "doubling": Algo.DOUBLING}
 
 
 def host_aware(topology: Topology | None, options: Options) -> bool:
@@ -164,6 +164,13 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
     return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
 
 
+# The flat rows' small messages from this many ranks: recursive doubling in
+# the canonical tree's shape (collectives/doubling.py: ceil(log2 N) partners
+# and hops per rank) instead of the star, whose root holds a socket to every
+# rank and handles 2(N - 1) frames in sequence.
+FLAT_DOUBLING_MIN_WORLD = 16
+
+
 def choose(
     op: OpCode,
     nbytes: int,
@@ -195,8 +202,10 @@ def choose(
                 algo = Algo.HOST_LEADERS
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
+        elif nbytes > options.star_max_bytes:
+            algo = Algo.RING
         else:
-            algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
+            algo = Algo.DOUBLING if world >= FLAT_DOUBLING_MIN_WORLD else Algo.STAR
         if algo is Algo.RING and tree:
             algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:
