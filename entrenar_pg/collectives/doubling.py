@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..reduce_ops import Kind, Reduction, combine_into, finish_
+from ..transport import Plan
 from ..wire import Algo, OpCode
-from .common import Call, bytes_of, is_set
+from .common import PLAN_CACHE_MAX_BYTES, Call, bytes_of, is_set
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,11 @@ class _Rounds:
         self.arrived = [False] * len(self.slots)
         self.done = [False] * len(self.slots)
 
+    def reset(self) -> None:
+        """Ready for the next call of a cached plan (the same lists: its sends wait on them)."""
+        for k in range(len(self.slots)):
+            self.arrived[k] = self.done[k] = False
+
     def value(self, k: int) -> torch.Tensor:
         """The value this rank holds before round ``k`` (what it sends in round k)."""
         return self.mine if k == 0 else self.slots[k - 1]
@@ -142,10 +148,35 @@ def allreduce_doubling(
     sender: one more). Scratch: ceil(log2 N) x nbytes. An empty ``buf``
     moves a one-byte token per round, so the rounds still chain.
     """
-    n, r = call.world, call.rank
+    n = call.world
     if n == 1:
         finish_(buf, red, 1)
         return
+    # Small messages are dominated by building the plan: keep it per buffer
+    # (address, shape) and everything its header says, as the direct exchange does.
+    numel = buf.numel()
+    key = ("doubling", op, buf.data_ptr(), numel, buf.dtype, n, red.kind, call.team, neighbours)
+    cacheable = 0 < numel * buf.element_size() <= PLAN_CACHE_MAX_BYTES
+    cached = call.scratch.plan(key) if cacheable else None
+    if cached is not None:
+        plan, state = cached
+        plan.restamp(call.seq)
+        state.reset()
+    else:
+        plan, state = _build(call, buf, red, op, neighbours)
+        if cacheable:
+            call.scratch.keep_plan(key, (plan, state))
+    call.mesh.run(plan, call.what(op), call)
+    if numel:
+        buf.copy_(state.slots[-1])
+    finish_(buf, red, n)
+
+
+def _build(
+    call: Call, buf: torch.Tensor, red: Reduction, op: OpCode, neighbours: bool
+) -> tuple[Plan, _Rounds]:
+    """The plan of ``allreduce_doubling`` and the round values it fills."""
+    n, r = call.world, call.rank
     header = call.header(op, Algo.DOUBLING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
     mine, kind = buf, red.combine_kind
     if not buf.numel():
@@ -166,10 +197,7 @@ def allreduce_doubling(
         plan.recv(step.source, bytes_of(slots[k]), _Received(state, k))
     if neighbours:
         plan.confirm_neighbours(n, header)
-    call.mesh.run(plan, call.what(op), call)
-    if buf.numel():
-        buf.copy_(slots[-1])
-    finish_(buf, red, n)
+    return plan, state
 
 
 @dataclass(frozen=True, slots=True)
