@@ -113,13 +113,13 @@ def _inputs(world: int, numel: int) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(240)
 def test_bits_are_the_canonical_trees_at_several_n() -> None:
-    """N = 3, 5, 8, 13, 16 thread ranks, each its own emulated host (TCP):
-    doubling (forced below the threshold, the policy's pick at 16), SUM and
+    """N = 3, 5, 8, 13, 16, 33 thread ranks, each its own emulated host (TCP):
+    doubling (forced below the policy's threshold, its pick at 33), SUM and
     AVG of floats, deterministic and not: every rank's result has the bits of
     ``tree_sum`` of the inputs (AVG: divided by N after); integers exact;
     an empty tensor completes."""
     numel = 1000
-    for world in (3, 5, 8, 13, 16):
+    for world in (3, 5, 8, 13, 16, 33):
         data = _inputs(world, numel)
         ref = tree_sum(data)
         algorithm = "auto" if world >= policy.FLAT_DOUBLING_MIN_WORLD else "doubling"
@@ -160,12 +160,13 @@ def test_bits_are_the_canonical_trees_at_several_n() -> None:
 
 @pytest.mark.timeout(120)
 def test_no_rank_connects_to_every_rank_at_a_flat_n() -> None:
-    """16 thread ranks, each its own emulated host (the flat rows), 4 KiB
-    allreduces with the policy's choice: every rank holds data sockets only to
-    its doubling partners (4 at N = 16) and ring neighbours, none more than
-    2 log2 N + 2; rank 0 holds 5. (Before: the star, rank 0 connected to all
-    15 others.)"""
-    world = 16
+    """32 thread ranks (``FLAT_DOUBLING_MIN_WORLD``), each its own emulated
+    host (the flat rows), 4 KiB allreduces with the policy's choice: every
+    rank holds data sockets only to its doubling partners (5 at N = 32) and
+    ring neighbours, none more than 2 log2 N + 2; rank 0 holds 6. (Before:
+    the star, rank 0 connected to all 31 others.)"""
+    world = 32
+    assert policy.FLAT_DOUBLING_MIN_WORLD <= world
     gs = make_groups(world, emulated_hosts(world, 1, "auto"))
     try:
 
@@ -180,8 +181,8 @@ def test_no_rank_connects_to_every_rank_at_a_flat_n() -> None:
         for r, g in enumerate(gs):
             ring = {(r - 1) % world, (r + 1) % world}
             assert g._runtime.mesh.data_peers == partners(world, r) | ring, r
-            assert len(g._runtime.mesh.data_peers) <= 2 * 4 + 2, r
-        assert len(gs[0]._runtime.mesh.data_peers) == 5
+            assert len(g._runtime.mesh.data_peers) <= 2 * 5 + 2, r
+        assert len(gs[0]._runtime.mesh.data_peers) == 6
     finally:
         for g in gs:
             g.shutdown()

@@ -167,8 +167,17 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
 # The flat rows' small messages from this many ranks: recursive doubling in
 # the canonical tree's shape (collectives/doubling.py: ceil(log2 N) partners
 # and hops per rank) instead of the star, whose root holds a socket to every
-# rank and handles 2(N - 1) frames in sequence.
-FLAT_DOUBLING_MIN_WORLD = 16
+# rank, handles 2(N - 1) frames in sequence and moves (N - 1) x S each way.
+# The cost model on a core per rank (``python -m benchmarks.model flat``,
+# docs/benchmarks.md): one rank per host, doubling is faster from N = 4 at
+# every size up to star_max_bytes (0.57x the star's time at 16, 0.08x at 256
+# for 4 KiB); one host over TCP, from 4 for 64 KiB and up but only from 32
+# for 4 KiB (1.05-1.11x the star's time at 8-16, 0.83x at 32). So from 32:
+# no layout slower in the model, and at N = 256 no rank above
+# 2 log2 N + 2 data sockets where the star's root held N - 1. (Measured here,
+# N ranks sharing 2 cores, the star's 2 hops stay cheaper at every N: each
+# hop waits for a process to be scheduled; docs/benchmarks.md.)
+FLAT_DOUBLING_MIN_WORLD = 32
 
 
 def choose(
