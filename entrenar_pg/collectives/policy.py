@@ -28,9 +28,12 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
   ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
   ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
-  docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
+  docs/benchmarks.md), except that from ``FLAT_DOUBLING_MIN_WORLD`` ranks
+  ``DOUBLING`` replaces the star (no rank with a socket to every rank; the
+  cost model's crossover). An explicit ``algorithm`` is taken as is.
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
-  chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree order.
+  chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree
+  order; ``DOUBLING`` sums in tree order in either mode.
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
 - ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
