@@ -102,11 +102,6 @@ class RankResult:
     first_allreduce_s: float = 0.0  # the first 4 KiB allreduce, after creation
     destroy_s: float = 0.0
     calls_s: float = 0.0  # the ``calls`` timed allreduces, wall time on this rank
-    # ... and this rank's thread's CPU over them: a blocking call on an idle
-    # group runs in the caller's thread, so this is the rank's own work per
-    # call (with the spins off, no waiting in it): the busiest rank's is a
-    # lower bound of the call's time wherever each rank has a core.
-    calls_thread_cpu_s: float = 0.0
     allreduce_ok: bool = False
     held_sockets: int | None = None  # the sockets its group holds (entrenar only)
     error: str = ""
@@ -223,10 +218,9 @@ class _Rank:
         """``spec.calls`` allreduces of ``t``, every rank of the job started together."""
         _count_in(self.store, LOOP, LOOP_DONE, self.spec.world)
         self._counted.wait()  # the process measures its CPU from here
-        t0, c0 = time.monotonic(), time.thread_time()
+        t0 = time.monotonic()
         for _ in range(self.spec.calls):
             self.group.allreduce([t]).wait()
-        self.result.calls_thread_cpu_s = time.thread_time() - c0
         self.result.calls_s = time.monotonic() - t0
         self._counted.wait()  # ... to here
 

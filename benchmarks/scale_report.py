@@ -43,9 +43,6 @@ def _row(backend: str, world: int, jobs: list[dict[str, Any]], calls: int) -> di
         timed["allreduce_cpu_s"] = statistics.median(
             sum(p["calls_cpu_s"] for p in j["processes"]) / calls for j in jobs
         )
-        # Each rank's own CPU per call (its thread's): the busiest one bounds
-        # the call's time from below on a core per rank.
-        timed["rank_cpu_s"] = _spread([r.get("calls_thread_cpu_s", 0.0) / calls for r in ranks])
     return {
         **timed,
         "backend": backend,
@@ -183,20 +180,17 @@ def timed_lines(result: dict[str, Any]) -> list[str]:
         f"ratios against {first} at the same N:",
         "",
         "| backend | N | wall/call med (min-max over ranks) | job CPU/call | wall ratio "
-        "| CPU ratio | a rank's CPU/call med (busiest) | busiest ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU ratio |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         w, b = r["allreduce_s"], base.get(r["world"])
         ratio = f"{w['median'] / b['allreduce_s']['median']:.2f}" if b else "-"
         cpu = f"{r['allreduce_cpu_s'] / b['allreduce_cpu_s']:.2f}" if b else "-"
-        own = r["rank_cpu_s"]
-        busiest = f"{own['max'] / b['rank_cpu_s']['max']:.2f}" if b else "-"
         lines.append(
             f"| {r['backend']} | {r['world']} | {w['median'] * 1e3:.2f} ms "
             f"({w['min'] * 1e3:.2f}-{w['max'] * 1e3:.2f}) | {r['allreduce_cpu_s'] * 1e3:.2f} ms "
-            f"| {ratio} | {cpu} | {own['median'] * 1e3:.2f} ms ({own['max'] * 1e3:.2f} ms) "
-            f"| {busiest} |"
+            f"| {ratio} | {cpu} |"
         )
     return [*lines, ""]
 

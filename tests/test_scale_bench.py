@@ -146,6 +146,5 @@ def test_one_rank_per_host_no_rank_holds_a_socket_per_peer(tmp_path: Path) -> No
         assert row["allreduce_verified"] == world
         assert 0 < row["allreduce_s"]["min"] <= row["allreduce_s"]["max"]
         assert row["allreduce_cpu_s"] > 0
-        assert 0 < row["rank_cpu_s"]["median"] <= row["rank_cpu_s"]["max"]
     text = (out / "results.md").read_text()
     assert "2 timed 4 KiB allreduces per rank" in text and "| entrenar-star | 32 |" in text
