@@ -22,6 +22,7 @@ a loaded machine slows them alike. Outputs go to ``--out`` (``runs/scale``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.machine import git_revision, machine_info
-from benchmarks.scale_ranks import BACKENDS, RESULT_PREFIX, Spec
+from benchmarks.scale_ranks import BACKENDS, FORCED, RESULT_PREFIX, Spec, known
 from benchmarks.scale_report import summarize, write_outputs
 from benchmarks.sockets import fd_soft_limit, raise_fd_limit
 
@@ -68,6 +69,7 @@ class ScaleConfig:
     transport: str
     out: Path
     hosts: int = 1  # emulated hosts (Options.host_id per contiguous block of ranks)
+    calls: int = 0  # timed 4 KiB allreduces per rank after set-up (0: none)
 
 
 def split(world: int, procs: int) -> list[tuple[int, ...]]:
@@ -104,7 +106,8 @@ def run_job(backend: str, world: int, procs: int, cfg: ScaleConfig) -> list[dict
     running: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
     try:
         for ranks in split(world, procs):
-            spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport, cfg.hosts)
+            spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport)
+            spec = dataclasses.replace(spec, hosts=cfg.hosts, calls=cfg.calls)
             stdout = tempfile.TemporaryFile()
             stderr = tempfile.TemporaryFile()
             cmd = [sys.executable, "-m", "benchmarks.scale_ranks", spec.to_json()]
@@ -217,13 +220,14 @@ def _result(
             "transport": cfg.transport or "default",
             "hosts": cfg.hosts,
             "allreduce_bytes": 4096,
+            "calls": cfg.calls,
         },
         "fd_limit": {"soft_found": soft_before, "soft_used": soft, "hard": hard},
         "machine": machine_info(),
         "git": git_revision(REPO),
         "loadavg": list(os.getloadavg()),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "summary": summarize(jobs),
+        "summary": summarize(jobs, cfg.calls),
         "failures": failures,
         "jobs": jobs,
     }
@@ -244,7 +248,19 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
         default=8,
         help="processes the ranks are spread over (at least; more where descriptors need it)",
     )
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help=f"{', '.join(BACKENDS)}, or entrenar-ALGO (ALGO: {', '.join(FORCED)}; "
+        "Options.algorithm forced)",
+    )
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=0,
+        help="after set-up, this many more 4 KiB allreduces per rank, timed (wall per call, "
+        "the job's CPU per call)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="jobs per backend and N")
     ap.add_argument("--timeout", type=float, default=300.0, help="every group's timeout (s)")
     ap.add_argument(
@@ -259,13 +275,15 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "scale")
     a = ap.parse_args(argv)
     backends = tuple(b for b in a.backends.split(",") if b)
-    bad = [b for b in backends if b not in BACKENDS]
+    bad = [b for b in backends if not known(b)]
     if bad or not backends:
-        ap.error(f"--backends: {bad or 'none'}; choose from {', '.join(BACKENDS)}")
+        ap.error(f"--backends: {bad or 'none'}; choose from {', '.join(BACKENDS)}, entrenar-ALGO")
     if not a.ranks or min(a.ranks) < 2 or a.procs < 1 or a.repeats < 1 or a.hosts < 1:
         ap.error("--ranks must be 2 or more each; --procs, --repeats and --hosts at least 1")
+    if a.calls < 0:
+        ap.error("--calls must be 0 or more")
     return ScaleConfig(
-        a.ranks, a.procs, backends, a.repeats, a.timeout, a.transport, a.out, a.hosts
+        a.ranks, a.procs, backends, a.repeats, a.timeout, a.transport, a.out, a.hosts, a.calls
     )
 
 

@@ -12,8 +12,15 @@ so no rank's set-up time includes another process's interpreter start):
 3. waits while the process counts descriptors (``benchmarks.sockets``): the
    process's sockets and descriptors, and the sockets each entrenar group
    holds (gloo's are C++ objects: only the process's count, divided);
-4. once every rank of the job is counted, destroys its group (timed), and the
+4. with ``calls`` > 0, once every rank of the job is counted: ``calls`` more
+   4 KiB allreduces, timed per rank, the process's CPU over them measured
+   (every rank of the process in the loop: the job's small-message time and
+   work, ``--backends entrenar-star,entrenar-doubling`` side by side);
+5. once every rank of the job is done, destroys its group (timed), and the
    process counts again (what destroying left open).
+
+Backends: ``gloo``, ``entrenar`` (its ``Options`` from the environment) and
+``entrenar-<algorithm>`` (``Options.algorithm`` forced: ``entrenar-star``).
 
 The result is one JSON line on stdout, prefixed ``RESULT_PREFIX``.
 """
@@ -35,15 +42,29 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.sockets import held_sockets, open_fds, socket_fds
+from entrenar_pg.config import ALGORITHMS
 
 RESULT_PREFIX = "SCALE-RESULT "
 ENTRENAR = "entrenar"
 GLOO = "gloo"
 BACKENDS = (ENTRENAR, GLOO)
+# entrenar with Options.algorithm forced: "entrenar-" + one of these
+FORCED = tuple(a for a in ALGORITHMS if a != "auto")
 FLOATS = 1024  # 4 KiB of float32
 # Store keys (a fresh store per job): the last rank to count in releases the rest.
 READY, GO = "ready", "go"
 COUNTED, DESTROY = "counted", "destroy"
+LOOP, LOOP_DONE = "loop", "loop-done"
+
+
+def is_entrenar(backend: str) -> bool:
+    """Whether ``backend`` names entrenar (plain, or with its algorithm forced)."""
+    return backend == ENTRENAR or backend.startswith(ENTRENAR + "-")
+
+
+def known(backend: str) -> bool:
+    """Whether ``backend`` is one this benchmark runs."""
+    return backend in BACKENDS or backend in {f"{ENTRENAR}-{a}" for a in FORCED}
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,7 @@ class Spec:
     # Emulated hosts: ranks split into this many contiguous blocks, each with
     # its own Options.host_id (1: the machine's own identity, one host).
     hosts: int = 1
+    calls: int = 0  # timed 4 KiB allreduces after the count (0: none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -79,6 +101,7 @@ class RankResult:
     create_s: float = 0.0  # creation returned
     first_allreduce_s: float = 0.0  # the first 4 KiB allreduce, after creation
     destroy_s: float = 0.0
+    calls_s: float = 0.0  # the ``calls`` timed allreduces, wall time on this rank
     allreduce_ok: bool = False
     held_sockets: int | None = None  # the sockets its group holds (entrenar only)
     error: str = ""
@@ -103,6 +126,7 @@ class ProcessResult:
     # set-up's work, which wall times on a machine with fewer cores than
     # ranks do not show (there they measure the whole job's work / 2 cores).
     setup_cpu_s: float = 0.0
+    calls_cpu_s: float = 0.0  # CPU of the process over its ranks' timed allreduces
     sockets_after_setup: int = 0  # sockets beyond those before set-up
     sockets_shared: int = 0  # sockets held by more than one rank's group (must be 0)
     sockets_unheld: int = 0  # new sockets no group holds (entrenar: a leak)
@@ -131,6 +155,8 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
     # As init_process_group would: the environment's ENTRENAR_* settings, then
     # --transport and the emulated host (--hosts).
     options = Options.from_env()
+    if spec.backend != ENTRENAR:
+        options = dataclasses.replace(options, algorithm=spec.backend[len(ENTRENAR) + 1 :])
     if spec.transport:
         options = dataclasses.replace(options, transport=spec.transport)
     if spec.hosts > 1:
@@ -156,7 +182,9 @@ class _Rank:
         self.result = RankResult(rank)
         self.store = _store(spec.store_port, spec.timeout_s)
         self.group: Any = None
-        self._counted = counted  # passed twice: set-up done, then counting done
+        # Passed twice: set-up done, then counting done; with timed calls,
+        # twice more: every rank of the process in the loop, then out of it.
+        self._counted = counted
 
     def run(self) -> None:
         r = self.result
@@ -175,6 +203,8 @@ class _Rank:
                 r.error = f"rank {r.rank}: allreduce gave {t[:4].tolist()}..., want {want}"
             self._counted.wait()  # set-up done: the process counts
             self._counted.wait()  # counted
+            if self.spec.calls:
+                self._timed_calls(t)
             _count_in(self.store, COUNTED, DESTROY, self.spec.world)
             t0 = time.monotonic()
             self.group.shutdown()
@@ -183,6 +213,16 @@ class _Rank:
         except BaseException as e:  # reported in the result; the others must not wait
             r.error = r.error or f"rank {r.rank}: {type(e).__name__}: {e}"
             self._counted.abort()
+
+    def _timed_calls(self, t: torch.Tensor) -> None:
+        """``spec.calls`` allreduces of ``t``, every rank of the job started together."""
+        _count_in(self.store, LOOP, LOOP_DONE, self.spec.world)
+        self._counted.wait()  # the process measures its CPU from here
+        t0 = time.monotonic()
+        for _ in range(self.spec.calls):
+            self.group.allreduce([t]).wait()
+        self.result.calls_s = time.monotonic() - t0
+        self._counted.wait()  # ... to here
 
 
 def run(spec: Spec) -> ProcessResult:
@@ -203,6 +243,11 @@ def run(spec: Spec) -> ProcessResult:
         out.setup_cpu_s = _cpu_s() - cpu0
         _count_after_setup(spec, ranks, before, out)
         counted.wait()
+        if spec.calls:
+            counted.wait()
+            cpu0 = _cpu_s()
+            counted.wait()
+            out.calls_cpu_s = _cpu_s() - cpu0
     except threading.BrokenBarrierError:
         out.error = "a rank failed (see its error)"
     for t in threads:
@@ -229,7 +274,7 @@ def _count_after_setup(
     out.fds_after_setup = len(fds)
     out.new_fds = len(fds) - out.fds_before
     out.sockets_after_setup = len(new)
-    if spec.backend != ENTRENAR:
+    if not is_entrenar(spec.backend):
         return
     held = [held_sockets(x.group) & new for x in ranks]
     for x, h in zip(ranks, held, strict=True):

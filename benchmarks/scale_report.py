@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import write_result_files
-from benchmarks.scale_ranks import ENTRENAR
+from benchmarks.scale_ranks import is_entrenar
 
 COMMON_SOFT_LIMIT = 1024  # the usual default soft RLIMIT_NOFILE
 
@@ -18,11 +18,11 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
-def _row(backend: str, world: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+def _row(backend: str, world: int, jobs: list[dict[str, Any]], calls: int) -> dict[str, Any]:
     procs = [p for j in jobs for p in j["processes"]]
     ranks = [r for p in procs for r in p["ranks"]]
     per_proc = [p["sockets_after_setup"] / len(p["ranks"]) for p in procs]
-    if backend == ENTRENAR:
+    if is_entrenar(backend):
         per_rank = [float(r["held_sockets"]) for r in ranks]
         method = "held by each rank's group, checked against the process's sockets"
     else:
@@ -36,7 +36,15 @@ def _row(backend: str, world: int, jobs: list[dict[str, Any]]) -> dict[str, Any]
     # What one rank alone in its process would hold before set-up: the
     # process's descriptors less the store clients of its other ranks.
     base = statistics.median(p["fds_before"] - len(p["ranks"]) + 1 for p in procs)
+    timed: dict[str, Any] = {}
+    if calls:
+        # Wall per call on each rank; the job's CPU per call (every process).
+        timed["allreduce_s"] = _spread([r["calls_s"] / calls for r in ranks])
+        timed["allreduce_cpu_s"] = statistics.median(
+            sum(p["calls_cpu_s"] for p in j["processes"]) / calls for j in jobs
+        )
     return {
+        **timed,
         "backend": backend,
         "world": world,
         "jobs": len(jobs),
@@ -66,12 +74,16 @@ def _row(backend: str, world: int, jobs: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
-def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rows per (backend, N), each N's growth against the smallest N, and the 1,024 limit."""
+def summarize(jobs: list[dict[str, Any]], calls: int = 0) -> dict[str, Any]:
+    """Rows per (backend, N), each N's growth against the smallest N, and the 1,024 limit;
+    ``calls``: the timed allreduces per rank (0: none)."""
     if not jobs:
         return {"rows": [], "limit_1024": {}}
     keys = sorted({(j["backend"], j["world"]) for j in jobs})
-    rows = [_row(b, n, [j for j in jobs if (j["backend"], j["world"]) == (b, n)]) for b, n in keys]
+    rows = [
+        _row(b, n, [j for j in jobs if (j["backend"], j["world"]) == (b, n)], calls)
+        for b, n in keys
+    ]
     limits: dict[str, Any] = {}
     for backend in sorted({b for b, _ in keys}):
         mine = [r for r in rows if r["backend"] == backend]
@@ -143,6 +155,7 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         first = f["error"].splitlines()[0]
         lines.append(f"| {f['backend']} | {f['world']} | failed: {first} |" + " |" * 11)
     lines.append("")
+    lines += timed_lines(result)
     for backend, p in result["summary"]["limit_1024"].items():
         if p is None:
             continue
@@ -153,6 +166,33 @@ def table_lines(result: dict[str, Any]) -> list[str]:
             f"above N = {p['n_max']}"
         )
     return lines
+
+
+def timed_lines(result: dict[str, Any]) -> list[str]:
+    """The timed allreduces (``--calls``) per (backend, N), against the first backend."""
+    rows = [r for r in result["summary"]["rows"] if "allreduce_s" in r]
+    if not rows:
+        return []
+    first = result["config"]["backends"][0]
+    base = {r["world"]: r for r in rows if r["backend"] == first}
+    lines = [
+        f"{result['config']['calls']} timed 4 KiB allreduces per rank after set-up; "
+        f"ratios against {first} at the same N:",
+        "",
+        "| backend | N | wall/call med (min-max over ranks) | job CPU/call | wall ratio "
+        "| CPU ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        w, b = r["allreduce_s"], base.get(r["world"])
+        ratio = f"{w['median'] / b['allreduce_s']['median']:.2f}" if b else "-"
+        cpu = f"{r['allreduce_cpu_s'] / b['allreduce_cpu_s']:.2f}" if b else "-"
+        lines.append(
+            f"| {r['backend']} | {r['world']} | {w['median'] * 1e3:.2f} ms "
+            f"({w['min'] * 1e3:.2f}-{w['max'] * 1e3:.2f}) | {r['allreduce_cpu_s'] * 1e3:.2f} ms "
+            f"| {ratio} | {cpu} |"
+        )
+    return [*lines, ""]
 
 
 def markdown(result: dict[str, Any]) -> str:

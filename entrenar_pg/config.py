@@ -50,7 +50,7 @@ ENV_XDG_CACHE_HOME = "XDG_CACHE_HOME"
 ENV_HOME = "HOME"
 FR_DEFAULT_FILE_NAME = "comm_lib_trace_rank_"
 
-ALGORITHMS = ("auto", "ring", "star", "direct")
+ALGORITHMS = ("auto", "ring", "star", "direct", "doubling")
 TRANSPORTS = ("auto", "tcp", "shm")
 TOPOLOGIES = ("auto", "flat", "hosts")
 
@@ -115,10 +115,13 @@ class Options:
         algorithm: allreduce algorithm: ``"ring"`` (bandwidth-optimal),
             ``"star"`` (rank 0 gathers, reduces, broadcasts: 2 hops),
             ``"direct"`` (everyone sends to everyone and reduces locally: 1 hop,
-            (N-1) x the bytes) or ``"auto"`` (two ranks: direct up to
-            ``direct_max_bytes``, ring above; more: star up to
-            ``star_max_bytes``, ring above, except that with every rank on
-            one host direct goes first, up to ``direct_max_bytes``). Env ``ENTRENAR_ALGO``.
+            (N-1) x the bytes), ``"doubling"`` (recursive doubling in the
+            canonical tree's shape: ceil(log2 N) hops and partners per rank)
+            or ``"auto"`` (the policy table, collectives/policy.py: two ranks
+            direct up to ``direct_max_bytes``, ring above; more: star, from
+            32 ranks doubling, up to ``star_max_bytes``, ring above; one
+            host with shared memory: shm; several slow hosts: host-aware).
+            Env ``ENTRENAR_ALGO``.
         segment_bytes: pipelining unit of the ring/star/chain algorithms: a
             chunk moves in segments of this many bytes so that receiving,
             reducing and sending overlap. Env ``ENTRENAR_SEGMENT_BYTES``.

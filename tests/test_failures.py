@@ -32,14 +32,20 @@ BLAME = REPO / "tests" / "scripts" / "blame.py"
 
 
 def run_blame(
-    mode: str, victim: int, world: int = 3, timeout_s: float = 3.0, transport: str = "auto"
+    mode: str,
+    victim: int,
+    world: int = 3,
+    timeout_s: float = 3.0,
+    transport: str = "auto",
+    algorithm: str = "",
 ) -> dict[int, tuple]:
     """Run tests/scripts/blame.py on ``world`` processes under env:// (rank 0 hosts
-    the store); returns each survivor's (error class, culprit, message)."""
+    the store); returns each survivor's (error class, culprit, message).
+    ``algorithm``: ENTRENAR_ALGO (default: the star to stall in, else auto)."""
     port = free_port()
     extra = dict(
         TIMEOUT_S=str(timeout_s),
-        ENTRENAR_ALGO="star" if mode == "stall" else "auto",
+        ENTRENAR_ALGO=algorithm or ("star" if mode == "stall" else "auto"),
         ENTRENAR_TRANSPORT=transport,
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )

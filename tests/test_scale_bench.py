@@ -110,3 +110,41 @@ def test_small_job_matches_the_connection_design(tmp_path: Path) -> None:
     assert row["sockets_per_rank"] == {"min": want, "median": want, "max": want}
     assert row["sockets_per_peer"] == pytest.approx(want / (WORLD - 1))
     assert row["setup_vs_linear"] == 1.0  # the smallest N is its own reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_one_rank_per_host_no_rank_holds_a_socket_per_peer(tmp_path: Path) -> None:
+    """32 ranks, each its own emulated host (``--hosts 32``: the flat rows),
+    the default policy beside the star forced, 2 timed calls each: with the
+    default (``DOUBLING`` from 32 ranks) every rank holds exactly its doubling
+    partners and ring neighbours as data sockets, beside its overlay's control
+    sockets and 3; with the star, rank 0 holds one to each of the 31 others.
+    The timed calls are reported per backend with their ratio to the first.
+    (Before: the default was the star, rank 0 at 31 + 5 + 3 = 39.)"""
+    from entrenar_pg.collectives.doubling import partners
+
+    world = 32
+    out = tmp_path / "scale"
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--ranks", str(world), "--procs", "2"]
+    cmd += ["--hosts", str(world), "--backends", "entrenar,entrenar-star", "--calls", "2"]
+    cmd += ["--timeout", "90", "--out", str(out)]
+    run_session(cmd, timeout=140)
+    result = json.loads((out / "scale.json").read_text())
+    assert result["failures"] == []
+    held = {
+        j["backend"]: {r["rank"]: r["held_sockets"] for p in j["processes"] for r in p["ranks"]}
+        for j in result["jobs"]
+    }
+    for r in range(world):
+        data = partners(world, r) | {(r - 1) % world, (r + 1) % world}
+        assert held["entrenar"][r] == len(data) + len(overlay(r, world)) + 3, r
+    assert max(held["entrenar"].values()) <= 2 * 5 + 2 + 5 + 3
+    assert held["entrenar-star"][0] == (world - 1) + len(overlay(0, world)) + 3
+    rows = {r["backend"]: r for r in result["summary"]["rows"]}
+    for row in rows.values():
+        assert row["allreduce_verified"] == world
+        assert 0 < row["allreduce_s"]["min"] <= row["allreduce_s"]["max"]
+        assert row["allreduce_cpu_s"] > 0
+    text = (out / "results.md").read_text()
+    assert "2 timed 4 KiB allreduces per rank" in text and "| entrenar-star | 32 |" in text

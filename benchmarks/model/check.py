@@ -42,6 +42,7 @@ _BY_ALGO: dict[Algo, costs.Algorithm] = {
     Algo.SHM: costs.shm,
     Algo.HOST_SLICES: costs.host_slices,
     Algo.HOST_LEADERS: costs.host_leaders,
+    Algo.DOUBLING: costs.doubling,
 }
 
 

@@ -9,6 +9,9 @@
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
+- ``flat``: the flat rows' small allreduce at large N, the star (its root's
+  frames counted) against recursive doubling, and the N where doubling pays
+  (``flat.py``).
 - ``rooted``: barrier and broadcast, flat (as implemented) against host-aware
   candidates (``rooted.py``): the ratio table and where host-aware pays.
 - ``measure-rooted``: the flat barrier and broadcast measured on emulated hosts
@@ -28,12 +31,12 @@ import logging
 import os
 from pathlib import Path
 
-from benchmarks.model import check, costs, fit, measure, plan, rooted, rooted_measure, wake
+from benchmarks.model import check, costs, fit, flat, measure, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import parse_sizes
 
 FITTED = Path(__file__).with_name("fitted_links.json")
-TODAY = ("direct", "star", "ring")  # the flat algorithms the policy picks from today
+TODAY = ("direct", "star", "doubling", "ring")  # the flat algorithms the policy picks from
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 DEFAULT_PLOT = IMG / "cost_model.png"
 THRESHOLD_PLOT = "cost_model_threshold.png"  # beside --plot
@@ -134,6 +137,10 @@ def cmd_rooted(args: argparse.Namespace) -> None:
             print("\n".join(lines))
 
 
+def cmd_flat(args: argparse.Namespace) -> None:
+    print(flat.report(_links(args.links)))
+
+
 def cmd_measure_rooted(args: argparse.Namespace) -> None:
     sizes = list(parse_sizes(args.sizes))
     rows = rooted_measure.measure(args.hosts, args.local, args.rate, sizes, args.rounds)
@@ -189,6 +196,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--links")
     ro = sub.add_parser("rooted", help="barrier and broadcast: flat against host-aware")
     ro.add_argument("--links")
+    fl = sub.add_parser("flat", help="the flat small allreduce at large N: star against doubling")
+    fl.add_argument("--links")
     mr = sub.add_parser("measure-rooted", help="flat barrier and broadcast on emulated hosts")
     mr.add_argument("--hosts", type=int, default=2)
     mr.add_argument("--local", type=int, default=2)
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "predict": cmd_predict,
         "rooted": cmd_rooted,
+        "flat": cmd_flat,
         "measure-rooted": cmd_measure_rooted,
     }
     commands[args.cmd](args)

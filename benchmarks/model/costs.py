@@ -212,6 +212,37 @@ def star(shape: Shape, fabric: Fabric) -> list[Phase]:
     return [Phase("star", {k: 2 for k in used}, nbytes, fill)]
 
 
+def doubling_rounds(shape: Shape) -> tuple[int, int]:
+    """Rounds of the flat recursive doubling (collectives/doubling.py) inside a host
+    and across hosts: ceil(log2 N) in all; the deepest ceil(log2 L) pair ranks at
+    distance < L, which torchrun's placement keeps on one host (L a power of two;
+    else the model still counts them local, as an estimate)."""
+    n, local = shape.world, shape.local
+    total = math.ceil(math.log2(n)) if n > 1 else 0
+    inside = min(total, math.ceil(math.log2(local)) if local > 1 else 0)
+    return inside, total - inside
+
+
+def doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
+    """Recursive doubling in the canonical tree's shape (collectives/doubling.py).
+
+    Steps: ceil(log2 N) rounds in sequence, each rank sending its partial sum
+    (S) to one partner and combining the S it receives: the first
+    ceil(log2 L) rounds inside the host, the rest across hosts, where all L
+    ranks of a host send at once (L x S per host link per direction per
+    round). No root: every rank moves and combines rounds x S.
+    """
+    inside, across = doubling_rounds(shape)
+    s, phases = shape.nbytes, []
+    if inside:
+        nbytes = _with_reduce(fabric, {fabric.intra: inside * s}, inside * s)
+        phases.append(Phase("doubling in the host", {fabric.intra: inside}, nbytes))
+    if across:
+        nbytes = _with_reduce(fabric, {fabric.inter: across * shape.local * s}, across * s)
+        phases.append(Phase("doubling across hosts", {fabric.inter: across}, nbytes))
+    return phases
+
+
 def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
     """Direct exchange (collectives/direct.py): everyone sends S to everyone.
 
@@ -399,6 +430,7 @@ def leaders_doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
 ALGORITHMS: dict[str, tuple[Algorithm, Fabric]] = {
     "ring": (ring, ENTRENAR),
     "star": (star, ENTRENAR),
+    "doubling": (doubling, ENTRENAR),
     "direct": (direct, ENTRENAR),
     "gloo ring": (ring, GLOO),
     "host slices": (host_slices, ENTRENAR),

@@ -8,6 +8,7 @@ from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .direct import allreduce_direct
+from .doubling import allreduce_doubling
 from .hierarchical import (
     allgather_hosts,
     allreduce_host_leaders,
@@ -28,6 +29,7 @@ __all__ = [
     "allgather_hosts",
     "allgather_ring",
     "allreduce_direct",
+    "allreduce_doubling",
     "allreduce_host_leaders",
     "allreduce_host_slices",
     "allreduce_ring",

@@ -75,6 +75,7 @@ from ..wire import Algo, Header, OpCode
 from .broadcast import broadcast
 from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
+from .doubling import allreduce_doubling
 from .ring import allgather_ring, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
 from .tree import allreduce_tree_ring, exchange, reduce_scatter_tree
@@ -270,21 +271,15 @@ def leaders_doubling(hosts: int, nbytes: int) -> bool:
 def _doubling(
     call: Call, leaders: tuple[int, ...], buf: torch.Tensor, part: Reduction, op: OpCode
 ) -> None:
-    """Recursive doubling among ``leaders`` (a power of two of them), in place.
+    """Recursive doubling among ``leaders``, in place (collectives/doubling.py).
 
-    Round k: the leader at position i exchanges with the one at i XOR 2^k
-    (a two-rank direct exchange, lower rank's contribution first), so after
-    log2 H rounds each holds ((h0 + h1) + (h2 + h3)) + ...: the canonical
-    tree over the hosts (a power of two splits in halves), the direct
-    exchange's deterministic bits, on every leader alike. Each round's plan
-    runs on its own link, with the direct exchange's header."""
-    me = call.mesh.rank
-    i = leaders.index(me)
-    step = 1
-    while step < len(leaders):
-        partner = leaders[i ^ step]
-        allreduce_direct(call.on((min(me, partner), max(me, partner))), buf, part, op)
-        step <<= 1
+    For a power of two of them, round k pairs the leader at position i with
+    the one at i XOR 2^k, so after log2 H rounds each holds ((h0 + h1) +
+    (h2 + h3)) + ...: the canonical tree over the hosts, the direct
+    exchange's deterministic bits, on every leader alike. One plan, with
+    ``DOUBLING`` headers; no ring-neighbour headers (a leader running another
+    plan for this call already met its host's ranks in the first plan)."""
+    allreduce_doubling(call.on(leaders), buf, part, op, neighbours=False)
 
 
 def _host_rings(

@@ -28,9 +28,12 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
   ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
   ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
-  docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
+  docs/benchmarks.md), except that from ``FLAT_DOUBLING_MIN_WORLD`` ranks
+  ``DOUBLING`` replaces the star (no rank with a socket to every rank; the
+  cost model's crossover). An explicit ``algorithm`` is taken as is.
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
-  chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree order.
+  chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree
+  order; ``DOUBLING`` sums in tree order in either mode.
 - ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
 - ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
@@ -74,7 +77,7 @@ class Choice(NamedTuple):
         return max(1, self.segment_bytes // dtype.itemsize)
 
 
-_NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT}
+_NAMED = {"ring": Algo.RING, "star": Algo.STAR, "direct": Algo.DIRECT, "doubling": Algo.DOUBLING}
 
 
 def host_aware(topology: Topology | None, options: Options) -> bool:
@@ -164,6 +167,22 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
     return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
 
 
+# The flat rows' small messages from this many ranks: recursive doubling in
+# the canonical tree's shape (collectives/doubling.py: ceil(log2 N) partners
+# and hops per rank) instead of the star, whose root holds a socket to every
+# rank, handles 2(N - 1) frames in sequence and moves (N - 1) x S each way.
+# The cost model on a core per rank (``python -m benchmarks.model flat``,
+# docs/benchmarks.md): one rank per host, doubling is faster from N = 4 at
+# every size up to star_max_bytes (0.57x the star's time at 16, 0.08x at 256
+# for 4 KiB); one host over TCP, from 4 for 64 KiB and up but only from 32
+# for 4 KiB (1.05-1.11x the star's time at 8-16, 0.83x at 32). So from 32:
+# no layout slower in the model, and at N = 256 no rank above
+# 2 log2 N + 2 data sockets where the star's root held N - 1. (Measured here,
+# N ranks sharing 2 cores, the star's 2 hops stay cheaper at every N: each
+# hop waits for a process to be scheduled; docs/benchmarks.md.)
+FLAT_DOUBLING_MIN_WORLD = 32
+
+
 def choose(
     op: OpCode,
     nbytes: int,
@@ -195,8 +214,10 @@ def choose(
                 algo = Algo.HOST_LEADERS
         elif world == 2:
             algo = Algo.DIRECT if nbytes <= options.direct_max_bytes else Algo.RING
+        elif nbytes > options.star_max_bytes:
+            algo = Algo.RING
         else:
-            algo = Algo.STAR if nbytes <= options.star_max_bytes else Algo.RING
+            algo = Algo.DOUBLING if world >= FLAT_DOUBLING_MIN_WORLD else Algo.STAR
         if algo is Algo.RING and tree:
             algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:

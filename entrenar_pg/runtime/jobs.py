@@ -33,6 +33,7 @@ _ALLREDUCE: dict[Algo, Callable[[alg.Call, torch.Tensor, Reduction], None]] = {
     Algo.SHM: alg.allreduce_shm,  # ranks all on one host: through the slot areas
     Algo.HOST_SLICES: alg.allreduce_host_slices,  # several hosts: collectives/hierarchical.py
     Algo.HOST_LEADERS: alg.allreduce_host_leaders,
+    Algo.DOUBLING: alg.allreduce_doubling,  # flat, many ranks: log2 N partners each
 }
 _REDUCE_SCATTER = {
     Algo.RING: alg.reduce_scatter_ring,
