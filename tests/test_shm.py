@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -471,6 +472,37 @@ def test_two_rank_sums_in_one_phase_in_place_then_sliced(monkeypatch: pytest.Mon
             assert torch.equal(g.isnan(), nan) and torch.equal(g[~nan], want[~nan]), (n, rank)
             assert torch.equal(g[~nan].view(torch.int32), want[~nan].view(torch.int32)), n
         i += 1
+
+
+@pytest.mark.timeout(60)
+def test_an_overflowing_two_rank_sum_is_inf_and_silent_as_torchs() -> None:
+    """numpy warns on overflow and on inf - inf (a RuntimeWarning from our
+    module); torch's add does not. Both two-rank numpy paths (one phase at
+    64 KiB, sliced at 256 KiB): inf and NaN where torch has them, and no
+    warning."""
+    big = torch.finfo(torch.float32).max
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for n in (16 << 10, 64 << 10):  # float32: 64 KiB, 256 KiB
+            t = torch.full((n,), big)
+            t[1] = float("inf") if rank == 0 else float("-inf")
+            pg.allreduce([t]).wait()
+            out.append(t)
+        return out
+
+    with warnings.catch_warnings(record=True) as seen:
+        got = _run(2, Options(transport="shm"), fn, True)
+    for n, g0, g1 in zip((16 << 10, 64 << 10), got[0], got[1], strict=True):
+        want = torch.full((n,), big) + torch.full((n,), big)
+        want[1] = float("nan")
+        for g in (g0, g1):
+            assert torch.equal(g.isnan(), want.isnan()) and torch.equal(g[2:], want[2:])
+    assert [
+        (str(w.message), w.filename, w.lineno)
+        for w in seen
+        if issubclass(w.category, RuntimeWarning)
+    ] == []
 
 
 @pytest.mark.timeout(60)
