@@ -71,6 +71,7 @@ class Algo(enum.IntEnum):
     SHM = 6  # allreduce through the slot areas of ranks all on one host (transport/shm/slots.py)
     HOST_SLICES = 7  # host-aware: reduce-scatter in the host, a slice per rank across, all-gather
     HOST_LEADERS = 8  # host-aware: reduce to the host's leader, leaders exchange, broadcast
+    DISSEMINATION = 9  # log2 N rounds, rank r to r + 2^k (barrier; small broadcast on its tree)
 
 
 class Flags(enum.IntFlag):

@@ -176,10 +176,10 @@ def test_policy_rows_for_hosts() -> None:
         (RS, 64, three, o, Algo.HOST_SLICES),
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
-        # Broadcast on slow hosts of consecutive ranks: DIRECT up to 64 KiB
-        # (measured), then the chain.
-        (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
-        (OpCode.BROADCAST, 64 << 10, two, o, Algo.DIRECT),
+        # Broadcast on slow hosts of consecutive ranks: along the dissemination
+        # rounds up to 64 KiB (measured), then the chain.
+        (OpCode.BROADCAST, 64, two, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, 64 << 10, two, o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, (64 << 10) + 4, two, o, Algo.CHAIN),
         (OpCode.BROADCAST, (64 << 10) + 4, four, o, Algo.CHAIN),
         (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop

@@ -31,8 +31,10 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   docs/benchmarks.md). An explicit ``algorithm`` is taken as is.
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
   chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree order.
-- ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
-- ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
+- ``BARRIER``: ``DISSEMINATION`` (ceil(log2 N) rounds, rank r to r + 2^k).
+- ``BROADCAST``: more than two ranks and up to
+  ``BROADCAST_DISSEMINATION_MAX_BYTES``: ``DISSEMINATION`` (the binomial
+  tree on the barrier's rounds); else ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
   up to 64 KiB, measured: ``broadcast_direct_max_bytes``);
   ``CHAIN`` (pipelined, in rank order from the root) above.
@@ -146,6 +148,14 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
 HOST_BROADCAST_DIRECT_MAX_BYTES = 64 << 10
 
 
+# Broadcasts of more than two ranks up to this many bytes go along the
+# dissemination rounds (a binomial tree, ceil(log2 N) hops, headers checked
+# along the rounds: 2 ceil(log2 N) frames per rank where ``DIRECT`` and its
+# header confirmation with every peer handle 2(N - 1)). Measured
+# (docs/benchmarks.md, "Barrier and broadcast"): see there.
+BROADCAST_DISSEMINATION_MAX_BYTES = 64 << 10
+
+
 def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
     """The largest broadcast the root sends to every rank itself (``DIRECT``);
     larger ones go down the ``CHAIN`` (pipelined, rank order from the root).
@@ -200,8 +210,13 @@ def choose(
         if algo is Algo.RING and tree:
             algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:
-        direct = world <= 2 or nbytes <= broadcast_direct_max_bytes(topology, options)
-        algo = Algo.DIRECT if direct else Algo.CHAIN
+        direct_max = broadcast_direct_max_bytes(topology, options)
+        if world > 2 and nbytes <= min(direct_max, BROADCAST_DISSEMINATION_MAX_BYTES):
+            algo = Algo.DISSEMINATION
+        elif world <= 2 or nbytes <= direct_max:
+            algo = Algo.DIRECT
+        else:
+            algo = Algo.CHAIN
     elif op is OpCode.REDUCE:
         if world <= 2 or nbytes <= options.star_max_bytes:
             algo = Algo.STAR
@@ -215,7 +230,7 @@ def choose(
     elif op is OpCode.ALLGATHER:
         algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:
-        algo = Algo.STAR
+        algo = Algo.DISSEMINATION
     else:
         algo = Algo.DIRECT
     flags = Flags.DETERMINISTIC if tree else Flags.NONE

@@ -1,0 +1,116 @@
+"""Dissemination: the barrier, and small broadcasts carried along its binomial tree.
+
+The dissemination barrier (Hensgen, Finkel and Manber, 1988; gloo's and
+MPICH's barrier): R = ceil(log2 N) rounds; in round k rank r sends to r + d_k
+and receives from r - d_k (mod N), d_k = 2^(R - 1 - k) (the longest step
+first: the order does not change who hears from whom, every distance 0..N-1
+being a sum of some of the steps), and sends round k's message only once it
+has received every earlier round's. After the last round every rank has
+heard, directly or forwarded, from every other since they entered the call.
+Any N; a rank talks to 2 x ceil(log2 N) peers (the star's root talks to
+N - 1), and every rank does the same work (the star's root handles 2(N - 1)
+frames, a leaf 2). Hops: ceil(log2 N) (the star: 2).
+
+A broadcast rides on the same links: counting ranks from the root (v = (r -
+root) mod N), after round k the ranks v that are multiples of d_k hold the
+data, so in round k rank v, a multiple of 2 d_k, sends the data to v + d_k
+(when that is a rank): a binomial tree (gloo's broadcast's), (N - 1) x S on
+the wire in all, at most ceil(log2 N) x S from any rank, ceil(log2 N) hops.
+The long steps come first, so on hosts of consecutive ranks (a power of two
+per host, the root a host's first) the data crosses to each other host once,
+at the top of the tree, and the short steps stay inside a host. The other
+links carry only the round's token. For small messages the header
+confirmation with every peer that the direct broadcast pays
+(``Plan.confirm_peers``: 2(N - 1) frames per rank, a socket to every peer)
+costs more than the extra hops.
+
+The header rule (docs/architecture.md) holds through the rounds: every link
+opens with the call's header, and a round's message leaves only after every
+earlier round's message arrived, each behind its header, which was checked
+first. So a rank completes only after every rank's header was compared with
+its predecessor's along a chain from that rank. The last round (d = 1, r ->
+r + 1) is the ring neighbours' exchange that makes two different plans meet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ..wire import Algo, OpCode
+from .common import Call, bytes_of, setter
+
+_TOKEN = memoryview(b"\x01")  # a round's message where no data goes (contents unused)
+
+
+def rounds_of(world: int) -> int:
+    """ceil(log2 world): the rounds after which every rank has heard from every other."""
+    return (world - 1).bit_length()
+
+
+def step(round_: int, world: int) -> int:
+    """Round ``round_``'s distance d: 2^(R - 1 - round_), the longest first."""
+    return 1 << (rounds_of(world) - 1 - round_)
+
+
+def partners(rank: int, world: int) -> list[tuple[int, int]]:
+    """Per round: (the rank ``rank`` sends to, the rank it receives from)."""
+    steps = [step(k, world) for k in range(rounds_of(world))]
+    return [((rank + d) % world, (rank - d) % world) for d in steps]
+
+
+def carries_data(sender: int, round_: int, world: int) -> bool:
+    """Whether the broadcast's round ``round_`` link from ``sender`` (counted
+    from the root) carries the data: the sender has it (a multiple of 2d) and
+    the receiver ``sender + d`` is a rank (not wrapped round)."""
+    d = step(round_, world)
+    return sender % (2 * d) == 0 and sender + d < world
+
+
+@dataclass(slots=True)
+class Heard:
+    """Which rounds' messages this rank has received (a round's message is its
+    link's last piece, so the data before it, and the header, are in)."""
+
+    rounds: list[bool]
+
+    def through(self, round_: int) -> bool:
+        """A send's ``ready`` for round ``round_``: every earlier round heard."""
+        return all(self.rounds[:round_])
+
+
+def disseminate(call: Call, op: OpCode, buf: torch.Tensor | None = None, root: int = 0) -> None:
+    """Run the dissemination pattern for ``op``; with ``buf``, broadcast the
+    root's flat CPU tensor ``buf`` into every rank's ``buf`` along it."""
+    n, r = call.world, call.rank
+    header = call.header(
+        op,
+        Algo.DISSEMINATION,
+        None if buf is None else buf.dtype,
+        numel=0 if buf is None else buf.numel(),
+        aux=root,
+    )
+    data = None if buf is None else bytes_of(buf)
+    me = (r - root) % n
+    plan = call.plan()
+    heard = Heard([False] * rounds_of(n))
+    tokens = bytes_of(call.scratch.get("dissemination", len(heard.rounds), torch.uint8))
+    for k, (to, frm) in enumerate(partners(r, n)):
+        ready = None if k == 0 else partial(Heard.through, heard, k)
+        plan.open(to, header, recv=False)
+        if data is not None and carries_data(me, k, n):
+            plan.send(to, data, ready)
+        plan.send(to, _TOKEN, ready)
+        plan.open(frm, header, send=False)
+        if data is not None and carries_data((frm - root) % n, k, n):
+            plan.recv(frm, data, chain=True)
+        plan.recv(frm, tokens[k : k + 1], setter(heard.rounds, k))
+    call.mesh.run(plan, call.what(op), call)
+
+
+def barrier(call: Call) -> None:
+    """Every rank reaches this point before any leaves it: the dissemination
+    rounds with a 1-byte token on each link, ceil(log2 N) hops."""
+    disseminate(call, OpCode.BARRIER)
