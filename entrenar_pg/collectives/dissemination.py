@@ -39,6 +39,7 @@ from functools import partial
 
 import torch
 
+from ..transport import Plan
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, setter
 
@@ -76,6 +77,11 @@ class Heard:
 
     rounds: list[bool]
 
+    def clear(self) -> None:
+        """Before a cached plan's next run: no round heard."""
+        for k in range(len(self.rounds)):
+            self.rounds[k] = False
+
     def through(self, round_: int) -> bool:
         """A send's ``ready`` for round ``round_``: every earlier round heard."""
         return all(self.rounds[:round_])
@@ -83,7 +89,37 @@ class Heard:
 
 def disseminate(call: Call, op: OpCode, buf: torch.Tensor | None = None, root: int = 0) -> None:
     """Run the dissemination pattern for ``op``; with ``buf``, broadcast the
-    root's flat CPU tensor ``buf`` into every rank's ``buf`` along it."""
+    root's flat CPU tensor ``buf`` into every rank's ``buf`` along it.
+
+    The plan is kept per buffer, root and team (a barrier's and a small
+    broadcast's time is mostly the Python that builds and runs it), so a
+    repeat only restamps the sequence number and clears the rounds heard.
+    """
+    n = call.world
+    if buf is None:
+        key: tuple[object, ...] = (op, n, call.team)
+    else:
+        key = (op, buf.data_ptr(), buf.numel(), buf.dtype, n, root, call.team)
+    cached = call.scratch.plan(key)
+    if cached is None:
+        cached = _plan(call, op, buf, root)
+        call.scratch.keep_plan(key, cached)
+    else:
+        cached.plan.restamp(call.seq)
+        cached.heard.clear()
+    call.mesh.run(cached.plan, call.what(op), call)
+
+
+@dataclass(slots=True)
+class Rounds:
+    """A dissemination plan, with what its gates and receives point into."""
+
+    plan: Plan
+    heard: Heard
+    tokens: torch.Tensor  # each round's received token lands here
+
+
+def _plan(call: Call, op: OpCode, buf: torch.Tensor | None, root: int) -> Rounds:
     n, r = call.world, call.rank
     header = call.header(
         op,
@@ -96,7 +132,8 @@ def disseminate(call: Call, op: OpCode, buf: torch.Tensor | None = None, root: i
     me = (r - root) % n
     plan = call.plan()
     heard = Heard([False] * rounds_of(n))
-    tokens = bytes_of(call.scratch.get("dissemination", len(heard.rounds), torch.uint8))
+    tokens = torch.empty(max(len(heard.rounds), 1), dtype=torch.uint8)
+    received = bytes_of(tokens)
     for k, (to, frm) in enumerate(partners(r, n)):
         ready = None if k == 0 else partial(Heard.through, heard, k)
         plan.open(to, header, recv=False)
@@ -106,8 +143,8 @@ def disseminate(call: Call, op: OpCode, buf: torch.Tensor | None = None, root: i
         plan.open(frm, header, send=False)
         if data is not None and carries_data((frm - root) % n, k, n):
             plan.recv(frm, data, chain=True)
-        plan.recv(frm, tokens[k : k + 1], setter(heard.rounds, k))
-    call.mesh.run(plan, call.what(op), call)
+        plan.recv(frm, received[k : k + 1], setter(heard.rounds, k))
+    return Rounds(plan, heard, tokens)
 
 
 def barrier(call: Call) -> None:
