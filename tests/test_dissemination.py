@@ -187,3 +187,31 @@ def test_a_rank_that_never_arrives_is_named_by_every_rank() -> None:
     finally:
         for g in groups:
             g.abort()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3, 5, 8])
+def test_the_chain_broadcast_confirms_through_the_rounds(world: int) -> None:
+    """A broadcast above ``star_max_bytes`` goes down the chain (several
+    segments) and confirms its header through the rounds' tokens: every rank
+    holds the root's data, and, each rank its own emulated host (no data
+    socket at set-up), talks only to its chain neighbours and its rounds'
+    partners (before: a header frame with every peer, a socket to each)."""
+    opts = [
+        Options(transport="tcp", star_max_bytes=1024, segment_bytes=4096, host_id=f"h{r}")
+        for r in range(world)
+    ]
+    assert choose(OpCode.BROADCAST, 4096 * 4, world, opts[0]).algo is Algo.CHAIN
+    groups = make_groups(world, opts)
+    try:
+        for root in (0, world - 1):
+            got = run_ranks(world, BroadcastFrom(root, 4096, torch.float32).run, groups=groups)
+            want = torch.arange(4096, dtype=torch.float32) * (root + 1)
+            assert all(torch.equal(t, want) for t in got), root
+        for r, g in enumerate(groups):
+            chain = {(r - 1) % world, (r + 1) % world}
+            rounds = {p for pair in partners(r, world) for p in pair}
+            assert g._runtime.mesh.data_peers == chain | rounds, r
+    finally:
+        for g in groups:
+            g.shutdown()

@@ -8,7 +8,7 @@ import torch
 
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
-from .dissemination import disseminate
+from .dissemination import confirm_in_rounds, disseminate
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
@@ -24,10 +24,13 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     every rank sends and receives nbytes once, and the time is about
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
 
-    With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root hears from none:
-    every rank also exchanges its header with every peer it does not already
-    (``Plan.confirm_peers``), so a rank that disagrees (root, size, dtype,
-    algorithm) makes every rank raise in this call, the root included.
+    With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
+    hears from none: with ``DIRECT`` every rank also exchanges its header with
+    every peer it does not already (``Plan.confirm_peers``; the root talks to
+    every rank anyway); the chain confirms through the dissemination rounds'
+    tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
+    most, not N - 1), so a rank that disagrees (root, size, dtype, algorithm)
+    makes every rank raise in this call, the root included.
     """
     if call.choice.algo is Algo.DISSEMINATION:
         disseminate(call, op, buf, root)
@@ -60,5 +63,8 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
-    plan.confirm_peers(n, header)
+    if algo is Algo.CHAIN:
+        confirm_in_rounds(call, plan, header)
+    else:
+        plan.confirm_peers(n, header)
     call.mesh.run(plan, call.what(op), call)

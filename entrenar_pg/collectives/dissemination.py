@@ -40,7 +40,7 @@ from functools import partial
 import torch
 
 from ..transport import Plan
-from ..wire import Algo, OpCode
+from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, setter
 
 _TOKEN = memoryview(b"\x01")  # a round's message where no data goes (contents unused)
@@ -145,6 +145,27 @@ def _plan(call: Call, op: OpCode, buf: torch.Tensor | None, root: int) -> Rounds
             plan.recv(frm, data, chain=True)
         plan.recv(frm, received[k : k + 1], setter(heard.rounds, k))
     return Rounds(plan, heard, tokens)
+
+
+def confirm_in_rounds(call: Call, plan: Plan, header: Header) -> None:
+    """The header rule for ``plan`` (the chain broadcast: a rank hears only from the
+    rank before it) through the dissemination rounds instead of a header frame
+    with every peer (``Plan.confirm_peers``): each round's token follows whatever
+    the plan already sends on that link (opened with ``header`` where it is not),
+    so a rank talks to its plan's peers and 2 ceil(log2 N) more at most, and
+    completes ceil(log2 N) hops after the last rank arrived. Call it after
+    every ``open``."""
+    n, r = call.world, call.rank
+    heard = Heard([False] * rounds_of(n))
+    received = bytes_of(call.scratch.get("dissemination", max(len(heard.rounds), 1), torch.uint8))
+    for k, (to, frm) in enumerate(partners(r, n)):
+        ready = None if k == 0 else partial(Heard.through, heard, k)
+        if call.group_rank(to) not in plan.sends:
+            plan.open(to, header, recv=False)
+        plan.send(to, _TOKEN, ready)
+        if call.group_rank(frm) not in plan.recvs:
+            plan.open(frm, header, send=False)
+        plan.recv(frm, received[k : k + 1], setter(heard.rounds, k))
 
 
 def barrier(call: Call) -> None:
