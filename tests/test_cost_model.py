@@ -386,7 +386,10 @@ def test_broadcast_cross_host_bytes(h: int, local: int) -> None:
         assert _link(rooted.broadcast_hosts_tree, shape) == math.ceil(math.log2(h)) * s
         confirm = local * (n - local) * rooted.HEADER_BYTES
         assert _link(rooted.broadcast_direct, shape, True) == (n - local) * s + confirm
-        assert _link(rooted.broadcast_chain, shape, True) == s + confirm
+        # the chain confirms through the rounds: min(d, L) tokens per round of step d
+        rounds = [1 << k for k in range(math.ceil(math.log2(n)))]
+        tokens = sum(min(d, local) for d in rounds) * rooted.TOKEN_BYTES
+        assert _link(rooted.broadcast_chain, shape, True) == s + tokens
 
 
 def _link(algo: rooted.Rooted, shape: costs.Shape, confirm: bool = False) -> float:

@@ -27,9 +27,12 @@ collectives/broadcast.py, collectives/policy.py):
   link carries S once per direction; N-1 hops in sequence (H-1 across
   hosts, N-H inside), each storing and forwarding one segment before the
   rest streams.
-- The direct and chain broadcasts also confirm their header with every peer they do not
+- The direct broadcast also confirms its header with every peer it does not
   otherwise talk to (``Plan.confirm_peers``): about 2(N-1) 32-byte frames per
-  rank, L x (N-L) of them through each host link per direction.
+  rank, L x (N-L) of them through each host link per direction. The chain
+  confirms through the dissemination rounds' tokens after its data
+  (``dissemination.confirm_in_rounds``): 2R frames per rank, min(d, L) token
+  frames through a host link in the round of step d.
 
 The candidates (root = its host's leader; "leader" = one rank per host):
 
@@ -109,6 +112,19 @@ def _confirm_peers(shape: Shape, fabric: Fabric) -> dict[str, float]:
     n, local = shape.world, shape.local
     out = _on(shape, fabric, 0.0, local * (n - local) * HEADER_BYTES)
     out[FRAME] = 2 * (n - 1)
+    return out
+
+
+def _confirm_rounds(shape: Shape, fabric: Fabric) -> dict[str, float]:
+    """``dissemination.confirm_in_rounds``' cost beside the chain's data: a token frame
+    per round each way (min(d, L) through a host link in the round of step d), 2R
+    frames a rank handles; the last round's token trails the chain's data on the
+    same link, so it adds no hop of its own to the chain's."""
+    n, local = shape.world, shape.local
+    rounds = rounds_of(n)
+    crossing = sum(min(step(k, n), local) for k in range(rounds))
+    out = _on(shape, fabric, rounds * TOKEN_BYTES, crossing * TOKEN_BYTES)
+    out[FRAME] = 2 * rounds
     return out
 
 
@@ -264,7 +280,7 @@ def broadcast_chain(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[
     stream = _on(shape, fabric, s - seg, s - seg)
     stream[FRAME] = 2 * count
     if confirm:
-        stream = _add(stream, _confirm_peers(shape, fabric))
+        stream = _add(stream, _confirm_rounds(shape, fabric))
     return [*phases, Phase("chain stream", {}, stream)]
 
 
