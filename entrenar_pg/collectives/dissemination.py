@@ -120,7 +120,6 @@ class Rounds:
 
 
 def _plan(call: Call, op: OpCode, buf: torch.Tensor | None, root: int) -> Rounds:
-    n, r = call.world, call.rank
     header = call.header(
         op,
         Algo.DISSEMINATION,
@@ -128,22 +127,9 @@ def _plan(call: Call, op: OpCode, buf: torch.Tensor | None, root: int) -> Rounds
         numel=0 if buf is None else buf.numel(),
         aux=root,
     )
-    data = None if buf is None else bytes_of(buf)
-    me = (r - root) % n
     plan = call.plan()
-    heard = Heard([False] * rounds_of(n))
-    tokens = torch.empty(max(len(heard.rounds), 1), dtype=torch.uint8)
-    received = bytes_of(tokens)
-    for k, (to, frm) in enumerate(partners(r, n)):
-        ready = None if k == 0 else partial(Heard.through, heard, k)
-        plan.open(to, header, recv=False)
-        if data is not None and carries_data(me, k, n):
-            plan.send(to, data, ready)
-        plan.send(to, _TOKEN, ready)
-        plan.open(frm, header, send=False)
-        if data is not None and carries_data((frm - root) % n, k, n):
-            plan.recv(frm, data, chain=True)
-        plan.recv(frm, received[k : k + 1], setter(heard.rounds, k))
+    tokens = torch.empty(max(rounds_of(call.world), 1), dtype=torch.uint8)
+    heard = _add_rounds(call, plan, header, tokens, buf, root)
     return Rounds(plan, heard, tokens)
 
 
@@ -155,17 +141,40 @@ def confirm_in_rounds(call: Call, plan: Plan, header: Header) -> None:
     so a rank talks to its plan's peers and 2 ceil(log2 N) more at most, and
     completes ceil(log2 N) hops after the last rank arrived. Call it after
     every ``open``."""
+    tokens = call.scratch.get("dissemination", max(rounds_of(call.world), 1), torch.uint8)
+    _add_rounds(call, plan, header, tokens)
+
+
+def _add_rounds(
+    call: Call,
+    plan: Plan,
+    header: Header,
+    tokens: torch.Tensor,
+    buf: torch.Tensor | None = None,
+    root: int = 0,
+) -> Heard:
+    """Add the rounds to ``plan``: per round a token to the partner ahead and one
+    from the partner behind (into ``tokens[k]``), after ``buf`` where that round's
+    link carries the root's data, and after whatever the plan already has on the
+    link (a direction not yet open is opened with ``header``). Returns the
+    rounds' gate state."""
     n, r = call.world, call.rank
+    data = None if buf is None else bytes_of(buf)
+    received = bytes_of(tokens)
     heard = Heard([False] * rounds_of(n))
-    received = bytes_of(call.scratch.get("dissemination", max(len(heard.rounds), 1), torch.uint8))
     for k, (to, frm) in enumerate(partners(r, n)):
         ready = None if k == 0 else partial(Heard.through, heard, k)
         if call.group_rank(to) not in plan.sends:
             plan.open(to, header, recv=False)
+        if data is not None and carries_data((r - root) % n, k, n):
+            plan.send(to, data, ready)
         plan.send(to, _TOKEN, ready)
         if call.group_rank(frm) not in plan.recvs:
             plan.open(frm, header, send=False)
+        if data is not None and carries_data((frm - root) % n, k, n):
+            plan.recv(frm, data, chain=True)
         plan.recv(frm, received[k : k + 1], setter(heard.rounds, k))
+    return heard
 
 
 def barrier(call: Call) -> None:
