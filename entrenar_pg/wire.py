@@ -72,6 +72,7 @@ class Algo(enum.IntEnum):
     HOST_SLICES = 7  # host-aware: reduce-scatter in the host, a slice per rank across, all-gather
     HOST_LEADERS = 8  # host-aware: reduce to the host's leader, leaders exchange, broadcast
     DOUBLING = 9  # recursive doubling in the canonical tree's shape (collectives/doubling.py)
+    DISSEMINATION = 10  # log2 N rounds, rank r to r + 2^k (barrier; small broadcast on its tree)
 
 
 class Flags(enum.IntFlag):

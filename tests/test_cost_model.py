@@ -386,7 +386,10 @@ def test_broadcast_cross_host_bytes(h: int, local: int) -> None:
         assert _link(rooted.broadcast_hosts_tree, shape) == math.ceil(math.log2(h)) * s
         confirm = local * (n - local) * rooted.HEADER_BYTES
         assert _link(rooted.broadcast_direct, shape, True) == (n - local) * s + confirm
-        assert _link(rooted.broadcast_chain, shape, True) == s + confirm
+        # the chain confirms through the rounds: min(d, L) tokens per round of step d
+        rounds = [1 << k for k in range(math.ceil(math.log2(n)))]
+        tokens = sum(min(d, local) for d in rounds) * rooted.TOKEN_BYTES
+        assert _link(rooted.broadcast_chain, shape, True) == s + tokens
 
 
 def _link(algo: rooted.Rooted, shape: costs.Shape, confirm: bool = False) -> float:
@@ -425,8 +428,11 @@ def test_flat_broadcast_is_what_the_policy_picks(s: int) -> None:
     for h, local in ROOTED_SHAPES:
         shape = costs.Shape(h, local, s)
         algo = choose(OpCode.BROADCAST, s, shape.world, Options()).algo
-        want = rooted.broadcast_direct if algo.name == "DIRECT" else rooted.broadcast_chain
-        assert algo.name in ("DIRECT", "CHAIN")
+        want = {
+            "DISSEMINATION": rooted.broadcast_dissemination,
+            "DIRECT": rooted.broadcast_direct,
+            "CHAIN": rooted.broadcast_chain,
+        }[algo.name]
         assert rooted.broadcast_flat(shape, costs.ENTRENAR) == want(shape, costs.ENTRENAR)
 
 
@@ -446,9 +452,15 @@ def test_rooted_times_grow_with_size_and_frames() -> None:
     shape = costs.Shape(64, 8, 0)
     slow = rooted.compare("barrier", shape, costs.ENTRENAR, rooted.with_frame(LINKS, 30e-6))
     fast = rooted.compare("barrier", shape, costs.ENTRENAR, rooted.with_frame(LINKS, 0.0))
-    # 2 hops at the slower alpha, then rank 0's 2(N-1) frames (more than its link's bytes)
-    assert slow.flat_s == pytest.approx(2 * LINKS[NET].alpha + 2 * (64 * 8 - 1) * 30e-6)
-    assert fast.flat_s < slow.flat_s / 10
+    # The dissemination barrier: 9 rounds at the slower alpha, then a rank's 2 x 9
+    # frames; the star it replaced: 2 hops, then rank 0's 2(N-1) frames.
+    rounds = 9
+    assert slow.flat_s == pytest.approx(rounds * LINKS[NET].alpha + 2 * rounds * 30e-6)
+    assert rounds * LINKS[NET].alpha <= fast.flat_s < slow.flat_s
+    star = rooted.barrier_star(shape, costs.ENTRENAR)
+    star_s = costs.total_time(star, rooted.with_frame(LINKS, 30e-6))
+    assert star_s == pytest.approx(2 * LINKS[NET].alpha + 2 * (64 * 8 - 1) * 30e-6)
+    assert slow.flat_s < star_s
 
 
 def test_compare_finds_where_host_aware_pays() -> None:

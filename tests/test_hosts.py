@@ -176,15 +176,19 @@ def test_policy_rows_for_hosts() -> None:
         (RS, 64, three, o, Algo.HOST_SLICES),
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
-        # Broadcast on slow hosts of consecutive ranks: DIRECT up to 64 KiB
-        # (measured), then the chain.
-        (OpCode.BROADCAST, 64, two, o, Algo.DIRECT),
-        (OpCode.BROADCAST, 64 << 10, two, o, Algo.DIRECT),
-        (OpCode.BROADCAST, (64 << 10) + 4, two, o, Algo.CHAIN),
-        (OpCode.BROADCAST, (64 << 10) + 4, four, o, Algo.CHAIN),
+        # Broadcast on slow hosts of consecutive ranks: along the dissemination
+        # rounds up to 256 KiB (measured), then the chain.
+        (OpCode.BROADCAST, 64, two, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, 256 << 10, two, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, (256 << 10) + 4, two, o, Algo.CHAIN),
+        (OpCode.BROADCAST, (256 << 10) + 4, four, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 256 << 10, mixed, o, Algo.DIRECT),  # the one-host rule: 64 KiB
+        (OpCode.BROADCAST, 64 << 10, mixed, o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop
         (OpCode.BROADCAST, 1 << 20, two, Options(topology="flat"), Algo.DIRECT),
         (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.CHAIN),
+        (OpCode.BROADCAST, 64 << 10, Topology.flat(4), o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, (64 << 10) + 4, Topology.flat(4), o, Algo.DIRECT),
     ]
     # A cross-host link measured loopback-class (link_probe.py): the flat rows,
     # unless topology="hosts" forces the host-aware ones.

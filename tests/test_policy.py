@@ -89,9 +89,12 @@ ROWS = [
     row(A, 8, 3, Algo.RING, algorithm="ring"),
     row(A, 8, 3, Algo.TREE_RING, algorithm="ring", det=True),
     row(A, 8, 2, Algo.DIRECT, algorithm="direct", det=True),
-    # broadcast: direct from the root with two ranks or up to star_max_bytes, else a chain
+    # broadcast: direct from the root with two ranks; with more along the
+    # dissemination rounds up to star_max_bytes (and 64 KiB); else a chain
     row(OpCode.BROADCAST, 8 * STAR_MAX, 2, Algo.DIRECT),
-    row(OpCode.BROADCAST, STAR_MAX, 3, Algo.DIRECT),
+    row(OpCode.BROADCAST, 8, 2, Algo.DIRECT),
+    row(OpCode.BROADCAST, STAR_MAX, 3, Algo.DISSEMINATION),
+    row(OpCode.BROADCAST, 4, 3, Algo.DISSEMINATION, det=True),
     row(OpCode.BROADCAST, STAR_MAX + 4, 3, Algo.CHAIN),
     row(OpCode.BROADCAST, STAR_MAX + 4, 3, Algo.CHAIN, det=True),
     row(OpCode.BROADCAST, STAR_MAX + 4, 3, Algo.CHAIN, algorithm="direct"),  # allreduce only
@@ -106,8 +109,8 @@ ROWS = [
     row(OpCode.REDUCE_SCATTER, 24, 3, Algo.DIRECT, det=True),
     row(OpCode.ALLGATHER, 8 * STAR_MAX, 3, Algo.RING),
     row(OpCode.ALLGATHER, 16, 2, Algo.RING, det=True),
-    row(OpCode.BARRIER, 0, 3, Algo.STAR),
-    row(OpCode.BARRIER, 0, 2, Algo.STAR, det=True),
+    row(OpCode.BARRIER, 0, 3, Algo.DISSEMINATION),
+    row(OpCode.BARRIER, 0, 2, Algo.DISSEMINATION, det=True),
     row(OpCode.GATHER, 8 * STAR_MAX, 3, Algo.DIRECT),
     row(OpCode.SCATTER, 8 * STAR_MAX, 3, Algo.DIRECT, det=True),
     row(OpCode.ALLTOALL, 48, 3, Algo.DIRECT),

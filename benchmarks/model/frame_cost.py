@@ -1,11 +1,12 @@
-"""The ``frame`` kind's cost: a rank's CPU per frame it handles, from the barrier's star.
+"""The ``frame`` kind's cost: a rank's CPU per frame it handles, from a 1-byte star.
 
 ``ENTRENAR_SPIN_US=0 ENTRENAR_CALLER_SPIN_US=0 python -m torch.distributed.run
 --standalone --nproc_per_node N -m benchmarks.model.frame_cost [--calls K]``
 
-Every rank runs K barriers on an entrenar group (one host; the transport as
-``ENTRENAR_TRANSPORT`` says) and reports its process CPU time (every thread,
-``getrusage``) over them. The barrier is a 1-byte star (collectives/star.py):
+Every rank runs K 1-byte MAX allreduces with ``algorithm="star"`` on an
+entrenar group (one host; the transport as ``ENTRENAR_TRANSPORT`` says): the
+barrier's plan until it became the dissemination barrier, and reports its
+process CPU time (every thread, ``getrusage``) over them. The star (collectives/star.py):
 rank 0 handles 2(N-1) frames per call, a rank that is neither rank 0 nor its
 neighbour 4 (its token, the answer, the neighbours' headers). Rank 0 prints
 (rank 0's CPU - the median such rank's) / K / (2(N-1) - 4): CPU seconds per
@@ -25,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from entrenar_pg import Options
+
 
 def cpu_s() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
@@ -39,13 +42,16 @@ def main(argv: list[str]) -> int:
     if world < 4:
         raise SystemExit("frame_cost needs at least 4 ranks")
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    pg = dist.new_group(list(range(world)), backend="entrenar")
+    pg = dist.new_group(
+        list(range(world)), backend="entrenar", pg_options=Options(algorithm="star")
+    )
+    token = torch.zeros(1, dtype=torch.uint8)
     for _ in range(20):  # warm-up: connections, buffers
-        dist.barrier(group=pg)
+        dist.all_reduce(token, dist.ReduceOp.MAX, group=pg)
     dist.barrier()
     start = cpu_s()
     for _ in range(a.calls):
-        dist.barrier(group=pg)
+        dist.all_reduce(token, dist.ReduceOp.MAX, group=pg)
     spent = torch.tensor([cpu_s() - start], dtype=torch.float64)
     every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(every, spent)

@@ -1,13 +1,25 @@
 """Barrier and broadcast in the cost model: the flat algorithms as implemented, and
 host-aware candidates (not code) to decide whether building them pays (issue 26 item 2).
 
-The flat ones follow the code (collectives/star.py, collectives/broadcast.py,
-collectives/policy.py):
+The flat ones follow the code (collectives/dissemination.py,
+collectives/broadcast.py, collectives/policy.py):
 
-- ``barrier_star``: the barrier is a star allreduce of one byte: every rank's
-  frame to rank 0, rank 0 answers once all arrived. 2 hops; rank 0 handles
-  2(N-1) frames; rank 0's host link carries (H-1) x L frames each way.
-- ``broadcast_direct`` (the policy's pick with two ranks or up to
+- ``barrier_dissemination`` (the barrier): R = ceil(log2 N) rounds, rank r to
+  r + d (d = 2^(R-1), ..., 1, the longest first), a round's frame sent once
+  every earlier round's arrived. R hops (each crossing a host boundary
+  somewhere when H > 1); every rank handles 2R frames; a host link carries
+  min(d, L) token frames per round.
+- ``barrier_star`` (the barrier before, kept for comparison): a star
+  allreduce of one byte: every rank's frame to rank 0, rank 0 answers once
+  all arrived. 2 hops; rank 0 handles 2(N-1) frames; rank 0's host link
+  carries (H-1) x L frames each way.
+- ``broadcast_dissemination`` (the policy's pick with more than two ranks up
+  to 64 KiB; 256 KiB on slow hosts of consecutive ranks): the binomial tree
+  on the barrier's rounds, whole messages; R hops; the root's host link
+  carries S for each round whose long step leaves the host (log2 H rounds on
+  hosts of a power of two of consecutive ranks), the other links a token.
+  No confirmation with every peer: the rounds carry it.
+- ``broadcast_direct`` (the policy's pick with two ranks, or above that up to
   ``star_max_bytes``): the root sends S to every rank at once. 1 hop; the
   root's host link carries (N-L) x S out, its local links (L-1) x S.
 - ``broadcast_chain`` (above): a chain in rank order from the root, segment
@@ -15,9 +27,12 @@ collectives/policy.py):
   link carries S once per direction; N-1 hops in sequence (H-1 across
   hosts, N-H inside), each storing and forwarding one segment before the
   rest streams.
-- Every broadcast also confirms its header with every peer it does not
+- The direct broadcast also confirms its header with every peer it does not
   otherwise talk to (``Plan.confirm_peers``): about 2(N-1) 32-byte frames per
-  rank, L x (N-L) of them through each host link per direction.
+  rank, L x (N-L) of them through each host link per direction. The chain
+  confirms through the dissemination rounds' tokens after its data
+  (``dissemination.confirm_in_rounds``): 2R frames per rank, min(d, L) token
+  frames through a host link in the round of step d.
 
 The candidates (root = its host's leader; "leader" = one rank per host):
 
@@ -60,7 +75,10 @@ from dataclasses import dataclass
 from benchmarks.model.costs import DEDICATED, Conditions, Fabric, Phase, Shape, total_time
 from benchmarks.model.links import LinkParams, LinkTable
 from benchmarks.sizes import format_bytes
+from entrenar_pg.collectives.dissemination import carries_data, rounds_of, step
+from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
+from entrenar_pg.wire import Algo, OpCode
 
 FRAME = "frame"  # per-frame CPU work on the busiest rank: beta = seconds per frame
 ASSUMED_FRAME_S = 5e-6  # frame_cost.py over TCP, 16 ranks
@@ -97,6 +115,19 @@ def _confirm_peers(shape: Shape, fabric: Fabric) -> dict[str, float]:
     return out
 
 
+def _confirm_rounds(shape: Shape, fabric: Fabric) -> dict[str, float]:
+    """``dissemination.confirm_in_rounds``' cost beside the chain's data: a token frame
+    per round each way (min(d, L) through a host link in the round of step d), 2R
+    frames a rank handles; the last round's token trails the chain's data on the
+    same link, so it adds no hop of its own to the chain's."""
+    n, local = shape.world, shape.local
+    rounds = rounds_of(n)
+    crossing = sum(min(step(k, n), local) for k in range(rounds))
+    out = _on(shape, fabric, rounds * TOKEN_BYTES, crossing * TOKEN_BYTES)
+    out[FRAME] = 2 * rounds
+    return out
+
+
 def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
@@ -112,6 +143,58 @@ def barrier_star(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Pha
     nbytes = _on(shape, fabric, (local - 1) * TOKEN_BYTES, (h - 1) * local * TOKEN_BYTES)
     nbytes[FRAME] = 2 * (n - 1)
     return [Phase("barrier star", _on(shape, fabric, 2, 2), nbytes)]
+
+
+def barrier_dissemination(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
+    """The flat barrier (dissemination.barrier): R = ceil(log2 N) rounds in sequence, each
+    a cross-host hop when H > 1 (some rank's partner is on another host in every round);
+    every rank handles 2R frames; a host link carries min(d, L) token frames in the round
+    of step d. ``confirm`` is unused: the rounds are the confirmation."""
+    del confirm
+    n, local = shape.world, shape.local
+    if n == 1:
+        return []
+    rounds = rounds_of(n)
+    crossing = sum(min(step(k, n), local) for k in range(rounds))
+    nbytes = _on(shape, fabric, 0.0, crossing * TOKEN_BYTES)
+    if shape.hosts == 1:
+        nbytes[fabric.intra] = rounds * TOKEN_BYTES
+    nbytes[FRAME] = 2 * rounds
+    return [Phase("barrier dissemination", {_hop_kind(shape, fabric): rounds}, nbytes)]
+
+
+def _hop_kind(shape: Shape, fabric: Fabric) -> str:
+    """The kind a round's slowest link is: across hosts when there are several."""
+    return fabric.inter if shape.hosts > 1 else fabric.intra
+
+
+def broadcast_dissemination(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
+    """The small broadcast (dissemination.disseminate): the binomial tree on the barrier's
+    R rounds, whole messages; the root (rank 0, its host's first) sends S in every round
+    that has it send, across hosts where the step leaves its host; the other links carry
+    a token per round. ``confirm`` is unused: the rounds are the confirmation."""
+    del confirm
+    n, local, s = shape.world, shape.local, shape.nbytes
+    if n == 1:
+        return []
+    rounds = rounds_of(n)
+    sent = [
+        (v + step(k, n)) // local != 0
+        for v in range(min(local, n))
+        for k in range(rounds)
+        if carries_data(v, k, n)
+    ]
+    crossing = sum(min(step(k, n), local) for k in range(rounds))
+    nbytes = _on(
+        shape,
+        fabric,
+        sent.count(False) * s + rounds * TOKEN_BYTES,
+        sent.count(True) * s + crossing * TOKEN_BYTES,
+    )
+    if shape.hosts == 1:
+        nbytes[fabric.intra] = len(sent) * s + rounds * TOKEN_BYTES
+    nbytes[FRAME] = 2 * rounds + len(sent)
+    return [Phase("broadcast dissemination", {_hop_kind(shape, fabric): rounds}, nbytes)]
 
 
 def _in_host(name: str, shape: Shape, fabric: Fabric, nbytes: float) -> list[Phase]:
@@ -197,7 +280,7 @@ def broadcast_chain(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[
     stream = _on(shape, fabric, s - seg, s - seg)
     stream[FRAME] = 2 * count
     if confirm:
-        stream = _add(stream, _confirm_peers(shape, fabric))
+        stream = _add(stream, _confirm_rounds(shape, fabric))
     return [*phases, Phase("chain stream", {}, stream)]
 
 
@@ -250,19 +333,23 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
 
 
 def broadcast_flat(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
-    """The one-host rule (policy.choose, BROADCAST): direct with two ranks or up to
-    ``star_max_bytes``, the chain above. (On slow hosts of consecutive ranks the
-    policy takes the chain above 64 KiB, ``policy.broadcast_direct_max_bytes``:
-    measured; this model's crossover is 40 KiB at 2 x 2, 24 KiB at 4 x 2.)"""
-    if shape.world <= 2 or shape.nbytes <= Options().star_max_bytes:
+    """The one-host rule (policy.choose, BROADCAST, asked with no topology): the
+    dissemination rounds with more than two ranks up to 64 KiB, direct with two ranks
+    or up to ``star_max_bytes``, the chain above. (On slow hosts of consecutive ranks
+    the policy takes the dissemination rounds up to 256 KiB and the chain above:
+    measured, ``policy.broadcast_dissemination_max_bytes``.)"""
+    algo = choose(OpCode.BROADCAST, shape.nbytes, shape.world, Options()).algo
+    if algo is Algo.DISSEMINATION:
+        return broadcast_dissemination(shape, fabric, confirm)
+    if algo is Algo.DIRECT or shape.world <= 2:
         return broadcast_direct(shape, fabric, confirm)
     return broadcast_chain(shape, fabric, confirm)
 
 
-FLAT: dict[str, Rooted] = {"barrier": barrier_star, "broadcast": broadcast_flat}
+FLAT: dict[str, Rooted] = {"barrier": barrier_dissemination, "broadcast": broadcast_flat}
 RETUNED: dict[str, tuple[Rooted, ...]] = {
-    "barrier": (barrier_star,),
-    "broadcast": (broadcast_direct, broadcast_chain),
+    "barrier": (barrier_dissemination, barrier_star),
+    "broadcast": (broadcast_dissemination, broadcast_direct, broadcast_chain),
 }
 CANDIDATES: dict[str, dict[str, Rooted]] = {
     "barrier": {

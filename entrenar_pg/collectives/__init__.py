@@ -8,6 +8,7 @@ from .alltoall import alltoall
 from .broadcast import broadcast
 from .common import Call, ScratchPool, bytes_of, chunk_bounds, op_name, segments, sizes_digest
 from .direct import allreduce_direct
+from .dissemination import barrier
 from .doubling import allreduce_doubling
 from .hierarchical import (
     allgather_hosts,
@@ -19,7 +20,7 @@ from .policy import Choice, choose
 from .ring import allgather_ring, allreduce_ring, reduce_scatter_ring, ring_pass
 from .rooted import gather, reduce, reduce_star, scatter
 from .shm_allreduce import allreduce_shm
-from .star import allreduce_star, barrier
+from .star import allreduce_star
 from .tree import allreduce_tree_ring, reduce_scatter_tree
 
 __all__ = [

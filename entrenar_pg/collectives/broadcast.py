@@ -1,4 +1,6 @@
-"""Broadcast: direct from the root for small messages, a pipelined chain for large ones."""
+"""Broadcast: along the dissemination rounds' binomial tree for small messages
+(collectives/dissemination.py), direct from the root for mid-sized ones, a
+pipelined chain for large ones."""
 
 from __future__ import annotations
 
@@ -6,23 +8,33 @@ import torch
 
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
+from .dissemination import confirm_in_rounds, disseminate
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
     """Copy the root's flat CPU tensor ``buf`` into every rank's ``buf``.
 
-    ``call.choice.algo`` (collectives.policy: ``DIRECT`` with two ranks or up
-    to ``star_max_bytes``): the root sends to every rank directly; 1 hop, the
+    ``call.choice.algo`` (collectives.policy): ``DISSEMINATION`` (small
+    messages, more than two ranks): the binomial tree on the dissemination
+    barrier's links, ceil(log2 N) hops, headers checked along the rounds
+    (``disseminate``). ``DIRECT`` (two ranks, or up to ``star_max_bytes``):
+    the root sends to every rank directly; 1 hop, the
     root sends (N-1) x nbytes. ``CHAIN`` (larger messages): a chain in rank
     order from the root, each rank forwarding segment k as soon as it has it;
     every rank sends and receives nbytes once, and the time is about
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
 
-    Either way no rank hears from every other, and the root hears from none:
-    every rank also exchanges its header with every peer it does not already
-    (``Plan.confirm_peers``), so a rank that disagrees (root, size, dtype,
-    algorithm) makes every rank raise in this call, the root included.
+    With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
+    hears from none: with ``DIRECT`` every rank also exchanges its header with
+    every peer it does not already (``Plan.confirm_peers``; the root talks to
+    every rank anyway); the chain confirms through the dissemination rounds'
+    tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
+    most, not N - 1), so a rank that disagrees (root, size, dtype, algorithm)
+    makes every rank raise in this call, the root included.
     """
+    if call.choice.algo is Algo.DISSEMINATION:
+        disseminate(call, op, buf, root)
+        return
     n, r = call.world, call.rank
     algo = Algo.CHAIN if call.choice.algo is Algo.CHAIN else Algo.DIRECT
     header = call.header(op, algo, buf.dtype, numel=buf.numel(), aux=root)
@@ -51,5 +63,8 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
-    plan.confirm_peers(n, header)
+    if algo is Algo.CHAIN:
+        confirm_in_rounds(call, plan, header)
+    else:
+        plan.confirm_peers(n, header)
     call.mesh.run(plan, call.what(op), call)

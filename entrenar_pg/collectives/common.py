@@ -99,6 +99,10 @@ class Call:
         """The team's size."""
         return self.mesh.world if self.team is None else len(self.team)
 
+    def group_rank(self, position: int) -> int:
+        """The group's rank at ``position`` in the team (itself when the team is the group)."""
+        return position if self.team is None else self.team[position]
+
     def plan(self) -> Plan:
         """An empty plan whose peers are named by their position in the team."""
         return Plan(self.mesh.rank, members=self.team)

@@ -34,8 +34,12 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   Deterministic: ``RING`` becomes ``TREE_RING`` (the ring's order differs per
   chunk); ``STAR``, ``DIRECT`` and ``SHM`` keep their plan and sum in tree
   order; ``DOUBLING`` sums in tree order in either mode.
-- ``BARRIER``: ``STAR`` (the root answers once everyone arrived).
-- ``BROADCAST``: ``DIRECT`` from the root with two ranks or up to
+- ``BARRIER``: ``DISSEMINATION`` (ceil(log2 N) rounds, rank r to r + 2^k).
+- ``BROADCAST``: more than two ranks and up to 64 KiB (several hosts of
+  consecutive ranks over a slow link: 256 KiB; never above
+  ``star_max_bytes``: ``broadcast_dissemination_max_bytes``):
+  ``DISSEMINATION`` (the binomial tree on the barrier's rounds); else
+  ``DIRECT`` from the root with two ranks or up to
   ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
   up to 64 KiB, measured: ``broadcast_direct_max_bytes``);
   ``CHAIN`` (pipelined, in rank order from the root) above.
@@ -149,6 +153,40 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
 HOST_BROADCAST_DIRECT_MAX_BYTES = 64 << 10
 
 
+# Broadcasts of more than two ranks up to these many bytes go along the
+# dissemination rounds (a binomial tree, ceil(log2 N) hops, headers checked
+# along the rounds: 2 ceil(log2 N) frames per rank where ``DIRECT`` and its
+# header confirmation with every peer handle 2(N - 1), and a socket to every
+# peer). Measured with benchmarks/model/rooted_measure.py against the star
+# barrier's tree (docs/benchmarks.md, "Barrier and broadcast: the
+# dissemination rounds"; 2-core machine, load 4-18): one host of 4, 4 KiB
+# 0.79 against DIRECT's 0.94 ms, 64 KiB 0.85 against 0.86, 256 KiB 0.96
+# against 0.89: up to 64 KiB. Several hosts of consecutive ranks at 1 Gbit/s,
+# against the chain above 64 KiB: 256 KiB 1.2-1.6 against 1.9-2.0 ms at
+# 2 x 2, 4.1-5.7 against 6.9-8.0 ms at 4 x 2 (1 MiB at 4 x 2: 18-20 against
+# 25-27 ms, not taken: untried on more hosts): up to 256 KiB.
+BROADCAST_DISSEMINATION_MAX_BYTES = 64 << 10
+HOST_BROADCAST_DISSEMINATION_MAX_BYTES = 256 << 10
+
+
+def broadcast_dissemination_max_bytes(topology: Topology | None, options: Options) -> int:
+    """The largest broadcast of more than two ranks sent along the
+    dissemination rounds (``DISSEMINATION``); larger ones go ``DIRECT`` or
+    down the ``CHAIN`` (``broadcast_direct_max_bytes``).
+
+    ``HOST_BROADCAST_DISSEMINATION_MAX_BYTES`` on several hosts of
+    consecutive ranks over a slow link (the tree's long steps cross hosts,
+    its short ones stay inside), else ``BROADCAST_DISSEMINATION_MAX_BYTES``;
+    never above ``star_max_bytes`` (above it a chain is asked for).
+    """
+    most = BROADCAST_DISSEMINATION_MAX_BYTES
+    if several_hosts(topology, options):
+        assert topology is not None
+        if topology.is_contiguous:
+            most = HOST_BROADCAST_DISSEMINATION_MAX_BYTES
+    return min(options.star_max_bytes, most)
+
+
 def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
     """The largest broadcast the root sends to every rank itself (``DIRECT``);
     larger ones go down the ``CHAIN`` (pipelined, rank order from the root).
@@ -221,8 +259,12 @@ def choose(
         if algo is Algo.RING and tree:
             algo = Algo.TREE_RING
     elif op is OpCode.BROADCAST:
-        direct = world <= 2 or nbytes <= broadcast_direct_max_bytes(topology, options)
-        algo = Algo.DIRECT if direct else Algo.CHAIN
+        if world > 2 and nbytes <= broadcast_dissemination_max_bytes(topology, options):
+            algo = Algo.DISSEMINATION
+        elif world <= 2 or nbytes <= broadcast_direct_max_bytes(topology, options):
+            algo = Algo.DIRECT
+        else:
+            algo = Algo.CHAIN
     elif op is OpCode.REDUCE:
         if world <= 2 or nbytes <= options.star_max_bytes:
             algo = Algo.STAR
@@ -236,7 +278,7 @@ def choose(
     elif op is OpCode.ALLGATHER:
         algo = Algo.HOST_SLICES if several_hosts(topology, options) else Algo.RING
     elif op is OpCode.BARRIER:
-        algo = Algo.STAR
+        algo = Algo.DISSEMINATION
     else:
         algo = Algo.DIRECT
     flags = Flags.DETERMINISTIC if tree else Flags.NONE

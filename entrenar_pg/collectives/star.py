@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from ..reduce_ops import Kind, Reduction, combine_, finish_, tree_reduce_
+from ..reduce_ops import Reduction, combine_, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, is_set, segments
@@ -106,13 +106,3 @@ def allreduce_star(
         # about the other leaves; every rank confirms with every other.
         plan.confirm_peers(n, header)
     call.mesh.run(plan, call.what(op), call)
-
-
-def barrier(call: Call) -> None:
-    """Every rank reaches this point before any leaves it.
-
-    A star allreduce of one byte: rank 0 sends its answer only once every
-    rank's byte has arrived. 2 hops, 1 payload byte each way per leaf.
-    """
-    token = torch.zeros(1, dtype=torch.uint8)
-    allreduce_star(call, token, Reduction(Kind.MAX), OpCode.BARRIER)

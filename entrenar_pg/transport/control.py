@@ -266,12 +266,19 @@ class ControlChannel:
             self._send(q, kind, body)
 
     def _state_body(self) -> dict[str, Any]:
+        # A rank that heard an abort naming a culprit is failing with it: it
+        # says so, else a walk that reaches it just after its call ended
+        # would read "not inside any collective" and blame it.
+        blamed = self.blamed
+        if blamed is None:
+            heard = (e.culprit for e in self._ends.values() if isinstance(e, AbortRecord))
+            blamed = next((c for c in heard if c is not None), None)
         waiting = self.waiting
         if waiting is None:
-            return {"what": None, "waiting_on": [], "blamed": self.blamed}
+            return {"what": None, "waiting_on": [], "blamed": blamed}
         what, recv_from, send_to = waiting
         on = sorted(set(recv_from) | set(send_to))
-        return {"what": what, "waiting_on": on, "blamed": self.blamed}
+        return {"what": what, "waiting_on": on, "blamed": blamed}
 
     # ------------------------------------------------------------------ writing
 
