@@ -277,7 +277,7 @@ class Projection:
             ]
         else:
             sums = [0.0] * PROJECTIONS
-        if read.rest is not None:
+        if read.rest is not None and read.tail_r is not None:
             last = torch.mv(read.tail_r, read.rest).tolist()
             sums = [sums[k] + last[k] * read.tail_weights[k] for k in range(PROJECTIONS)]
         return sums, float(torch.linalg.vector_norm(x, dtype=work)) if norm else 0.0
