@@ -30,8 +30,8 @@ CHUNK_ROWS = 64
 FUSED_ROWS = 2 * CHUNK_ROWS
 SEED = 0x5EED_C0DE
 _MAX_CACHED_VIEWS = 256  # (columns, tail) views by address and range: a model's buckets, with room
-# Reads by address, range and variant: a model's buckets x 2 (input, share) x VARIANTS, with room.
-_MAX_CACHED_READS = 1024
+# Reads by address and range, one per variant: a model's buckets x 2 (input, share), with room.
+_MAX_CACHED_READS = 256
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
 # every rank), so a corruption that recurs call after call meets fresh vectors.
@@ -86,7 +86,7 @@ class Projection:
         self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
         self._tails: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._views: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        self._reads: dict[tuple[Any, ...], _Read] = {}
+        self._reads: dict[tuple[Any, ...], tuple[_Read, ...]] = {}  # one read per variant
         self.r64, self.r32, self.rint = self.base(0)
 
     # The vectors of every variant are made at the first need of one (the base)
@@ -183,13 +183,14 @@ class Projection:
         """
         n = x.numel()
         work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
-        if x.dtype == work and n and part[1]:
+        if x.dtype == work and n and part[1] and 0 <= variant < VARIANTS:
             # The common call (a DDP bucket or its share, every step): one cached
             # read, the same products and sums as below in the same order.
-            key = (x.data_ptr(), n, work, part, variant)
-            read = self._reads.get(key)
-            if read is None:
-                read = self._read(x, n, work, part, variant, key)
+            key = (x.data_ptr(), n, work, part)
+            reads = self._reads.get(key)
+            if reads is None:
+                reads = self._reads_of(x, n, work, part, key)
+            read = reads[variant]
             if hasher is None or read.blocks <= FUSED_ROWS:
                 return self._read_floats(read, x, work, norm, hasher)
         b0, f1, tail, with_tail = self._range(n, part)
@@ -231,37 +232,37 @@ class Projection:
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
 
-    def _read(
-        self,
-        x: torch.Tensor,
-        n: int,
-        work: torch.dtype,
-        part: tuple[int, int],
-        variant: int,
-        key: tuple[Any, ...],
-    ) -> _Read:
-        """Make and keep the read of ``x`` (contiguous, of the work dtype) at ``key``."""
+    def _reads_of(
+        self, x: torch.Tensor, n: int, work: torch.dtype, part: tuple[int, int], key: Any
+    ) -> tuple[_Read, ...]:
+        """Make and keep the reads of ``x`` (contiguous, of the work dtype) at ``key``,
+        one per variant: all at its first call, as the vectors are made."""
         b0, f1, tail, with_tail = self._range(n, part)
         full = n // BLOCK
-        w = self.weights_list(full + (1 if tail else 0), variant)
-        r64, r32, _ = self.base(variant)
-        r = r64 if work == torch.float64 else r32
         blocks = f1 - b0
         cols, rest = self._views_of(x, n, b0, blocks, with_tail)
-        read = _Read(
-            cols=cols,
-            rest=rest,
-            memory=tensor_memory(x),
-            r=r,
-            weights=tuple(w[k][b0:f1] for k in range(PROJECTIONS)),
-            tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
-            tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
-            blocks=blocks,
-        )
+        memory = tensor_memory(x)
+        reads = []
+        for variant in range(VARIANTS):
+            w = self.weights_list(full + (1 if tail else 0), variant)
+            r64, r32, _ = self.base(variant)
+            r = r64 if work == torch.float64 else r32
+            reads.append(
+                _Read(
+                    cols=cols,
+                    rest=rest,
+                    memory=memory,
+                    r=r,
+                    weights=tuple(w[k][b0:f1] for k in range(PROJECTIONS)),
+                    tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
+                    tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
+                    blocks=blocks,
+                )
+            )
         if len(self._reads) >= _MAX_CACHED_READS:
             self._reads.clear()
-        self._reads[key] = read
-        return read
+        got = self._reads[key] = tuple(reads)
+        return got
 
     @staticmethod
     def _read_floats(
