@@ -289,8 +289,9 @@ class Projection:
         """The (BLOCK x blocks) view of blocks [b0, b0 + blocks) of the flat contiguous
         CPU tensor ``x`` (column j = block b0 + j) and its partial last block, if any.
 
-        Cached by address, size, dtype and range: a DDP bucket is the same memory
-        every step, and two view constructions per call cost tens of us in a
+        Cached by address, size, dtype and range (with whether the range reads the
+        partial last block: two ranges may start at the same block and read as
+        many whole ones): a DDP bucket is the same memory every step, and two view constructions per call cost tens of us in a
         loaded job thread (measured). The views are built over a byte view of the
         address that does not own the memory (``tensor_memory``), so the cache
         keeps nothing alive; they are used only for an ``x`` that lies at that
