@@ -291,8 +291,9 @@ class Projection:
 
         Cached by address, size, dtype and range (with whether the range reads the
         partial last block: two ranges may start at the same block and read as
-        many whole ones): a DDP bucket is the same memory every step, and two view constructions per call cost tens of us in a
-        loaded job thread (measured). The views are built over a byte view of the
+        many whole ones): a DDP bucket is the same memory every step, and two
+        view constructions per call cost tens of us in a loaded job thread
+        (measured). The views are built over a byte view of the
         address that does not own the memory (``tensor_memory``), so the cache
         keeps nothing alive; they are used only for an ``x`` that lies at that
         address now (the caller holds it), so they read exactly its bytes.
