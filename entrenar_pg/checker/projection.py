@@ -9,6 +9,7 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import random
 from dataclasses import dataclass
@@ -54,15 +55,17 @@ def tensor_weight(j: int) -> tuple[float, int]:
 class _Read:
     """Everything ``Projection.floats`` needs to read one tensor of its work dtype at one
     address, block range and variant: the strided view of the blocks, the partial
-    last block, the byte view for a hasher, the vectors and the weights of those
-    blocks (slices made once). Owns no tensor memory (the views are over a byte
-    view of the address, as in ``Projection._views_of``)."""
+    last block, the byte view for a hasher, the vectors and the block weights.
+    Owns no tensor memory (the views are over a byte view of the address, as in
+    ``Projection._views_of``), and no list of its own: the weights are the
+    variant's shared lists, read from the range's first block on."""
 
     cols: torch.Tensor | None  # (BLOCK x blocks) view, or None when no whole block is read
     rest: torch.Tensor | None  # the partial last block, when it is in the range
     memory: memoryview  # every byte of the tensor (a hasher reads it whole)
     r: torch.Tensor  # the variant's base vectors in the work dtype
-    weights: tuple[list[float], ...]  # per projection: the weights of the blocks read
+    weights: list[list[float]]  # per projection: the block weights (shared, >= every block)
+    b0: int  # the first block read
     tail_r: torch.Tensor | None  # r[:, :tail]
     tail_weights: tuple[float, ...]  # per projection: the weight of the partial last block
     blocks: int
@@ -253,7 +256,8 @@ class Projection:
                     rest=rest,
                     memory=memory,
                     r=r,
-                    weights=tuple(w[k][b0:f1] for k in range(PROJECTIONS)),
+                    weights=w,
+                    b0=b0,
                     tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
                     tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
                     blocks=blocks,
@@ -273,8 +277,16 @@ class Projection:
             hasher.update(read.memory)
         if read.cols is not None:
             per_block = torch.mm(read.r, read.cols).tolist()
+            # map stops with the blocks read: the same products, in the same order,
+            # as over the slice of weights [b0, b0 + blocks).
+            w, b0 = read.weights, read.b0
             sums = [
-                sum(map(operator.mul, per_block[k], read.weights[k])) for k in range(PROJECTIONS)
+                sum(
+                    map(
+                        operator.mul, per_block[k], itertools.islice(w[k], b0, None) if b0 else w[k]
+                    )
+                )
+                for k in range(PROJECTIONS)
             ]
         else:
             sums = [0.0] * PROJECTIONS
