@@ -9,8 +9,10 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,8 @@ CHUNK_ROWS = 64
 FUSED_ROWS = 2 * CHUNK_ROWS
 SEED = 0x5EED_C0DE
 _MAX_CACHED_VIEWS = 256  # (columns, tail) views by address and range: a model's buckets, with room
+# Reads by address and range, one per variant: a model's buckets x 2 (input, share), with room.
+_MAX_CACHED_READS = 256
 PROJECTIONS = 2  # independent random projections, computed in the same pass
 # Independent pairs of vectors; call seq uses pair seq % VARIANTS (the same on
 # every rank), so a corruption that recurs call after call meets fresh vectors.
@@ -45,6 +49,26 @@ def tensor_weight(j: int) -> tuple[float, int]:
     rng = random.Random(SEED + j)
     sign = rng.choice((-1, 1))
     return sign * (0.5 + rng.random()), sign * rng.randrange(1, 1 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """Everything ``Projection.floats`` needs to read one tensor of its work dtype at one
+    address, block range and variant: the strided view of the blocks, the partial
+    last block, the byte view for a hasher, the vectors and the block weights.
+    Owns no tensor memory (the views are over a byte view of the address, as in
+    ``Projection._views_of``), and no list of its own: the weights are the
+    variant's shared lists, read from the range's first block on."""
+
+    cols: torch.Tensor | None  # (BLOCK x blocks) view, or None when no whole block is read
+    rest: torch.Tensor | None  # the partial last block, when it is in the range
+    memory: memoryview  # every byte of the tensor (a hasher reads it whole)
+    r: torch.Tensor  # the variant's base vectors in the work dtype
+    weights: list[list[float]]  # per projection: the block weights (shared, >= every block)
+    b0: int  # the first block read
+    tail_r: torch.Tensor | None  # r[:, :tail]
+    tail_weights: tuple[float, ...]  # per projection: the weight of the partial last block
+    blocks: int
 
 
 class Projection:
@@ -65,20 +89,34 @@ class Projection:
         self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
         self._tails: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._views: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self._reads: dict[tuple[Any, ...], tuple[_Read, ...]] = {}  # one read per variant
         self.r64, self.r32, self.rint = self.base(0)
+
+    # The vectors of every variant are made at the first need of one (the base)
+    # or of one size (the block weights): a step of a DDP job uses a new variant
+    # per bucket until all ``VARIANTS`` have come round, so making them one at a
+    # time spread ~5 ms of generators over a run's first 16 steps (measured
+    # inside the job), where making them together is one cost at the first step.
+    # The same seeds, so the same vectors.
 
     def base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The 4096-entry vectors (float64, float32, int64) of one of the ``VARIANTS``."""
         got = self._bases.get(variant)
         if got is None:
-            g = torch.Generator().manual_seed(self._seed + _VARIANT_STRIDE * variant)
-            base = torch.randn(PROJECTIONS, BLOCK, generator=g, dtype=torch.float64)
-            base[base == 0] = 1.0
-            rint = torch.randint(
-                1, 1 << 20, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64
-            ) * (torch.randint(0, 2, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * 2 - 1)
-            got = self._bases[variant] = (base, base.float(), rint)
+            for v in (variant, *range(VARIANTS)):
+                if v not in self._bases:
+                    self._bases[v] = self._make_base(v)
+            got = self._bases[variant]
         return got
+
+    def _make_base(self, variant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self._seed + _VARIANT_STRIDE * variant)
+        base = torch.randn(PROJECTIONS, BLOCK, generator=g, dtype=torch.float64)
+        base[base == 0] = 1.0
+        rint = torch.randint(1, 1 << 20, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * (
+            torch.randint(0, 2, (PROJECTIONS, BLOCK), generator=g, dtype=torch.int64) * 2 - 1
+        )
+        return base, base.float(), rint
 
     def weights(self, blocks: int, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Block weights (float64, int64) for >= ``blocks`` blocks: a function of the size
@@ -86,20 +124,28 @@ class Projection:
         cap = 1 << max(blocks - 1, 0).bit_length()
         w = self._weights.get((variant, cap))
         if w is None:
-            g = torch.Generator().manual_seed(self._seed + cap + _VARIANT_STRIDE * variant)
-            wf = torch.randn(PROJECTIONS, cap, generator=g, dtype=torch.float64)
-            wf[wf == 0] = 1.0
-            wi = torch.randint(1, 1 << 20, (PROJECTIONS, cap), generator=g, dtype=torch.int64)
-            w = (wf, wi)
-            self._weights[(variant, cap)] = w
+            for v in (variant, *range(VARIANTS)):
+                if (v, cap) not in self._weights:
+                    self._weights[(v, cap)] = self._make_weights(cap, v)
+            w = self._weights[(variant, cap)]
         return w
+
+    def _make_weights(self, cap: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self._seed + cap + _VARIANT_STRIDE * variant)
+        wf = torch.randn(PROJECTIONS, cap, generator=g, dtype=torch.float64)
+        wf[wf == 0] = 1.0
+        wi = torch.randint(1, 1 << 20, (PROJECTIONS, cap), generator=g, dtype=torch.int64)
+        return wf, wi
 
     def weights_list(self, blocks: int, variant: int = 0) -> list[list[float]]:
         """The float block weights as Python lists (cached with the tensors)."""
         cap = 1 << max(blocks - 1, 0).bit_length()
         got = self._weight_lists.get((variant, cap))
         if got is None:
-            got = self._weight_lists[(variant, cap)] = self.weights(blocks, variant)[0].tolist()
+            for v in (variant, *range(VARIANTS)):
+                if (v, cap) not in self._weight_lists:
+                    self._weight_lists[(v, cap)] = self.weights(blocks, v)[0].tolist()
+            got = self._weight_lists[(variant, cap)]
         return got
 
     @staticmethod
@@ -139,11 +185,21 @@ class Projection:
         than the second read of a gradient bucket.)
         """
         n = x.numel()
+        work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
+        if x.dtype == work and n and part[1] and 0 <= variant < VARIANTS:
+            # The common call (a DDP bucket or its share, every step): one cached
+            # read, the same products and sums as below in the same order.
+            key = (x.data_ptr(), n, work, part)
+            reads = self._reads.get(key)
+            if reads is None:
+                reads = self._reads_of(x, n, work, part, key)
+            read = reads[variant]
+            if hasher is None or read.blocks <= FUSED_ROWS:
+                return self._read_floats(read, x, work, norm, hasher)
         b0, f1, tail, with_tail = self._range(n, part)
         full = n // BLOCK
         w = self.weights_list(full + (1 if tail else 0), variant)
         r64, r32, _ = self.base(variant)
-        work = torch.float64 if wide or x.dtype == torch.float64 else torch.float32
         r = r64 if work == torch.float64 else r32
         blocks = f1 - b0
         sums = [0.0] * PROJECTIONS
@@ -179,20 +235,82 @@ class Projection:
         size = float(torch.linalg.vector_norm(x, dtype=work)) if n and norm else 0.0
         return sums, size
 
+    def _reads_of(
+        self, x: torch.Tensor, n: int, work: torch.dtype, part: tuple[int, int], key: Any
+    ) -> tuple[_Read, ...]:
+        """Make and keep the reads of ``x`` (contiguous, of the work dtype) at ``key``,
+        one per variant: all at its first call, as the vectors are made."""
+        b0, f1, tail, with_tail = self._range(n, part)
+        full = n // BLOCK
+        blocks = f1 - b0
+        cols, rest = self._views_of(x, n, b0, blocks, with_tail)
+        memory = tensor_memory(x)
+        reads = []
+        for variant in range(VARIANTS):
+            w = self.weights_list(full + (1 if tail else 0), variant)
+            r64, r32, _ = self.base(variant)
+            r = r64 if work == torch.float64 else r32
+            reads.append(
+                _Read(
+                    cols=cols,
+                    rest=rest,
+                    memory=memory,
+                    r=r,
+                    weights=w,
+                    b0=b0,
+                    tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
+                    tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
+                    blocks=blocks,
+                )
+            )
+        if len(self._reads) >= _MAX_CACHED_READS:
+            self._reads.clear()
+        got = self._reads[key] = tuple(reads)
+        return got
+
+    @staticmethod
+    def _read_floats(
+        read: _Read, x: torch.Tensor, work: torch.dtype, norm: bool, hasher: Any
+    ) -> tuple[list[float], float]:
+        """``floats`` over a kept read (its share fits the cache when a hasher rides along)."""
+        if hasher is not None:
+            hasher.update(read.memory)
+        if read.cols is not None:
+            per_block = torch.mm(read.r, read.cols).tolist()
+            # map stops with the blocks read: the same products, in the same order,
+            # as over the slice of weights [b0, b0 + blocks).
+            w, b0 = read.weights, read.b0
+            sums = [
+                sum(
+                    map(
+                        operator.mul, per_block[k], itertools.islice(w[k], b0, None) if b0 else w[k]
+                    )
+                )
+                for k in range(PROJECTIONS)
+            ]
+        else:
+            sums = [0.0] * PROJECTIONS
+        if read.rest is not None and read.tail_r is not None:
+            last = torch.mv(read.tail_r, read.rest).tolist()
+            sums = [sums[k] + last[k] * read.tail_weights[k] for k in range(PROJECTIONS)]
+        return sums, float(torch.linalg.vector_norm(x, dtype=work)) if norm else 0.0
+
     def _views_of(
         self, x: torch.Tensor, n: int, b0: int, blocks: int, with_tail: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The (BLOCK x blocks) view of blocks [b0, b0 + blocks) of the flat contiguous
         CPU tensor ``x`` (column j = block b0 + j) and its partial last block, if any.
 
-        Cached by address, size, dtype and range: a DDP bucket is the same memory
-        every step, and two view constructions per call cost tens of us in a
-        loaded job thread (measured). The views are built over a byte view of the
+        Cached by address, size, dtype and range (with whether the range reads the
+        partial last block: two ranges may start at the same block and read as
+        many whole ones): a DDP bucket is the same memory every step, and two
+        view constructions per call cost tens of us in a loaded job thread
+        (measured). The views are built over a byte view of the
         address that does not own the memory (``tensor_memory``), so the cache
         keeps nothing alive; they are used only for an ``x`` that lies at that
         address now (the caller holds it), so they read exactly its bytes.
         """
-        key = (x.data_ptr(), n, x.dtype, b0, blocks)
+        key = (x.data_ptr(), n, x.dtype, b0, blocks, with_tail)
         got = self._views.get(key)
         if got is None:
             flat = torch.frombuffer(tensor_memory(x), dtype=x.dtype)
