@@ -43,7 +43,8 @@ What it keeps from the long path, so that nothing observable differs:
 - What it returns: a ``DoneWork``, an ``EntrenarWork`` whose call has
   completed: ``wait()`` returns True, ``get_future()`` is a completed
   future whose value is ``[t]``; no torch ``Future`` is made unless asked
-  for.
+  for. The last one again while nothing else holds it (torch's blocking
+  call drops it after ``wait()``); a caller that kept one gets a new one.
 
 It steps aside (None) whenever something watches the call: the profiler
 (its event opens in ``submit``), the contract checker (it runs around the
