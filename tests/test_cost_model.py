@@ -580,17 +580,28 @@ def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None
     assert len(lines) == 2 and all("| 0.50 |" in x for x in lines)  # entrenar half gloo's
     shape = costs.Shape(2, 2, 1 << 20)
     where = check.conditions_of({"rate": "1gbit", "machine": {"nproc": 2}}, shape)
-    assert where.ranks_per_core == 2 and where.free_net_bytes > 0
+    assert where.ranks_per_core == 2 and where.free_net_bytes > 0 and where.back_to_back
     links = rooted.with_frame(LINKS, rooted.ASSUMED_FRAME_S)
-    want = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links, where)
+    # what the run ran: the policy asked with the hosts' topology (the chain at 1 MiB on
+    # slow hosts; the one-host rule would send it direct), each call timed alone after
+    # a control barrier: tbf's bucket full, no loop-rate bound
+    ran = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
+    assert ran == rooted.broadcast_chain(shape, costs.ENTRENAR, True)
+    assert ran != rooted.broadcast_flat(shape, costs.ENTRENAR, True)
+    alone = costs.Conditions(where.ranks_per_core, where.free_net_bytes, back_to_back=False)
+    want = costs.total_time(ran, links, alone)
     got = rooted_measure.predicted(rows[1], links, "1gbit", 2)
-    dedicated = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links)
+    dedicated = costs.total_time(ran, links)
     assert got == pytest.approx(want)
-    # LINKS has no wake kind: the conditions take tbf's burst off the root's link, but
-    # the loop's rate binds the root's 2 MiB (and its frames' headers) to the remote host
-    burst = dedicated - check.TBF_BURST_BYTES * LINKS[NET].beta
-    sent = costs.host_link_bytes(rooted.broadcast_direct(shape, costs.ENTRENAR), NET)
-    assert 2 << 20 <= sent < (2 << 20) + 1024
-    at_rate = sent * LINKS[NET].beta
-    assert burst < at_rate and want == pytest.approx(at_rate)
+    # LINKS has no wake kind: the conditions take only tbf's burst off the chain's link
+    assert want == pytest.approx(dedicated - check.TBF_BURST_BYTES * LINKS[NET].beta)
+    # in a loop the rate binds where the burst would save: the direct broadcast's 2 MiB
+    direct = rooted.broadcast_direct(shape, costs.ENTRENAR)
+    assert costs.total_time(direct, links, alone) < costs.total_time(direct, links, where)
+    # 256 KiB on 2 x 2 slow hosts: the dissemination rounds, as the policy runs them
+    rounds = costs.Shape(2, 2, 256 << 10)
+    topo = check.topology_of(rounds)
+    assert rooted.broadcast_flat(rounds, costs.ENTRENAR, True, topo) == (
+        rooted.broadcast_dissemination(rounds, costs.ENTRENAR)
+    )
     assert check.duration(want) in lines[1]

@@ -139,11 +139,14 @@ class Conditions:
     link. A token bucket of that size, filled at the link's rate: a call's
     first ``free_net_bytes`` through a host link pass at once, but over a
     loop of calls the bucket refills only at the rate, so a call never
-    takes less than its host-link bytes at the link's beta (``total_time``).
+    takes less than its host-link bytes at the link's beta (``total_time``);
+    ``back_to_back`` False: each call timed alone after a pause that refilled
+    the bucket (``rooted_rank``'s control barrier), no such bound.
     """
 
     ranks_per_core: float = 1.0
     free_net_bytes: float = 0.0
+    back_to_back: bool = True  # calls timed in a loop; False: each alone, the bucket full
 
 
 DEDICATED = Conditions()
@@ -184,7 +187,7 @@ def total_time(
         if free > 0:
             phase, free = phase.charged_after(free)
         seconds += phase.time(links, wait * phase.hops())
-    if where.free_net_bytes > 0 and link_bytes > 0:
+    if where.free_net_bytes > 0 and where.back_to_back and link_bytes > 0:
         seconds = max(seconds, link_bytes * links[fabric.inter].beta)
     return seconds
 
