@@ -7,7 +7,10 @@ other; within a phase every link and CPU works at once, so a phase lasts
 
     max over kinds (messages in sequence x alpha) + max over kinds (bytes x beta)
 
-where a kind's bytes are those through its busiest resource: for ``net``,
+(on shared cores the bytes' term is the larger of the bytes and the hops'
+waits to be scheduled, ``Conditions``; a loop of calls on a token-bucket
+link never beats its rate, ``total_time``), where a kind's bytes are those
+through its busiest resource: for ``net``,
 the busiest *host link* per direction (shared by the host's L ranks: the
 contention of issue 26), for a local kind the busiest rank, for ``reduce``
 the bytes combined by the busiest rank. A ``Fabric`` names the kinds one
