@@ -10,7 +10,9 @@ import pytest
 
 from benchmarks.model import check, cli, costs, fit, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import (
+    GLOO_LOOPBACK,
     GLOO_NET,
+    GLOO_WAKE,
     KINDS,
     NET,
     REDUCE,
@@ -317,9 +319,10 @@ def test_the_slices_pieces_fall_with_the_hosts() -> None:
 
 
 def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
-    """costs.Conditions: each rank past the first on a core adds WAKE's alpha to every
-    hop in sequence (none on dedicated cores); tbf's burst is taken off the host-link
-    bytes of the first phases, once per call; the check reads both from a run's meta."""
+    """costs.Conditions: each rank past the first on a core makes every hop in sequence
+    wait WAKE's alpha (none on dedicated cores), overlapped with the phase's bytes; tbf's
+    burst is taken off the host-link bytes of the first phases, once per call, but a
+    loop of calls never beats the link's rate; the check reads both from a run's meta."""
     wake = LinkTable({**LINKS.params, WAKE: LinkParams(400e-6, 0.0)}, {})
     shape = costs.Shape(4, 2, 4 << 10)
     ring = costs.ring(shape, costs.ENTRENAR)
@@ -327,17 +330,21 @@ def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
     base = costs.total_time(ring, wake)
     assert costs.total_time(ring, LINKS) == base  # dedicated cores: no wake-up term
     four = costs.Conditions(ranks_per_core=4.0)
-    assert costs.total_time(ring, wake, four) == pytest.approx(base + 14 * 3 * 400e-6)
+    alphas = 14 * LINKS[NET].alpha  # the ring's 14 hops pay the slowest kind's alpha
+    assert costs.total_time(ring, wake, four) == pytest.approx(alphas + 14 * 3 * 400e-6)
     assert costs.total_time(ring, LINKS, four) == base  # no WAKE fitted: nothing added
     slices = costs.host_slices(costs.Shape(2, 2, 4 << 20), costs.ENTRENAR)
     per_plan = [max(p.messages.values()) for p in slices]
     assert costs.hops(slices) == sum(per_plan) and len(per_plan) == len(slices)
-    # The burst: a star's 2 x 64 KiB through host 0's link is free, 2 x 1 MiB pays past it.
+    # The burst: a star's 2 x 64 KiB through host 0's link is free, but the bucket
+    # refills at the rate: the call takes the bytes' time at the rate.
     small = costs.star(costs.Shape(2, 2, 64 << 10), costs.ENTRENAR)
     free = costs.Conditions(free_net_bytes=128 << 10)
     uncharged = [costs.Phase(p.name, p.messages, {**p.nbytes, NET: 0.0}, p.fill) for p in small]
-    assert costs.total_time(small, LINKS, free) == costs.total_time(uncharged, LINKS)
-    big = costs.star(costs.Shape(2, 2, 1 << 20), costs.ENTRENAR)
+    at_rate = 2 * (64 << 10) * LINKS[NET].beta
+    assert costs.total_time(uncharged, LINKS) < at_rate
+    assert costs.total_time(small, LINKS, free) == at_rate
+    big = costs.star(costs.Shape(2, 2, 1 << 20), costs.ENTRENAR)  # 2 MiB: the burst pays
     saved = costs.total_time(big, LINKS) - costs.total_time(big, LINKS, free)
     assert saved == pytest.approx((128 << 10) * LINKS[NET].beta * (1 + big[0].fill))
     meta = {"rate": "1gbit", "machine": {"nproc": 2}}
@@ -345,24 +352,81 @@ def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
     assert check.conditions_of({}, shape) == costs.DEDICATED
 
 
-def test_fit_wake_recovers_the_wake_up_alpha_from_cluster_rows() -> None:
-    """wake.fit_wake: rows below 1 MiB made by the model with a known WAKE (and 3 %
-    noise) give it back; rows from 1 MiB and rows with a core per rank are not used."""
+# Hand-sized parameters for the small-message formulas: round numbers to compute by hand.
+HAND = LinkTable(
+    {
+        SHM: LinkParams(20e-6, 0.1e-9),
+        NET: LinkParams(30e-6, 8e-9),
+        REDUCE: LinkParams(0.0, 0.02e-9),
+        GLOO_LOOPBACK: LinkParams(50e-6, 0.6e-9),
+        GLOO_NET: LinkParams(150e-6, 8e-9),
+        WAKE: LinkParams(250e-6, 0.0),
+        GLOO_WAKE: LinkParams(700e-6, 0.0),
+    },
+    {},
+)
+
+
+def test_small_star_on_a_shaped_link_is_its_bytes_at_the_rate_or_its_waits() -> None:
+    """The star at 2 x 2 (2 ranks per core, tbf's 128 KiB burst), by hand.
+
+    64 KiB: host 0's link carries 2 x 64 KiB = 128 KiB each way, all in the burst;
+    alphas 2 x 30 us, waits 2 hops x 1 extra rank x 250 us = 500 us, overlapping the
+    local bytes (64 KiB x 0.1 ns x 2: the fill); the loop's rate, 131,072 B x 8 ns =
+    1.048576 ms, binds. (The old formula: 60 + 13.1 + 500 = 573.1 us.)
+    4 KiB: the rate's 65.5 us does not bind: 60 us + max(0.82 us, 500 us) = 560 us
+    (the old formula added the two: 560.82 us)."""
+    two = costs.Conditions(ranks_per_core=2.0, free_net_bytes=128 << 10)
+    star64 = costs.star(costs.Shape(2, 2, 64 << 10), costs.ENTRENAR)
+    assert costs.total_time(star64, HAND, two) == pytest.approx(1.048576e-3, rel=1e-9)
+    star4 = costs.star(costs.Shape(2, 2, 4 << 10), costs.ENTRENAR)
+    assert costs.total_time(star4, HAND, two) == pytest.approx(560e-6, rel=1e-9)
+    # dedicated cores, no burst: unchanged alpha + beta (60 us + 2 x 131,072 B x 8 ns)
+    assert costs.total_time(star64, HAND) == pytest.approx(60e-6 + 2 * 1.048576e-3, rel=1e-9)
+
+
+def test_gloo_waits_one_wake_up_per_hop_entrenar_one_per_rank_on_the_core() -> None:
+    """gloo blocks (GLOO_WAKE per hop, whatever the ranks per core), entrenar spins (WAKE
+    x extra ranks per core). The ring at 4 KiB, no burst, by hand:
+    gloo 4 x 2: 14 hops x 150 us + max(7,168 B x 8 ns, 14 x 700 us) = 11.9 ms;
+    gloo 2 x 2: 6 x 150 us + max(6,144 B x 8 ns, 6 x 700 us) = 5.1 ms;
+    entrenar 4 x 2: 14 x 30 us + max(57.3 us, 14 x 3 x 250 us) = 10.92 ms."""
+    shape42, shape22 = costs.Shape(4, 2, 4 << 10), costs.Shape(2, 2, 4 << 10)
+    four, two = costs.Conditions(ranks_per_core=4.0), costs.Conditions(ranks_per_core=2.0)
+    gloo42 = costs.total_time(costs.ring(shape42, costs.GLOO), HAND, four, costs.GLOO)
+    gloo22 = costs.total_time(costs.ring(shape22, costs.GLOO), HAND, two, costs.GLOO)
+    ours42 = costs.total_time(costs.ring(shape42, costs.ENTRENAR), HAND, four)
+    assert gloo42 == pytest.approx(11.9e-3, rel=1e-9)
+    assert gloo22 == pytest.approx(5.1e-3, rel=1e-9)
+    assert ours42 == pytest.approx(10.92e-3, rel=1e-9)
+    assert costs.hop_wait(HAND, costs.DEDICATED, costs.GLOO) == 0.0  # a core per rank
+    # the check waits as the row's implementation does
+    row = {"variant": "gloo", "hosts": 4, "local": 2, "bytes": 4 << 10, "median_s": 1.0}
+    meta = {"machine": {"nproc": 2}}
+    assert check.predict_row(row, meta, HAND).predicted_s == pytest.approx(gloo42)
+
+
+def test_fit_wake_recovers_both_wake_up_alphas_from_cluster_rows() -> None:
+    """wake.fit_wake: rows below 1 MiB made by the model with known WAKE and GLOO_WAKE (and
+    3 % noise) give them back, each from its own rows; rows from 1 MiB and rows with a
+    core per rank are not used."""
     rng = np.random.default_rng(26)
-    want = LinkTable({**LINKS.params, WAKE: LinkParams(540e-6, 0.0)}, {})
+    truth = {WAKE: LinkParams(240e-6, 0.0), GLOO_WAKE: LinkParams(800e-6, 0.0)}
+    want = LinkTable({**LINKS.params, **truth}, {})
     meta = {"rate": "1gbit", "machine": {"nproc": 2}}
     rows = []
     for variant in ("gloo", "entrenar-flat", "entrenar-leaders", "entrenar-slices"):
         for h, local in ((2, 2), (4, 2)):
             for s in (4 << 10, 64 << 10, 256 << 10, 16 << 20):
                 row = {"variant": variant, "hosts": h, "local": local, "bytes": s}
-                truth = check.predict_row({**row, "median_s": 1.0}, meta, want).predicted_s
-                noisy = truth * (1 + 0.03 * rng.standard_normal())
+                model = check.predict_row({**row, "median_s": 1.0}, meta, want).predicted_s
+                noisy = model * (1 + 0.03 * rng.standard_normal())
                 # rows from 1 MiB are off by 10x: a fit that used them would miss
                 rows.append({**row, "median_s": noisy * (10 if s >= 1 << 20 else 1)})
     fitted = wake.fit_wake([{"meta": meta, "rows": rows}], LINKS)
-    assert fitted[WAKE].alpha == pytest.approx(540e-6, rel=0.05)
-    assert fitted.meta["wake_rows"] == 4 * 2 * 3
+    assert fitted[WAKE].alpha == pytest.approx(240e-6, rel=0.05)
+    assert fitted[GLOO_WAKE].alpha == pytest.approx(800e-6, rel=0.05)
+    assert fitted.meta["wake_rows"] == {WAKE: 3 * 2 * 3, GLOO_WAKE: 2 * 3}
     with pytest.raises(ValueError, match="no row below 1 MiB"):
         wake.fit_wake([{"meta": {}, "rows": rows}], LINKS)  # a core per rank: nothing to fit
 
@@ -516,12 +580,28 @@ def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None
     assert len(lines) == 2 and all("| 0.50 |" in x for x in lines)  # entrenar half gloo's
     shape = costs.Shape(2, 2, 1 << 20)
     where = check.conditions_of({"rate": "1gbit", "machine": {"nproc": 2}}, shape)
-    assert where.ranks_per_core == 2 and where.free_net_bytes > 0
+    assert where.ranks_per_core == 2 and where.free_net_bytes > 0 and where.back_to_back
     links = rooted.with_frame(LINKS, rooted.ASSUMED_FRAME_S)
-    want = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links, where)
+    # what the run ran: the policy asked with the hosts' topology (the chain at 1 MiB on
+    # slow hosts; the one-host rule would send it direct), each call timed alone after
+    # a control barrier: tbf's bucket full, no loop-rate bound
+    ran = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
+    assert ran == rooted.broadcast_chain(shape, costs.ENTRENAR, True)
+    assert ran != rooted.broadcast_flat(shape, costs.ENTRENAR, True)
+    alone = costs.Conditions(where.ranks_per_core, where.free_net_bytes, back_to_back=False)
+    want = costs.total_time(ran, links, alone)
     got = rooted_measure.predicted(rows[1], links, "1gbit", 2)
-    dedicated = costs.total_time(rooted.broadcast_direct(shape, costs.ENTRENAR), links)
+    dedicated = costs.total_time(ran, links)
     assert got == pytest.approx(want)
-    # LINKS has no wake kind: the conditions take only tbf's burst off the root's link
+    # LINKS has no wake kind: the conditions take only tbf's burst off the chain's link
     assert want == pytest.approx(dedicated - check.TBF_BURST_BYTES * LINKS[NET].beta)
+    # in a loop the rate binds where the burst would save: the direct broadcast's 2 MiB
+    direct = rooted.broadcast_direct(shape, costs.ENTRENAR)
+    assert costs.total_time(direct, links, alone) < costs.total_time(direct, links, where)
+    # 256 KiB on 2 x 2 slow hosts: the dissemination rounds, as the policy runs them
+    rounds = costs.Shape(2, 2, 256 << 10)
+    topo = check.topology_of(rounds)
+    assert rooted.broadcast_flat(rounds, costs.ENTRENAR, True, topo) == (
+        rooted.broadcast_dissemination(rounds, costs.ENTRENAR)
+    )
     assert check.duration(want) in lines[1]

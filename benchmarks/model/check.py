@@ -145,7 +145,7 @@ def model_row(row: dict[str, Any], meta: dict[str, Any]) -> Modelled:
 
 def predict_row(row: dict[str, Any], meta: dict[str, Any], links: LinkTable) -> Checked:
     m = model_row(row, meta)
-    predicted = costs.total_time(m.phases, links, m.where)
+    predicted = costs.total_time(m.phases, links, m.where, m.fabric)
     link_bytes = costs.host_link_bytes(m.phases, m.fabric.inter)
     counted = row.get("xhost_bytes_per_host")
     measured, fastest = float(row["median_s"]), float(row.get("min_s", row["median_s"]))

@@ -3,9 +3,10 @@
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
 - ``fit MEASUREMENTS.json``: the link table from measurements.
-- ``fit-wake CLUSTER.json ...``: the ``wake`` kind (a hop's wait to be
-  scheduled where ranks share a core) fitted from cluster rows below 1 MiB,
-  added to ``--links`` and saved to ``--out``.
+- ``fit-wake CLUSTER.json ...``: the ``wake`` and ``gloo-wake`` kinds (a
+  hop's wait to be scheduled where ranks share a core: entrenar spins, gloo
+  blocks) fitted from cluster rows below 1 MiB, added to ``--links`` and
+  saved to ``--out``.
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
@@ -20,7 +21,9 @@
   the policy's pick (asked with the topology) for one shape.
 
 Without ``--links`` the parameters committed beside this file
-(``fitted_links.json``) are used.
+(``fitted_links.json``, fitted under load 14-30) are used; a quiet machine's
+are ``data/quiet/links.json`` (docs/benchmarks.md, "Small messages on a
+quiet machine").
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit the link table from measurements.json")
     f.add_argument("measurements")
     f.add_argument("--out", default="links.json")
-    w = sub.add_parser("fit-wake", help="fit the wake-up alpha from cluster rows below 1 MiB")
+    w = sub.add_parser("fit-wake", help="fit the wake-up alphas from cluster rows below 1 MiB")
     w.add_argument("cluster", nargs="+")
     w.add_argument("--links", help="the table to add it to (default: the committed one)")
     w.add_argument("--out", default=str(FITTED))

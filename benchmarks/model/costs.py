@@ -7,7 +7,10 @@ other; within a phase every link and CPU works at once, so a phase lasts
 
     max over kinds (messages in sequence x alpha) + max over kinds (bytes x beta)
 
-where a kind's bytes are those through its busiest resource: for ``net``,
+(on shared cores the bytes' term is the larger of the bytes and the hops'
+waits to be scheduled, ``Conditions``; a loop of calls on a token-bucket
+link never beats its rate, ``total_time``), where a kind's bytes are those
+through its busiest resource: for ``net``,
 the busiest *host link* per direction (shared by the host's L ranks: the
 contention of issue 26), for a local kind the busiest rank, for ``reduce``
 the bytes combined by the busiest rank. A ``Fabric`` names the kinds one
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from benchmarks.model.links import (
     GLOO_LOOPBACK,
     GLOO_NET,
+    GLOO_WAKE,
     LOOPBACK,
     NET,
     REDUCE,
@@ -65,16 +69,27 @@ class Shape:
 
 @dataclass(frozen=True)
 class Fabric:
-    """The kinds one implementation's bytes use: inside a host, between hosts, to combine."""
+    """The kinds one implementation's bytes use: inside a host, between hosts, to combine,
+    and how its ranks wait for a message where ranks outnumber cores (``Conditions``).
+
+    ``spins``: entrenar busy-polls while it waits (``Options.spin_us``,
+    ``caller_spin_us``), so a rank that is sent to shares its core with
+    every other rank on it, all runnable: a hop waits ``wake``'s alpha per
+    extra rank on the core. gloo blocks (an epoll thread and a condition
+    variable per message, gloo/transport/tcp): the others sleep, and a hop
+    pays one wake-up of a sleeping thread, whatever the number of ranks.
+    """
 
     intra: str
     inter: str
     reduce: str | None  # None: the implementation's betas include its sums (gloo)
+    wake: str = WAKE
+    spins: bool = True
 
 
 ENTRENAR = Fabric(intra=SHM, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=auto
 ENTRENAR_TCP = Fabric(intra=LOOPBACK, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=tcp
-GLOO = Fabric(intra=GLOO_LOOPBACK, inter=GLOO_NET, reduce=None)
+GLOO = Fabric(intra=GLOO_LOOPBACK, inter=GLOO_NET, reduce=None, wake=GLOO_WAKE, spins=False)
 
 
 @dataclass(frozen=True)
@@ -86,10 +101,17 @@ class Phase:
     nbytes: Mapping[str, float] = field(default_factory=dict)
     fill: float = 0.0  # the bandwidth term's part spent filling a pipeline (moves no bytes)
 
-    def time(self, links: LinkTable) -> float:
+    def time(self, links: LinkTable, waits: float = 0.0) -> float:
+        """Seconds: the alphas, then the bytes or ``waits`` (the hops' waits to be
+        scheduled, ``Conditions``), whichever is longer: a rank waiting for bytes
+        still on the link is woken by their arrival, so its wake-up overlaps them."""
         lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
         bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
-        return lat + bw * (1 + self.fill)
+        return lat + max(bw * (1 + self.fill), waits)
+
+    def hops(self) -> float:
+        """Messages in sequence (the phase waits for its slowest kind's)."""
+        return max(self.messages.values(), default=0.0)
 
     def kinds(self) -> set[str]:
         return set(self.messages) | set(self.nbytes)
@@ -111,16 +133,23 @@ class Conditions:
 
     ``ranks_per_core``: ranks sharing one core. The emulated clusters put
     every rank of every host on this machine's cores (8 ranks on 2: 4);
-    each rank past the first on a core makes every hop in sequence wait to
-    be scheduled: ``WAKE``'s alpha per hop per extra rank. (The links'
-    alphas are fitted with 2 ranks on 2 cores: one per core.)
-    ``free_net_bytes``: bytes per call a host link passes before its rate
-    binds: tc tbf's burst on the emulated links (a loop of small calls is not
-    charged for its bytes, fit.py), 0 on a real link.
+    there every hop in sequence waits for its rank to be scheduled, as the
+    fabric waits (``Fabric.spins``): entrenar ``WAKE``'s alpha per hop per
+    extra rank on the core, gloo ``GLOO_WAKE``'s alpha per hop. The wait
+    overlaps the phase's bytes (``Phase.time``). (The links' alphas are
+    fitted with 2 ranks on 2 cores: one per core.)
+    ``free_net_bytes``: tc tbf's burst on the emulated links, 0 on a real
+    link. A token bucket of that size, filled at the link's rate: a call's
+    first ``free_net_bytes`` through a host link pass at once, but over a
+    loop of calls the bucket refills only at the rate, so a call never
+    takes less than its host-link bytes at the link's beta (``total_time``);
+    ``back_to_back`` False: each call timed alone after a pause that refilled
+    the bucket (``rooted_rank``'s control barrier), no such bound.
     """
 
     ranks_per_core: float = 1.0
     free_net_bytes: float = 0.0
+    back_to_back: bool = True  # calls timed in a loop; False: each alone, the bucket full
 
 
 DEDICATED = Conditions()
@@ -130,19 +159,39 @@ Algorithm = Callable[[Shape, Fabric], list[Phase]]
 
 def hops(phases: list[Phase]) -> float:
     """Messages in sequence over all phases (each phase waits for its slowest kind's)."""
-    return sum(max(p.messages.values(), default=0.0) for p in phases)
+    return sum(p.hops() for p in phases)
 
 
-def total_time(phases: list[Phase], links: LinkTable, where: Conditions = DEDICATED) -> float:
-    """Seconds for ``phases`` in sequence, under ``where``."""
-    free, seconds = where.free_net_bytes, 0.0
+def hop_wait(links: LinkTable, where: Conditions, fabric: Fabric) -> float:
+    """Seconds one hop waits to be scheduled under ``where`` (``Fabric.spins``):
+    none with a core per rank or where the fabric's wake kind is not fitted."""
+    extra = where.ranks_per_core - 1
+    if extra <= 0 or fabric.wake not in links.params:
+        return 0.0
+    alpha = links[fabric.wake].alpha
+    return alpha * extra if fabric.spins else alpha
+
+
+def total_time(
+    phases: list[Phase],
+    links: LinkTable,
+    where: Conditions = DEDICATED,
+    fabric: Fabric = ENTRENAR,
+) -> float:
+    """Seconds for ``phases`` in sequence, under ``where``, waiting as ``fabric`` waits.
+
+    On a token-bucket link (``where.free_net_bytes``) a loop of calls is
+    bound by the link's rate: never below the call's host-link bytes x beta.
+    """
+    free, seconds, link_bytes = where.free_net_bytes, 0.0, 0.0
+    wait = hop_wait(links, where, fabric)
     for phase in phases:
+        link_bytes += phase.nbytes.get(fabric.inter, 0.0)
         if free > 0:
             phase, free = phase.charged_after(free)
-        seconds += phase.time(links)
-    extra = where.ranks_per_core - 1
-    if extra > 0 and WAKE in links.params:
-        seconds += hops(phases) * extra * links[WAKE].alpha
+        seconds += phase.time(links, wait * phase.hops())
+    if where.free_net_bytes > 0 and where.back_to_back and link_bytes > 0:
+        seconds = max(seconds, link_bytes * links[fabric.inter].beta)
     return seconds
 
 
@@ -446,7 +495,7 @@ HOST_AWARE = ("host slices", "host leaders")  # the code's host-aware pair (poli
 def predict(name: str, shape: Shape, links: LinkTable, where: Conditions = DEDICATED) -> float:
     """Seconds of algorithm ``name`` (a key of ``ALGORITHMS``) for ``shape``."""
     algo, fabric = ALGORITHMS[name]
-    return total_time(algo(shape, fabric), links, where)
+    return total_time(algo(shape, fabric), links, where, fabric)
 
 
 def host_link_bytes(phases: list[Phase], inter: str) -> float:

@@ -26,11 +26,22 @@ REDUCE = "reduce"  # one combine (a += b) on one rank's CPU: beta per byte of th
 # sequence per extra rank sharing a core (costs.Conditions); fitted from the
 # emulated clusters' rows below 1 MiB (wake.py), beta unused.
 WAKE = "wake"
+# gloo's: a hop's wake-up of a sleeping thread (gloo blocks where entrenar
+# spins: costs.Fabric.spins), alpha per hop while ranks outnumber cores.
+GLOO_WAKE = "gloo-wake"
 # gloo's kinds (its own software costs over the same wires; its sums are in its betas)
 GLOO_LOOPBACK = "gloo-loopback"
 GLOO_NET = "gloo-net"
 
-KINDS = (SHM, SLOTS, LOOPBACK, NET, REDUCE, GLOO_LOOPBACK, GLOO_NET)  # the links (not WAKE)
+KINDS = (
+    SHM,
+    SLOTS,
+    LOOPBACK,
+    NET,
+    REDUCE,
+    GLOO_LOOPBACK,
+    GLOO_NET,
+)  # the links (not the wake kinds)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ from benchmarks.sizes import format_bytes
 from entrenar_pg.collectives.dissemination import carries_data, rounds_of, step
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
+from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, OpCode
 
 FRAME = "frame"  # per-frame CPU work on the busiest rank: beta = seconds per frame
@@ -332,13 +333,16 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
     return [*phases, Phase("chain stream", {}, stream)]
 
 
-def broadcast_flat(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
+def broadcast_flat(
+    shape: Shape, fabric: Fabric, confirm: bool = True, topology: Topology | None = None
+) -> list[Phase]:
     """The one-host rule (policy.choose, BROADCAST, asked with no topology): the
     dissemination rounds with more than two ranks up to 64 KiB, direct with two ranks
-    or up to ``star_max_bytes``, the chain above. (On slow hosts of consecutive ranks
-    the policy takes the dissemination rounds up to 256 KiB and the chain above:
-    measured, ``policy.broadcast_dissemination_max_bytes``.)"""
-    algo = choose(OpCode.BROADCAST, shape.nbytes, shape.world, Options()).algo
+    or up to ``star_max_bytes``, the chain above. With ``topology`` (what a run on
+    emulated hosts ran): on slow hosts of consecutive ranks the policy takes the
+    dissemination rounds up to 256 KiB and the chain above (measured,
+    ``policy.broadcast_dissemination_max_bytes``)."""
+    algo = choose(OpCode.BROADCAST, shape.nbytes, shape.world, Options(), False, topology).algo
     if algo is Algo.DISSEMINATION:
         return broadcast_dissemination(shape, fabric, confirm)
     if algo is Algo.DIRECT or shape.world <= 2:

@@ -4,7 +4,7 @@
 H namespaces x L ranks (``netns_job.run_ranks``, links shaped as the
 cluster bench shapes them), ranks ``rooted_rank.py``; per op and backend the
 median over rounds of (last rank's end - last rank's start), and entrenar's
-prediction (``rooted.barrier_star`` / ``rooted.broadcast_flat`` under the
+prediction (``rooted.barrier_dissemination`` / ``rooted.broadcast_flat`` under the
 run's ``Conditions``: ranks per core and tbf's burst, as ``check`` does) at
 the assumed frame cost and at none. Prints a Markdown table; ``--out`` keeps
 the rows as JSON.
@@ -12,6 +12,7 @@ the rows as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from typing import Any
@@ -57,11 +58,17 @@ def measure(
 
 
 def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
-    """entrenar's flat algorithm for ``row`` under the emulated run's conditions."""
+    """entrenar's flat algorithm for ``row`` under the emulated run's conditions: the
+    broadcast the policy picks with the run's topology, each call timed alone
+    (``rooted_rank``: a control barrier before each, so tbf's bucket is full)."""
     shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
     where = check.conditions_of({"rate": rate, "machine": {"nproc": cores}}, shape)
-    algo = rooted.FLAT[str(row["op"])]
-    return costs.total_time(algo(shape, costs.ENTRENAR, True), links, where)
+    where = dataclasses.replace(where, back_to_back=False)
+    if row["op"] == "broadcast":
+        phases = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
+    else:
+        phases = rooted.FLAT[str(row["op"])](shape, costs.ENTRENAR, True)
+    return costs.total_time(phases, links, where)
 
 
 def report(rows: list[dict[str, Any]], links: LinkTable, rate: str, cores: int) -> str:

@@ -1,16 +1,18 @@
-"""The ``wake`` kind's alpha: a hop's wait to be scheduled, fitted from emulated-cluster rows.
+"""The wake kinds' alphas: a hop's wait to be scheduled, fitted from emulated-cluster rows.
 
 The links' alphas come from 2 ranks on 2 cores (``fit.py``): a core per
 rank. The emulated clusters run H x L ranks on the same 2 cores (4 x 2: four
-per core, under other jobs' load), and there every hop in sequence of a
-ring or a plan waits for its rank to be scheduled: below 1 MiB that wait is
-most of the time (gloo's ring at 4 x 2, 4 KiB: 14 steps, 23 ms measured
-against 2.5 ms of link time). ``costs.Conditions`` charges it as
-``WAKE``'s alpha x hops x (ranks per core - 1); this module fits the one
-alpha, shared by gloo and entrenar (it is the scheduler's, not either
-library's: fitted apart they came out within 1 %), by least squares on the
-relative error over the rows below ``check.LARGE_BYTES`` of the given runs.
-Fit on one set of runs, check on another (docs/benchmarks.md).
+per core), and there every hop in sequence of a ring or a plan waits for its
+rank to be scheduled: below 1 MiB that wait is most of the time (gloo's ring
+at 4 x 2, 4 KiB: 14 steps, 17 ms measured quiet against 5 ms of link time).
+``costs.Conditions`` charges it as each fabric waits (``costs.Fabric.spins``):
+entrenar spins, so ``WAKE``'s alpha x (ranks per core - 1) per hop; gloo
+blocks, so ``GLOO_WAKE``'s alpha per hop; the wait overlaps the phase's
+bytes (``costs.Phase.time``). This module fits each alpha from its own rows
+below ``check.LARGE_BYTES`` (entrenar's variants, gloo's), minimising the
+squared relative error; with the overlap the time is not linear in the
+alpha, so by a search over a grid, refined. Fit on one set of runs, check
+on another (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,29 +23,51 @@ from typing import Any
 import numpy as np
 
 from benchmarks.model import check, costs
-from benchmarks.model.fit import _one
-from benchmarks.model.links import WAKE, LinkParams, LinkTable
+from benchmarks.model.links import GLOO_WAKE, WAKE, LinkParams, LinkTable
+
+MAX_WAKE_S = 5e-3  # the search's range: 0 .. 5 ms per hop
+_COARSE_S = 10e-6
+_FINE_S = 0.25e-6
+
+
+def _relative_error(rows: list[tuple[check.Modelled, float]], links: LinkTable) -> float:
+    return sum(
+        ((costs.total_time(m.phases, links, m.where, m.fabric) - t) / t) ** 2 for m, t in rows
+    )
+
+
+def _search(rows: list[tuple[check.Modelled, float]], base: LinkTable, kind: str) -> float:
+    """The alpha of ``kind`` in [0, MAX_WAKE_S] that fits ``rows`` best (grid, then finer)."""
+
+    def error(alpha: float) -> float:
+        params = {**base.params, kind: LinkParams(float(alpha), 0.0)}
+        return _relative_error(rows, LinkTable(params, base.meta))
+
+    coarse = np.arange(0.0, MAX_WAKE_S + _COARSE_S, _COARSE_S)
+    best = float(coarse[int(np.argmin([error(a) for a in coarse]))])
+    fine = np.arange(max(0.0, best - _COARSE_S), best + _COARSE_S, _FINE_S)
+    return float(fine[int(np.argmin([error(a) for a in fine]))])
 
 
 def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
-    """``links`` with ``WAKE`` fitted from the rows below 1 MiB of ``runs`` (cluster.json)."""
-    base = LinkTable({k: v for k, v in links.params.items() if k != WAKE}, dict(links.meta))
-    x, y, scale = [], [], []
+    """``links`` with ``WAKE`` (entrenar's rows) and ``GLOO_WAKE`` (gloo's) fitted from
+    the rows below 1 MiB of ``runs`` (cluster.json) with more ranks than cores."""
+    base = LinkTable(
+        {k: v for k, v in links.params.items() if k not in (WAKE, GLOO_WAKE)}, dict(links.meta)
+    )
+    by_kind: dict[str, list[tuple[check.Modelled, float]]] = {WAKE: [], GLOO_WAKE: []}
     for run in runs:
         for row in run["rows"]:
             if int(row["bytes"]) >= check.LARGE_BYTES:
                 continue
             m = check.model_row(row, run.get("meta", {}))
-            extra = m.where.ranks_per_core - 1
-            if extra <= 0:
+            if m.where.ranks_per_core <= 1:
                 continue
-            measured = float(row["median_s"])
-            x.append(costs.hops(m.phases) * extra)
-            y.append(measured - costs.total_time(m.phases, base, m.where))
-            scale.append(measured)
-    if not x:
+            by_kind[m.fabric.wake].append((m, float(row["median_s"])))
+    if not any(by_kind.values()):
         raise ValueError("no row below 1 MiB with more ranks than cores to fit the wake-up on")
-    alpha = _one(np.array(x), np.array(y), np.array(scale))
-    base.params[WAKE] = LinkParams(alpha, 0.0)
-    base.meta["wake_rows"] = len(x)
+    for kind, rows in by_kind.items():
+        if rows:
+            base.params[kind] = LinkParams(_search(rows, base, kind), 0.0)
+    base.meta["wake_rows"] = {kind: len(rows) for kind, rows in by_kind.items()}
     return base
