@@ -571,6 +571,37 @@ def test_batch_exchange_builds_its_plan_once_per_length(monkeypatch: pytest.Monk
 
 
 @pytest.mark.timeout(60)
+def test_step_check_takes_the_thin_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's check job on an idle group runs in the caller's thread without the
+    runtime's job machinery (no Job, torch Future or JobContext: ``ThinPath.check``),
+    in issue order (its own seq), judged and counted in the engine's stats.
+    (Before: every step's check went through ``Engine.execute``, 6 jobs per rank here.)"""
+    from entrenar_pg.runtime.engine import Engine
+
+    executed: list[str] = []
+    real_execute = Engine.execute
+
+    def counting_execute(self: Engine, job: Any) -> None:
+        executed.append(job.kind)
+        real_execute(self, job)
+
+    monkeypatch.setattr(Engine, "execute", counting_execute)
+    steps = 6
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int, int, dict[str, float]]:
+        assert pg.checker is not None
+        params = [torch.arange(10.0), torch.ones(3, 4)]
+        for _ in range(steps):  # nothing else runs on the group: it is idle at every check
+            pg.checker.check_parameters(params)
+        stats = pg._runtime.engine.stats.as_dict()
+        return pg.checker.steps_checked, pg.checker.checked["C-DDP-001"], pg._runtime.seq, stats
+
+    for checked, held, seq, stats in run_ranks(2, body, options=CHECK):
+        assert (checked, held, seq, stats["check_calls"]) == (steps, steps, steps, steps)
+    assert executed == []
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 def test_weight_perturbation_caught_at_step_k(world: int) -> None:
     k, victim = 4, 1
