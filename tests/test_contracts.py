@@ -324,6 +324,66 @@ def test_every_variant_is_made_at_a_buckets_first_call(monkeypatch: pytest.Monke
             assert proj.floats(x, part=part, variant=v, norm=False) == alone
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_read_converts_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """A kept read writes its products, its tail's products and the norm into one
+    buffer and converts it with one ``tolist`` (each torch call costs 10-30 us in a
+    job thread after a backward pass). The values are bit for bit those of separate
+    results (fresh tensors, converted one by one), which the buffer's contiguous
+    parts keep: a strided result takes other kernels. (Before: two ``tolist`` and a
+    ``float`` per input call.)"""
+    conversions: list[str] = []
+    real_tolist, real_float = torch.Tensor.tolist, torch.Tensor.__float__
+
+    def tolist(self: torch.Tensor) -> Any:
+        conversions.append("tolist")
+        return real_tolist(self)
+
+    def to_float(self: torch.Tensor) -> float:
+        conversions.append("float")
+        return real_float(self)
+
+    gen = torch.Generator().manual_seed(3)
+    for numel in (4096, 4096 + 7, 5 * 4096, 5 * 4096 + 7, 141 * 4096 + 768):
+        x = torch.randn(numel, generator=gen, dtype=dtype)
+        proj = Projection()
+        for variant in (0, 9):
+            for part in ((0, 1), (1, 2), (0, 2)):
+                norm = part == (0, 1)
+                proj.floats(x, part=part, variant=variant, norm=norm)  # the first call: made
+                monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+                monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+                got = proj.floats(x, part=part, variant=variant, norm=norm)
+                monkeypatch.undo()
+                b0, f1, _, with_tail = Projection._range(numel, part)
+                read = ["tolist"] if f1 > b0 or with_tail else []  # else nothing to read
+                assert conversions == read, (numel, part, conversions)
+                conversions.clear()
+                assert got == _separately(proj, x, part, variant, norm), (numel, part, variant)
+
+
+def _separately(
+    proj: Projection, x: torch.Tensor, part: tuple[int, int], variant: int, norm: bool
+) -> tuple[list[float], float]:
+    """``Projection.floats`` as separate torch results: the product, the tail's, the norm."""
+    b0, f1, tail, with_tail = Projection._range(x.numel(), part)
+    full = x.numel() // projection.BLOCK
+    w = proj.weights_list(full + (1 if tail else 0), variant)
+    r = proj.base(variant)[0 if x.dtype == torch.float64 else 1]
+    sums = [0.0] * projection.PROJECTIONS
+    if f1 > b0:
+        cols = x[b0 * projection.BLOCK : f1 * projection.BLOCK].view(f1 - b0, -1).t()
+        per_block = torch.mm(r, cols).tolist()
+        sums = [
+            sum(a * b for a, b in zip(per_block[k], w[k][b0:f1], strict=True)) for k in range(2)
+        ]
+    if with_tail:
+        last = torch.mv(r[:, :tail], x[full * projection.BLOCK :]).tolist()
+        sums = [sums[k] + last[k] * w[k][full] for k in range(2)]
+    return sums, float(torch.linalg.vector_norm(x, dtype=x.dtype)) if norm else 0.0
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
