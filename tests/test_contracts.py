@@ -661,6 +661,44 @@ def test_step_check_takes_the_thin_path(monkeypatch: pytest.MonkeyPatch) -> None
     assert executed == []
 
 
+_IN_CHECKER = os.path.join("entrenar_pg", "checker", "")  # the checker's files
+
+
+@pytest.mark.timeout(60)
+def test_step_judging_runs_no_generator() -> None:
+    """A step's check (the parameters' groups, the batch's payload, the verdicts of
+    its records) runs no generator of the checker's: each is a frame per element, and each costs
+    several us in the step's cold caches. (Before: a generator per parameter, per
+    payload field and per verdict sum, 189 frames for this step.)"""
+    import sys
+    from types import FrameType
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[list[str], int]:
+        assert pg.checker is not None
+        params = [torch.nn.Parameter(torch.full((5,), float(i))) for i in range(52)]
+        pg.checker.check_parameters(params)  # the first step: later records are held
+        for _ in range(3):  # records judged at the next step
+            pg.allreduce([torch.randn(4096 + 3)], op(dist.ReduceOp.SUM)).wait()
+        generators: list[str] = []
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            code = frame.f_code
+            # (the checker's own code: the transport's exchange is another file's business)
+            if event == "call" and code.co_name == "<genexpr>" and _IN_CHECKER in code.co_filename:
+                generators.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
+
+        sys.setprofile(profile)
+        try:
+            pg.checker.check_parameters(params)
+        finally:
+            sys.setprofile(None)
+        return generators, pg.checker.checked["C-RING-001"]
+
+    for generators, held in run_ranks(2, body, options=CHECK):
+        assert held == 3  # the three records were judged in the step's check
+        assert generators == []
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 def test_weight_perturbation_caught_at_step_k(world: int) -> None:
