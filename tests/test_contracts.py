@@ -665,20 +665,26 @@ _IN_CHECKER = os.path.join("entrenar_pg", "checker", "")  # the checker's files
 
 
 @pytest.mark.timeout(60)
-def test_step_judging_runs_no_generator() -> None:
-    """A step's check (the parameters' groups, the batch's payload, the verdicts of
-    its records) runs no generator of the checker's: each is a frame per element, and each costs
-    several us in the step's cold caches. (Before: a generator per parameter, per
-    payload field and per verdict sum, 189 frames for this step.)"""
+def test_checking_runs_no_generator() -> None:
+    """Measuring a call (its record, its finiteness, its projections) and a step's
+    check (the parameters' groups, the batch's payload, the verdicts of its
+    records) run no generator of the checker's: each is a frame per element, and
+    each costs several us in the cold caches after a backward pass. (Before: a
+    generator per tensor and per projection in every call, and per parameter,
+    per payload field and per verdict sum in a step: 213 frames here.)"""
     import sys
     from types import FrameType
 
     def body(rank: int, pg: EntrenarProcessGroup) -> tuple[list[str], int]:
         assert pg.checker is not None
         params = [torch.nn.Parameter(torch.full((5,), float(i))) for i in range(52)]
+        bucket = torch.randn(4096 + 3)  # one bucket, the same memory every step (as DDP's)
+        blocking = op(dist.ReduceOp.SUM)
+        blocking.asyncOp = False  # as dist.all_reduce makes it: run in this (profiled) thread
         pg.checker.check_parameters(params)  # the first step: later records are held
-        for _ in range(3):  # records judged at the next step
-            pg.allreduce([torch.randn(4096 + 3)], op(dist.ReduceOp.SUM)).wait()
+        for _ in range(3):  # the bucket's first calls make its reads (once per bucket)
+            pg.allreduce([bucket], blocking).wait()
+        pg.checker.check_parameters(params)
         generators: list[str] = []
 
         def profile(frame: FrameType, event: str, arg: Any) -> None:
@@ -689,13 +695,15 @@ def test_step_judging_runs_no_generator() -> None:
 
         sys.setprofile(profile)
         try:
+            for _ in range(3):  # measured now, judged at the next step
+                pg.allreduce([bucket], blocking).wait()
             pg.checker.check_parameters(params)
         finally:
             sys.setprofile(None)
         return generators, pg.checker.checked["C-RING-001"]
 
     for generators, held in run_ranks(2, body, options=CHECK):
-        assert held == 3  # the three records were judged in the step's check
+        assert held == 6  # the records were judged in the steps' checks
         assert generators == []
 
 
