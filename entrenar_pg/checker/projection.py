@@ -311,11 +311,16 @@ class Projection:
                 last = torch.mv(tail_r, rest).tolist()
                 sums = [sums[k] + last[k] * read.tail_weights[k] for k in range(PROJECTIONS)]
             return sums, float(torch.linalg.vector_norm(x, dtype=work)) if norm else 0.0
+        if norm:
+            # The norm first: it streams the bucket in from memory (its first read
+            # after the backward pass wrote it), and the product, which computes
+            # more per byte, then finds it in cache. Measured inside the DDP job
+            # (GPT, load average 2.4): 187 against 241 us for the 2.3 MiB bucket,
+            # 107 against 120 for the 1 MiB one. The same results either way.
+            torch.linalg.vector_norm(x, dtype=work, out=read.norm_out)
         torch.mm(read.r, cols, out=read.products)
         if rest is not None and tail_r is not None:
             torch.mv(tail_r, rest, out=read.tail_out)
-        if norm:
-            torch.linalg.vector_norm(x, dtype=work, out=read.norm_out)
         got = out.tolist()
         # Projection k's products are got[k * blocks:][:blocks]; map stops with the
         # blocks read (the weights' slice): the same products, in the same order,
