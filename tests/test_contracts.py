@@ -324,6 +324,94 @@ def test_every_variant_is_made_at_a_buckets_first_call(monkeypatch: pytest.Monke
             assert proj.floats(x, part=part, variant=v, norm=False) == alone
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_read_converts_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """A kept read writes its products, its tail's products and the norm into one
+    buffer and converts it with one ``tolist`` (each torch call costs 10-30 us in a
+    job thread after a backward pass). The values are bit for bit those of separate
+    results (fresh tensors, converted one by one), which the buffer's contiguous
+    parts keep: a strided result takes other kernels. (Before: two ``tolist`` and a
+    ``float`` per input call.)"""
+    conversions: list[str] = []
+    real_tolist, real_float = torch.Tensor.tolist, torch.Tensor.__float__
+
+    def tolist(self: torch.Tensor) -> Any:
+        conversions.append("tolist")
+        return real_tolist(self)
+
+    def to_float(self: torch.Tensor) -> float:
+        conversions.append("float")
+        return real_float(self)
+
+    gen = torch.Generator().manual_seed(3)
+    for numel in (4096, 4096 + 7, 5 * 4096, 5 * 4096 + 7, 141 * 4096 + 768):
+        x = torch.randn(numel, generator=gen, dtype=dtype)
+        proj = Projection()
+        for variant in (0, 9):
+            for part in ((0, 1), (1, 2), (0, 2)):
+                norm = part == (0, 1)
+                proj.floats(x, part=part, variant=variant, norm=norm)  # the first call: made
+                monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+                monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+                got = proj.floats(x, part=part, variant=variant, norm=norm)
+                monkeypatch.undo()
+                b0, f1, _, with_tail = Projection._range(numel, part)
+                read = ["tolist"] if f1 > b0 or with_tail else []  # else nothing to read
+                assert conversions == read, (numel, part, conversions)
+                conversions.clear()
+                assert got == _separately(proj, x, part, variant, norm), (numel, part, variant)
+
+
+@pytest.mark.timeout(30)
+def test_kept_read_takes_the_norm_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input's norm runs before its product: the norm streams the bucket in from
+    memory (its first read after the backward pass) and the product, which computes
+    more per byte, then finds it in cache (~50 us less per 2.3 MiB bucket inside the
+    DDP job). (Before: the product first.)"""
+    calls: list[str] = []
+    real_mm, real_norm = torch.mm, torch.linalg.vector_norm
+
+    def mm(*a: Any, **k: Any) -> torch.Tensor:
+        calls.append("mm")
+        return real_mm(*a, **k)
+
+    def vector_norm(*a: Any, **k: Any) -> torch.Tensor:
+        calls.append("norm")
+        return real_norm(*a, **k)
+
+    x = torch.randn(5 * 4096 + 7)
+    proj = Projection()
+    first = proj.floats(x)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch.linalg, "vector_norm", vector_norm)
+    again = proj.floats(x)
+    monkeypatch.undo()
+    assert calls == ["norm", "mm"]
+    assert again == first
+
+
+def _separately(
+    proj: Projection, x: torch.Tensor, part: tuple[int, int], variant: int, norm: bool
+) -> tuple[list[float], float]:
+    """``Projection.floats`` as separate torch results: the product, the tail's, the norm."""
+    b0, f1, tail, with_tail = Projection._range(x.numel(), part)
+    full = x.numel() // projection.BLOCK
+    w = proj.weights_list(full + (1 if tail else 0), variant)
+    r = proj.base(variant)[0 if x.dtype == torch.float64 else 1]
+    sums = [0.0] * projection.PROJECTIONS
+    if f1 > b0:
+        cols = x[b0 * projection.BLOCK : f1 * projection.BLOCK].view(f1 - b0, -1).t()
+        per_block = torch.mm(r, cols).tolist()
+        sums = [
+            sum(a * b for a, b in zip(per_block[k], w[k][b0:f1], strict=True)) for k in range(2)
+        ]
+    if with_tail:
+        last = torch.mv(r[:, :tail], x[full * projection.BLOCK :]).tolist()
+        sums = [sums[k] + last[k] * w[k][full] for k in range(2)]
+    return sums, float(torch.linalg.vector_norm(x, dtype=x.dtype)) if norm else 0.0
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -568,6 +656,83 @@ def test_batch_exchange_builds_its_plan_once_per_length(monkeypatch: pytest.Monk
     # Lengths: one record (the 4 per-call batches before the first step), the
     # first step's parameters alone, then each step's 4 records + parameters.
     assert opened == {r: 3 * (world - 1) for r in range(world)}
+
+
+@pytest.mark.timeout(60)
+def test_step_check_takes_the_thin_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's check job on an idle group runs in the caller's thread without the
+    runtime's job machinery (no Job, torch Future or JobContext: ``ThinPath.check``),
+    in issue order (its own seq), judged and counted in the engine's stats.
+    (Before: every step's check went through ``Engine.execute``, 6 jobs per rank here.)"""
+    from entrenar_pg.runtime.engine import Engine
+
+    executed: list[str] = []
+    real_execute = Engine.execute
+
+    def counting_execute(self: Engine, job: Any) -> None:
+        executed.append(job.kind)
+        real_execute(self, job)
+
+    monkeypatch.setattr(Engine, "execute", counting_execute)
+    steps = 6
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int, int, dict[str, float]]:
+        assert pg.checker is not None
+        params = [torch.arange(10.0), torch.ones(3, 4)]
+        for _ in range(steps):  # nothing else runs on the group: it is idle at every check
+            pg.checker.check_parameters(params)
+        stats = pg._runtime.engine.stats.as_dict()
+        return pg.checker.steps_checked, pg.checker.checked["C-DDP-001"], pg._runtime.seq, stats
+
+    for checked, held, seq, stats in run_ranks(2, body, options=CHECK):
+        assert (checked, held, seq, stats["check_calls"]) == (steps, steps, steps, steps)
+    assert executed == []
+
+
+_IN_CHECKER = os.path.join("entrenar_pg", "checker", "")  # the checker's files
+
+
+@pytest.mark.timeout(60)
+def test_checking_runs_no_generator() -> None:
+    """Measuring a call (its record, its finiteness, its projections) and a step's
+    check (the parameters' groups, the batch's payload, the verdicts of its
+    records) run no generator of the checker's: each is a frame per element, and
+    each costs several us in the cold caches after a backward pass. (Before: a
+    generator per tensor and per projection in every call, and per parameter,
+    per payload field and per verdict sum in a step: 213 frames here.)"""
+    import sys
+    from types import FrameType
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[list[str], int]:
+        assert pg.checker is not None
+        params = [torch.nn.Parameter(torch.full((5,), float(i))) for i in range(52)]
+        bucket = torch.randn(4096 + 3)  # one bucket, the same memory every step (as DDP's)
+        blocking = op(dist.ReduceOp.SUM)
+        blocking.asyncOp = False  # as dist.all_reduce makes it: run in this (profiled) thread
+        pg.checker.check_parameters(params)  # the first step: later records are held
+        for _ in range(3):  # the bucket's first calls make its reads (once per bucket)
+            pg.allreduce([bucket], blocking).wait()
+        pg.checker.check_parameters(params)
+        generators: list[str] = []
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            code = frame.f_code
+            # (the checker's own code: the transport's exchange is another file's business)
+            if event == "call" and code.co_name == "<genexpr>" and _IN_CHECKER in code.co_filename:
+                generators.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(3):  # measured now, judged at the next step
+                pg.allreduce([bucket], blocking).wait()
+            pg.checker.check_parameters(params)
+        finally:
+            sys.setprofile(None)
+        return generators, pg.checker.checked["C-RING-001"]
+
+    for generators, held in run_ranks(2, body, options=CHECK):
+        assert held == 6  # the records were judged in the steps' checks
+        assert generators == []
 
 
 @pytest.mark.timeout(60)

@@ -217,7 +217,9 @@ class ContractChecker:
     def _batch(self, call: Call, parameters: list[int], aux: int) -> None:
         """Exchange the pending records (and a parameter record), then judge them in call order."""
         pending, self._pending = self._pending, []
-        payload = [*parameters, *(v for rec in pending for v in rec)]
+        payload = list(parameters)
+        for rec in pending:  # (extends: no generator frame per field)
+            payload += rec
         rows = exchange(call, payload, aux)
         judge = Judge(call.rank, self.tolerance)
         at = len(parameters)

@@ -82,7 +82,11 @@ def _dtype(views: Views) -> torch.dtype | None:
 
 
 def _finite(values: Sequence[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
+    # A loop, not all() over a generator: a frame per value, in every checked call.
+    for v in values:
+        if not math.isfinite(v):
+            return False
+    return True
 
 
 def begin(
@@ -102,7 +106,11 @@ def begin(
     rec[BUCKET], rec[STEP], rec[BAD] = bucket, step, -1
     dtype = _dtype(views)
     rec[DTYPE] = DTYPE_CODE.get(dtype, 0) if dtype is not None else 0
-    rec[NUMEL] = sum(t.numel() for ts in views.inputs.values() for t in ts)
+    numel = 0
+    for ts in views.inputs.values():  # (a loop: no generator frame per tensor)
+        for t in ts:
+            numel += t.numel()
+    rec[NUMEL] = numel
     if contract.rule is Rule.COPIED:
         for key, tensors in views.inputs.items():
             at = slot_at(contract, key)

@@ -8,6 +8,7 @@ contract's (checker/kinds.py); docs/contracts.md says what each can miss.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -54,11 +55,13 @@ class Judge:
         # generators are left out for the same reason, a few us each in a
         # loaded step.)
         code, seq = first[R.OPCODE], first[R.SEQ]
-        if any(r[R.OPCODE] != code or r[R.SEQ] != seq for r in recs):
-            # The frame headers make this unreachable: it means the records are out of step.
-            self.fail(
-                f"{contract.id} at {_where(first)}: the ranks' records are of different calls", []
-            )
+        for r in recs:  # (a loop, not a generator: no frame per record)
+            if r[R.OPCODE] != code or r[R.SEQ] != seq:
+                # The frame headers make this unreachable: the records are out of step.
+                self.fail(
+                    f"{contract.id} at {_where(first)}: the ranks' records are of different calls",
+                    [],
+                )
         if contract.rule is Rule.REDUCED:
             return self._reduced(contract, recs)
         if contract.rule is Rule.COPIED:
@@ -68,8 +71,14 @@ class Judge:
     # ------------------------------------------------------------ reductions
 
     def _reduced(self, contract: Contract, recs: list[list[int]]) -> list[str]:
-        bad = [i for i, r in enumerate(recs) if r[R.FLAGS] & R.IN_NONFINITE]
-        if bad:
+        # Every rank's flags in one loop: any rank's (a non-finite input) and
+        # every rank's (all projected), as the comprehensions they replace.
+        any_flags, all_flags = 0, -1
+        for r in recs:
+            any_flags |= r[R.FLAGS]
+            all_flags &= r[R.FLAGS]
+        if any_flags & R.IN_NONFINITE:
+            bad = [i for i, r in enumerate(recs) if r[R.FLAGS] & R.IN_NONFINITE]
             what = "; ".join(f"rank {i}: element {recs[i][R.BAD]}" for i in bad)
             self.fail(
                 f"{NONFINITE_ID} violated at {_where(recs[0])}: non-finite value in the input of "
@@ -88,13 +97,13 @@ class Judge:
                     f"(output {HASH_NAME} by ranks: {listing}); rank(s) {differ} differ",
                     differ,
                 )
-        if dtype is None or not all(r[R.FLAGS] & R.PROJECTED for r in recs):
+        if dtype is None or not all_flags & R.PROJECTED:
             return [*held, contract.id]  # the hash only (non-linear op): it held
         for s in range(contract.slots(len(recs))):
             at = R.slot_at(contract, s)
-            holders = [i for i, r in enumerate(recs) if r[at + R.HAS_OUT]]
-            detail = self._checksum(dtype, kind, recs, at)
+            detail = self._checksum(dtype, kind, recs, at, any_flags)
             if detail:
+                holders = [i for i, r in enumerate(recs) if r[at + R.HAS_OUT]]
                 whose = "the output" if contract.replicated else f"rank(s) {holders}' output"
                 slot = f" (slot {s})" if contract.scattered else ""
                 self.fail(
@@ -104,16 +113,18 @@ class Judge:
                 )
         return [*held, contract.id]
 
-    def _checksum(self, dtype: torch.dtype, kind: Kind, recs: list[list[int]], at: int) -> str:
+    def _checksum(
+        self, dtype: torch.dtype, kind: Kind, recs: list[list[int]], at: int, any_flags: int
+    ) -> str:
         """How a slot's output projections (summed over the ranks) miss its inputs'
-        ("": they don't)."""
+        ("": they don't). ``any_flags``: the OR of the ranks' record flags."""
         ks = range(R.PROJECTIONS)
         n = len(recs)
         if dtype in INT_DTYPES:
             mask = (1 << _INT_BITS[dtype]) - 1
             diffs = [sum(r[at + R.S_OUT + k] - r[at + R.S_IN + k] for r in recs) & mask for k in ks]
             return f"exact checksums modulo 2^{_INT_BITS[dtype]} differ" if any(diffs) else ""
-        if any(r[R.FLAGS] & R.OUT_NONFINITE for r in recs):
+        if any_flags & R.OUT_NONFINITE:
             # Finite inputs, non-finite output: the sum overflowed the dtype (IEEE
             # behaviour, e.g. float16); a replicated output's hash still applies.
             return ""
@@ -127,12 +138,17 @@ class Judge:
         # Each rank's slot fields as floats in one conversion (S_IN, NORM, S_OUT
         # are adjacent); the sums are the same fsums, over the same values in the
         # same order, as one i2f per field.
-        fields = [R.slot_floats(r, at) for r in recs]
-        got = [math.fsum(v[R.S_OUT + k] for v in fields) for k in ks]
-        expected = [f * math.fsum(v[R.S_IN + k] for v in fields) for k in ks]
+        # by_field[j]: field j of every rank, in rank order (one zip, no generator
+        # per sum): the fsums are over the same values in the same order.
+        by_field = list(zip(*map(R.slot_floats, recs, itertools.repeat(at, n)), strict=True))
+        got = [math.fsum(by_field[R.S_OUT + k]) for k in ks]
+        expected = [f * math.fsum(by_field[R.S_IN + k]) for k in ks]
         tau = self.tolerance + (n + 1) * ROUNDOFF[dtype]
-        bound = tau * abs(f) * math.fsum(v[R.NORM] for v in fields)
-        if all(abs(got[k] - expected[k]) <= bound for k in ks):
+        bound = tau * abs(f) * math.fsum(by_field[R.NORM])
+        for k in ks:
+            if not abs(got[k] - expected[k]) <= bound:
+                break
+        else:
             return ""
         return (
             f"checksums r.y = {[float(f'{g:.6g}') for g in got]}, expected "
