@@ -26,7 +26,7 @@ from preloaded import start_script
 from entrenar_pg import ContractChecker, ContractViolation, EntrenarProcessGroup, Options
 from entrenar_pg.call import requests as rq
 from entrenar_pg.checker import hashing, projection
-from entrenar_pg.checker.projection import Projection
+from entrenar_pg.checker.projection import Projection, block_range
 from entrenar_pg.runtime import jobs
 
 CHECK = Options(check=True)
@@ -356,7 +356,7 @@ def test_kept_read_converts_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
                 monkeypatch.setattr(torch.Tensor, "__float__", to_float)
                 got = proj.floats(x, part=part, variant=variant, norm=norm)
                 monkeypatch.undo()
-                b0, f1, _, with_tail = Projection._range(numel, part)
+                b0, f1, _, with_tail = block_range(numel, part)
                 read = ["tolist"] if f1 > b0 or with_tail else []  # else nothing to read
                 assert conversions == read, (numel, part, conversions)
                 conversions.clear()
@@ -395,7 +395,7 @@ def _separately(
     proj: Projection, x: torch.Tensor, part: tuple[int, int], variant: int, norm: bool
 ) -> tuple[list[float], float]:
     """``Projection.floats`` as separate torch results: the product, the tail's, the norm."""
-    b0, f1, tail, with_tail = Projection._range(x.numel(), part)
+    b0, f1, tail, with_tail = block_range(x.numel(), part)
     full = x.numel() // projection.BLOCK
     w = proj.weights_list(full + (1 if tail else 0), variant)
     r = proj.base(variant)[0 if x.dtype == torch.float64 else 1]

@@ -118,8 +118,7 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime.checker = checker
 
     def submit_check(self, run: Callable[[Any], None]) -> Any:
-        """The contract checker's entry point: ``run(call)`` as the next job (a Work);
-        the thin path's when it takes it (an idle group: ``ThinPath.check``)."""
+        """The checker's entry: ``run(call)`` as the next job (a Work; idle: ``ThinPath.check``)."""
         done = self._thin.check(run)
         return done if done is not None else self._runtime.submit_check(run)
 

@@ -158,17 +158,6 @@ class Projection:
             got = self._weight_lists[(variant, cap)]
         return got
 
-    @staticmethod
-    def _range(n: int, part: tuple[int, int]) -> tuple[int, int, int, bool]:
-        """Blocks [b0, f1) of a ``part = (i, parts)`` split of ``n`` elements, and the tail."""
-        full, tail = divmod(n, BLOCK)
-        blocks = full + (1 if tail else 0)
-        i, parts = part
-        if parts == 0:  # no blocks at all (the norm only)
-            return 0, 0, tail, False
-        b0, b1 = blocks * i // parts, blocks * (i + 1) // parts
-        return b0, min(b1, full), tail, bool(tail) and b0 <= full < b1
-
     def floats(
         self,
         x: torch.Tensor,
@@ -205,8 +194,8 @@ class Projection:
                 reads = self._reads_of(x, n, work, part, key)
             read = reads[variant]
             if hasher is None or read.blocks <= FUSED_ROWS:
-                return self._read_floats(read, x, work, norm, hasher)
-        b0, f1, tail, with_tail = self._range(n, part)
+                return read_floats(read, x, work, norm, hasher)
+        b0, f1, tail, with_tail = block_range(n, part)
         full = n // BLOCK
         w = self.weights_list(full + (1 if tail else 0), variant)
         r64, r32, _ = self.base(variant)
@@ -223,7 +212,7 @@ class Projection:
         if x.dtype == work and (blocks > 0 or with_tail):
             cols, rest = self._views_of(x, n, b0, blocks, with_tail)
         if hasher is not None and (x.dtype != work or blocks > FUSED_ROWS):
-            per_block = self._hashed_chunks(x, r, b0, f1, work, hasher)
+            per_block = hashed_chunks(x, r, b0, f1, work, hasher)
         else:
             if hasher is not None:  # a share that fits the cache: hash all, then project it
                 hasher.update(tensor_memory(x))
@@ -232,7 +221,7 @@ class Projection:
             elif cols is not None:
                 per_block = torch.mm(r, cols).tolist()
             else:
-                per_block = self._converted_chunks(x, r, b0, f1, work)
+                per_block = converted_chunks(x, r, b0, f1, work)
         if per_block is not None:
             sums = [sum(map(operator.mul, per_block[k], w[k][b0:f1])) for k in range(PROJECTIONS)]
         if with_tail:  # the last, partial block: its weight applied in Python floats
@@ -250,7 +239,7 @@ class Projection:
     ) -> tuple[_Read, ...]:
         """Make and keep the reads of ``x`` (contiguous, of the work dtype) at ``key``,
         one per variant: all at its first call, as the vectors are made."""
-        b0, f1, tail, with_tail = self._range(n, part)
+        b0, f1, tail, with_tail = block_range(n, part)
         full = n // BLOCK
         blocks = f1 - b0
         cols, rest = self._views_of(x, n, b0, blocks, with_tail)
@@ -288,59 +277,6 @@ class Projection:
         got = self._reads[key] = tuple(reads)
         return got
 
-    @staticmethod
-    def _read_floats(
-        read: _Read, x: torch.Tensor, work: torch.dtype, norm: bool, hasher: Any
-    ) -> tuple[list[float], float]:
-        """``floats`` over a kept read (its share fits the cache when a hasher rides along).
-
-        The product, the tail's product and the norm are written into the read's
-        buffer and read back by one ``tolist``: each torch call costs 10-30 us in
-        a job thread right after a backward pass (cold caches; 1-3 us warm), so
-        two conversions fewer per bucket. The same kernels on the same operands,
-        so the same values as separate results (records bit-identical).
-        """
-        if hasher is not None:
-            hasher.update(read.memory)
-        out, cols, blocks = read.out, read.cols, read.blocks
-        rest, tail_r = read.rest, read.tail_r
-        tail = rest is not None and tail_r is not None
-        if out is None or cols is None:  # no whole block read: the tail and the norm alone
-            sums = [0.0] * PROJECTIONS
-            if rest is not None and tail_r is not None:
-                last = torch.mv(tail_r, rest).tolist()
-                sums = [sums[k] + last[k] * read.tail_weights[k] for k in range(PROJECTIONS)]
-            return sums, float(torch.linalg.vector_norm(x, dtype=work)) if norm else 0.0
-        if norm:
-            # The norm first: it streams the bucket in from memory (its first read
-            # after the backward pass wrote it), and the product, which computes
-            # more per byte, then finds it in cache. Measured inside the DDP job
-            # (GPT, load average 2.4): 187 against 241 us for the 2.3 MiB bucket,
-            # 107 against 120 for the 1 MiB one. The same results either way.
-            torch.linalg.vector_norm(x, dtype=work, out=read.norm_out)
-        torch.mm(read.r, cols, out=read.products)
-        if rest is not None and tail_r is not None:
-            torch.mv(tail_r, rest, out=read.tail_out)
-        got = out.tolist()
-        # Projection k's products are got[k * blocks:][:blocks]; map stops with the
-        # blocks read (the weights' slice): the same products, in the same order,
-        # as over the weights [b0, b0 + blocks).
-        w, b0, end = read.weights, read.b0, read.b0 + blocks
-        sums = [
-            sum(
-                map(
-                    operator.mul,
-                    itertools.islice(got, k * blocks, None),
-                    itertools.islice(w[k], b0, end),
-                )
-            )
-            for k in range(PROJECTIONS)
-        ]
-        at = PROJECTIONS * blocks
-        if tail:
-            sums = [sums[k] + got[at + k] * read.tail_weights[k] for k in range(PROJECTIONS)]
-        return sums, got[at + PROJECTIONS] if norm else 0.0
-
     def _views_of(
         self, x: torch.Tensor, n: int, b0: int, blocks: int, with_tail: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -375,49 +311,13 @@ class Projection:
             got = self._tails[key] = r[:, :tail]
         return got
 
-    @staticmethod
-    def _hashed_chunks(
-        x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype, hasher: Any
-    ) -> list[list[float]] | None:
-        """Hash every byte of ``x`` in order and project blocks [b0, f1), ``CHUNK_ROWS``
-        blocks at a time, each hashed right before it is projected (found in cache)."""
-        memory = tensor_memory(x)
-        unit = BLOCK * x.element_size()  # bytes per block
-        hasher.update(memory[: b0 * unit])
-        per_block = None
-        if f1 > b0:
-            rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-            v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-            for a in range(0, f1 - b0, CHUNK_ROWS):
-                b = min(a + CHUNK_ROWS, f1 - b0)
-                chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
-                hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
-                torch.mm(r, chunk.t(), out=v[:, a:b])
-            per_block = v.tolist()
-        hasher.update(memory[f1 * unit :])
-        return per_block
-
-    @staticmethod
-    def _converted_chunks(
-        x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype
-    ) -> list[list[float]]:
-        """Blocks [b0, f1) of a half or integer-typed ``x`` projected in ``work``,
-        converted ``CHUNK_ROWS`` blocks at a time (bounded scratch)."""
-        rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
-        v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
-        for a in range(0, f1 - b0, CHUNK_ROWS):
-            b = min(a + CHUNK_ROWS, f1 - b0)
-            torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
-        out: list[list[float]] = v.tolist()
-        return out
-
     def ints(
         self, x: torch.Tensor, *, part: tuple[int, int] = (0, 1), variant: int = 0
     ) -> list[int]:
         """[r_k . x] over int64 with wrap-around (exact modulo 2^64); ``part``, ``variant``
         as in floats."""
         n = x.numel()
-        b0, f1, tail, with_tail = self._range(n, part)
+        b0, f1, tail, with_tail = block_range(n, part)
         _, wi = self.weights(n // BLOCK + (1 if tail else 0), variant)
         rint = self.base(variant)[2]
         s = torch.zeros(PROJECTIONS, dtype=torch.int64)
@@ -432,3 +332,103 @@ class Projection:
             full = n // BLOCK
             s += torch.mv(rint[:, :tail], x[full * BLOCK :].to(torch.int64)) * wi[:, full]
         return [int(v) for v in s.tolist()]
+
+
+def block_range(n: int, part: tuple[int, int]) -> tuple[int, int, int, bool]:
+    """Blocks [b0, f1) of a ``part = (i, parts)`` split of ``n`` elements, and the tail."""
+    full, tail = divmod(n, BLOCK)
+    blocks = full + (1 if tail else 0)
+    i, parts = part
+    if parts == 0:  # no blocks at all (the norm only)
+        return 0, 0, tail, False
+    b0, b1 = blocks * i // parts, blocks * (i + 1) // parts
+    return b0, min(b1, full), tail, bool(tail) and b0 <= full < b1
+
+
+def read_floats(
+    read: _Read, x: torch.Tensor, work: torch.dtype, norm: bool, hasher: Any
+) -> tuple[list[float], float]:
+    """``floats`` over a kept read (its share fits the cache when a hasher rides along).
+
+    The product, the tail's product and the norm are written into the read's
+    buffer and read back by one ``tolist``: each torch call costs 10-30 us in
+    a job thread right after a backward pass (cold caches; 1-3 us warm), so
+    two conversions fewer per bucket. The same kernels on the same operands,
+    so the same values as separate results (records bit-identical).
+    """
+    if hasher is not None:
+        hasher.update(read.memory)
+    out, cols, blocks = read.out, read.cols, read.blocks
+    rest, tail_r = read.rest, read.tail_r
+    tail = rest is not None and tail_r is not None
+    if out is None or cols is None:  # no whole block read: the tail and the norm alone
+        sums = [0.0] * PROJECTIONS
+        if rest is not None and tail_r is not None:
+            last = torch.mv(tail_r, rest).tolist()
+            sums = [sums[k] + last[k] * read.tail_weights[k] for k in range(PROJECTIONS)]
+        return sums, float(torch.linalg.vector_norm(x, dtype=work)) if norm else 0.0
+    if norm:
+        # The norm first: it streams the bucket in from memory (its first read
+        # after the backward pass wrote it), and the product, which computes
+        # more per byte, then finds it in cache. Measured inside the DDP job
+        # (GPT, load average 2.4): 187 against 241 us for the 2.3 MiB bucket,
+        # 107 against 120 for the 1 MiB one. The same results either way.
+        torch.linalg.vector_norm(x, dtype=work, out=read.norm_out)
+    torch.mm(read.r, cols, out=read.products)
+    if rest is not None and tail_r is not None:
+        torch.mv(tail_r, rest, out=read.tail_out)
+    got = out.tolist()
+    # Projection k's products are got[k * blocks:][:blocks]; map stops with the
+    # blocks read (the weights' slice): the same products, in the same order,
+    # as over the weights [b0, b0 + blocks).
+    w, b0, end = read.weights, read.b0, read.b0 + blocks
+    sums = [
+        sum(
+            map(
+                operator.mul,
+                itertools.islice(got, k * blocks, None),
+                itertools.islice(w[k], b0, end),
+            )
+        )
+        for k in range(PROJECTIONS)
+    ]
+    at = PROJECTIONS * blocks
+    if tail:
+        sums = [sums[k] + got[at + k] * read.tail_weights[k] for k in range(PROJECTIONS)]
+    return sums, got[at + PROJECTIONS] if norm else 0.0
+
+
+def hashed_chunks(
+    x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype, hasher: Any
+) -> list[list[float]] | None:
+    """Hash every byte of ``x`` in order and project blocks [b0, f1), ``CHUNK_ROWS``
+    blocks at a time, each hashed right before it is projected (found in cache)."""
+    memory = tensor_memory(x)
+    unit = BLOCK * x.element_size()  # bytes per block
+    hasher.update(memory[: b0 * unit])
+    per_block = None
+    if f1 > b0:
+        rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+        v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+        for a in range(0, f1 - b0, CHUNK_ROWS):
+            b = min(a + CHUNK_ROWS, f1 - b0)
+            chunk = rows[a:b] if rows.dtype == work else rows[a:b].to(work)
+            hasher.update(memory[(b0 + a) * unit : (b0 + b) * unit])
+            torch.mm(r, chunk.t(), out=v[:, a:b])
+        per_block = v.tolist()
+    hasher.update(memory[f1 * unit :])
+    return per_block
+
+
+def converted_chunks(
+    x: torch.Tensor, r: torch.Tensor, b0: int, f1: int, work: torch.dtype
+) -> list[list[float]]:
+    """Blocks [b0, f1) of a half or integer-typed ``x`` projected in ``work``,
+    converted ``CHUNK_ROWS`` blocks at a time (bounded scratch)."""
+    rows = x[b0 * BLOCK : f1 * BLOCK].view(f1 - b0, BLOCK)
+    v = torch.empty(PROJECTIONS, f1 - b0, dtype=work)
+    for a in range(0, f1 - b0, CHUNK_ROWS):
+        b = min(a + CHUNK_ROWS, f1 - b0)
+        torch.mm(r, rows[a:b].to(work).t(), out=v[:, a:b])
+    out: list[list[float]] = v.tolist()
+    return out
