@@ -240,7 +240,10 @@ def allreduce_host_leaders(
     # 2. The leaders' exchange; AVG's division once, at the leader.
     if leading:
         if leaders_doubling(len(leaders), buf.numel() * buf.element_size()):
-            _doubling(call, leaders, buf, part, op)
+            # The canonical tree over the hosts (the direct exchange's bits),
+            # one plan; no ring-neighbour headers: a leader running another
+            # plan for this call already met its host's ranks in phase 1.
+            allreduce_doubling(call.on(leaders), buf, part, op, neighbours=False)
         elif len(leaders) > 1:
             allreduce_direct(call.on(leaders), buf, part, op)
         finish_(buf, red, call.world)
@@ -266,20 +269,6 @@ def leaders_doubling(hosts: int, nbytes: int) -> bool:
         return False
     rounds = hosts.bit_length() - 1
     return (hosts - 1 - rounds) * nbytes > (rounds - 1) * HOP_BYTES
-
-
-def _doubling(
-    call: Call, leaders: tuple[int, ...], buf: torch.Tensor, part: Reduction, op: OpCode
-) -> None:
-    """Recursive doubling among ``leaders``, in place (collectives/doubling.py).
-
-    For a power of two of them, round k pairs the leader at position i with
-    the one at i XOR 2^k, so after log2 H rounds each holds ((h0 + h1) +
-    (h2 + h3)) + ...: the canonical tree over the hosts, the direct
-    exchange's deterministic bits, on every leader alike. One plan, with
-    ``DOUBLING`` headers; no ring-neighbour headers (a leader running another
-    plan for this call already met its host's ranks in the first plan)."""
-    allreduce_doubling(call.on(leaders), buf, part, op, neighbours=False)
 
 
 def _host_rings(

@@ -179,12 +179,9 @@ def broadcast_dissemination_max_bytes(topology: Topology | None, options: Option
     its short ones stay inside), else ``BROADCAST_DISSEMINATION_MAX_BYTES``;
     never above ``star_max_bytes`` (above it a chain is asked for).
     """
-    most = BROADCAST_DISSEMINATION_MAX_BYTES
-    if several_hosts(topology, options):
-        assert topology is not None
-        if topology.is_contiguous:
-            most = HOST_BROADCAST_DISSEMINATION_MAX_BYTES
-    return min(options.star_max_bytes, most)
+    if slow_contiguous_hosts(topology, options):
+        return min(options.star_max_bytes, HOST_BROADCAST_DISSEMINATION_MAX_BYTES)
+    return min(options.star_max_bytes, BROADCAST_DISSEMINATION_MAX_BYTES)
 
 
 def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
@@ -197,12 +194,16 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
     puts (N - L) x S on the root host's, for N - 2 more hops):
     ``HOST_BROADCAST_DIRECT_MAX_BYTES``.
     """
-    if not several_hosts(topology, options):
-        return options.star_max_bytes
-    assert topology is not None
-    if not topology.is_contiguous:
-        return options.star_max_bytes
-    return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
+    if slow_contiguous_hosts(topology, options):
+        return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
+    return options.star_max_bytes
+
+
+def slow_contiguous_hosts(topology: Topology | None, options: Options) -> bool:
+    """Several hosts over a slow link (``several_hosts``) whose ranks are
+    consecutive: the broadcast's rows for a tree or chain that crosses each
+    host boundary once."""
+    return several_hosts(topology, options) and topology is not None and topology.is_contiguous
 
 
 # The flat rows' small messages from this many ranks: recursive doubling in

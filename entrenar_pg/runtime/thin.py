@@ -212,10 +212,7 @@ class ThinPath:
                 algo(call, flat, red)
             self._stats.record(_KIND, nbytes, time.perf_counter() - start)
         except BaseException as e:
-            work = self._failed(seq, nbytes, e)
-            if not isinstance(e, Exception):
-                raise  # Ctrl-C in the caller's own job: the group is broken, stop
-            return work
+            return self._failed(seq, nbytes, e)
         finally:
             engine._release()
         work = self._done
@@ -252,10 +249,7 @@ class ThinPath:
             run(call)
             self._stats.record(_CHECK_KIND, 0, time.perf_counter() - start)
         except BaseException as e:
-            work = self._failed(seq, 0, e, _CHECK_KIND)
-            if not isinstance(e, Exception):
-                raise  # Ctrl-C in the caller's own job: the group is broken, stop
-            return work
+            return self._failed(seq, 0, e, _CHECK_KIND)
         finally:
             engine._release()
         done = DoneWork()  # the step waits at once and drops it: one per step
@@ -308,10 +302,13 @@ class ThinPath:
 
     def _failed(self, seq: int, nbytes: int, e: BaseException, kind: str = _KIND) -> EntrenarWork:
         """Engine.execute's handling of a job that raised ``e``: the group breaks
-        (``Engine._fail``) and the Work holds the error."""
+        (``Engine._fail``) and the Work holds the error; a ``KeyboardInterrupt``
+        (Ctrl-C in the caller's own job) then propagates as itself."""
         fut: torch.futures.Future = torch.futures.Future()
         work = EntrenarWork(fut, kind, self._rank, seq)
         self._engine._fail(Job(seq, kind, nbytes, _never_run, fut, None, work), e)
+        if not isinstance(e, Exception):
+            raise e
         return work
 
 
