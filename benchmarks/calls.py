@@ -38,6 +38,9 @@ Thread ranks, not processes, because they start in a second and the path
 is the same code: the same counter in two torchrun processes (every Python
 thread of rank 0 profiled) gave the same counts (docs/benchmarks.md).
 
+No garbage collection runs while a call is counted (one is made just
+before): a collection's finalizers are earlier work's calls, not this one's.
+
 The counts are of events, not time: the profiler slows the call down, the
 count does not depend on it.
 """
@@ -45,6 +48,7 @@ count does not depend on it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -235,11 +239,21 @@ class Pair:
             time.sleep(max(0.0, peer_lead_s))
             counter.__init__()  # type: ignore[misc]  # fresh counts, same object
             counter.caller = threading.get_ident()
-            sys.setprofile(counter.event)
-            counter.open = True
-            dist.all_reduce(self.tensors[0], group=self.groups[0])
-            counter.open = False
-            sys.setprofile(None)
+            # A garbage collection inside the counted call would run finalizers
+            # of earlier work (another test's, in a suite) on this thread and
+            # count them: collect now, none while counting.
+            collecting = gc.isenabled()
+            gc.collect()
+            gc.disable()
+            try:
+                sys.setprofile(counter.event)
+                counter.open = True
+                dist.all_reduce(self.tensors[0], group=self.groups[0])
+            finally:
+                counter.open = False
+                sys.setprofile(None)
+                if collecting:
+                    gc.enable()
             result.update(counter.summary())
 
         self._both(rank0, partial(self._late_allreduce, 1, max(0.0, -peer_lead_s)))

@@ -41,8 +41,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -241,6 +243,62 @@ def test_probe_verdict_and_roles() -> None:
     assert link_probe.Roles.of(Topology.from_keys(list("abab"))) == link_probe.Roles(0, 2, 1)
     for keys in ("aaab", "abcd", "aaaa"):
         assert link_probe.Roles.of(Topology.from_keys(list(keys))) is None, keys
+
+
+class _LateEcho:
+    """A socket whose 1 MiB replies are ``delay_s`` late for the first ``late`` of them."""
+
+    def __init__(self, sock: socket.socket, late: int, delay_s: float = 0.02) -> None:
+        self.sock, self.late, self.delay_s = sock, late, delay_s
+
+    def recv_into(self, buf: Any) -> int:
+        return self.sock.recv_into(buf)
+
+    def sendall(self, data: Any) -> None:
+        if len(data) >= link_probe.SIZES[-1] and self.late > 0:
+            self.late -= 1
+            time.sleep(self.delay_s)
+        self.sock.sendall(data)
+
+
+def _probe_with_a_late_remote(late: int) -> tuple[Verdict, int]:
+    """measure() against two echo threads over socket pairs; the remote's
+    first ``late`` 1 MiB replies come late. The verdict and rounds taken."""
+    roles = link_probe.Roles(0, 1, 2)
+    pairs = [socket.socketpair() for _ in range(2)]
+    for a, b in pairs:
+        a.settimeout(10)
+        b.settimeout(10)
+    remote = _LateEcho(pairs[1][1], late)
+    threads = [
+        threading.Thread(target=link_probe.echo, args=(1, 0, pairs[0][1]), daemon=True),
+        threading.Thread(target=link_probe.echo, args=(2, 0, remote), daemon=True),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        verdict = link_probe.measure(0, roles, pairs[0][0], pairs[1][0])
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads), "an echo did not end"
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+    return verdict, late - remote.late
+
+
+@pytest.mark.timeout(60)
+def test_probe_takes_more_rounds_while_the_link_looks_slow() -> None:
+    """Regression (CI, twelfth session: a loopback link's best of 5 1 MiB round
+    trips at 7.9x the local one under load, so "slow"): a remote whose first
+    7 replies are late is still found fast, after more rounds; one late every
+    time is slow after MAX_ROUNDS, and the echoes end either way."""
+    verdict, _ = _probe_with_a_late_remote(link_probe.MIN_ROUNDS + 2)
+    assert verdict.fast, verdict
+    verdict, late = _probe_with_a_late_remote(1000)
+    assert not verdict.fast, verdict
+    assert late == link_probe.MAX_ROUNDS
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,8 @@ least two hosts of the same number >= 2 of ranks; whatever
 peer (host 1's leader). The prober times round trips
 of a small message (a hop's latency) and a large one (bandwidth) to both, the
 two peers interleaved, and keeps each best time (the least disturbed by
-other work on a loaded machine). The link is *fast* where every remote round
+other work on a loaded machine); while the link still looks slow it takes
+more rounds, up to a bound. The link is *fast* where every remote round
 trip takes at most ``FAST_FACTOR`` x the local one. The prober publishes the
 verdict in the store; every other rank reads it from there, so every rank
 holds the same one and the policy chooses alike everywhere.
@@ -34,10 +35,20 @@ from .topology import Topology
 
 PROBE_KEY = "entrenar/a{attempt}/link-probe"
 
-# (message bytes, round trips): 4 KiB is a hop's latency; 1 MiB is far above a
-# shaped link's burst (tbf's 128 KiB in launch/netns_cluster.sh), so its best
-# round trip is the link's rate, not the bucket's.
-SIZES: tuple[tuple[int, int], ...] = ((4 << 10, 5), (1 << 20, 5))
+# Message bytes: 4 KiB is a hop's latency; 1 MiB is far above a shaped link's
+# burst (tbf's 128 KiB in launch/netns_cluster.sh), so its best round trip is
+# the link's rate, not the bucket's.
+SIZES: tuple[int, ...] = (4 << 10, 1 << 20)
+
+# Rounds (one round trip of every size to both peers each): at least
+# MIN_ROUNDS, then more while the link still looks slow, up to MAX_ROUNDS. A
+# loaded machine can delay every one of five round trips to a peer (CI: a
+# loopback 1 MiB best of 5 at 7.9x the local one, "slow"); the extra rounds
+# are paid only by a link that looks slow, about 0.25 s at set-up on a
+# 1 Gbit/s one.
+MIN_ROUNDS = 5
+MAX_ROUNDS = 15
+_GO, _DONE = b"\x01", b"\x00"  # the prober's byte before each round / at the end
 
 # A remote round trip within this many local ones is loopback-class. Measured
 # between emulated hosts (veth and a bridge) on the loaded 2-core machine:
@@ -97,38 +108,55 @@ class Verdict:
     def describe(self) -> str:
         ratios = ", ".join(
             f"{size >> 10} KiB {r / lo:.2f}x"
-            for (size, _), lo, r in zip(SIZES, self.local_s, self.remote_s, strict=True)
+            for size, lo, r in zip(SIZES, self.local_s, self.remote_s, strict=True)
         )
         speed = "fast" if self.fast else "slow"
         return f"{speed} cross-host link (remote/local round trip: {ratios})"
 
 
 def measure(rank: int, roles: Roles, local: socket.socket, remote: socket.socket) -> Verdict:
-    """The prober's side: round trips of every size to both peers, interleaved;
-    the best of each. The sockets are blocking, with the set-up's timeout."""
+    """The prober's side: rounds of round trips of every size to both peers,
+    interleaved, keeping the best of each; more rounds while the link looks
+    slow (``MIN_ROUNDS`` to ``MAX_ROUNDS``). The sockets are blocking, with the
+    set-up's timeout."""
+    peers = ((roles.local, local), (roles.remote, remote))
+    buffers = {size: (bytes(size), bytearray(size)) for size in SIZES}
     best: dict[tuple[int, int], float] = {}
-    for size, trips in SIZES:
-        payload = bytes(size)
-        buf = bytearray(size)
-        for _ in range(trips):
-            for peer, sock in ((roles.local, local), (roles.remote, remote)):
+    verdict = None
+    for done in range(MAX_ROUNDS):
+        if done >= MIN_ROUNDS and verdict is not None and verdict.fast:
+            break
+        for peer, sock in peers:
+            _send(rank, peer, sock, _GO)
+        for size in SIZES:
+            payload, buf = buffers[size]
+            for peer, sock in peers:
                 t0 = time.perf_counter()
                 _send(rank, peer, sock, payload)
                 _recv_into(rank, peer, sock, buf)
                 took = time.perf_counter() - t0
                 key = (peer, size)
                 best[key] = min(best.get(key, took), took)
-    return Verdict(
-        tuple(best[(roles.local, size)] for size, _ in SIZES),
-        tuple(best[(roles.remote, size)] for size, _ in SIZES),
-    )
+        verdict = Verdict(
+            tuple(best[(roles.local, size)] for size in SIZES),
+            tuple(best[(roles.remote, size)] for size in SIZES),
+        )
+    for peer, sock in peers:
+        _send(rank, peer, sock, _DONE)
+    assert verdict is not None  # MAX_ROUNDS >= 1
+    return verdict
 
 
 def echo(rank: int, prober: int, sock: socket.socket) -> None:
-    """A peer's side: send every message of ``SIZES`` back as it arrives."""
-    for size, trips in SIZES:
-        buf = bytearray(size)
-        for _ in range(trips):
+    """A peer's side: each round the prober announces, send every message of
+    ``SIZES`` back as it arrives."""
+    flag = bytearray(1)
+    buffers = [bytearray(size) for size in SIZES]
+    while True:
+        _recv_into(rank, prober, sock, flag)
+        if flag == _DONE:
+            return
+        for buf in buffers:
             _recv_into(rank, prober, sock, buf)
             _send(rank, prober, sock, buf)
 

@@ -3,6 +3,7 @@ job's world size: on the default group, then on new groups of the first
 ``n`` ranks (one job, so the interpreters start once). Prints
 ``CHECK <n> <rank> ok|bad`` for each group this rank is in."""
 
+import sys
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,7 @@ for n in sorted(groups, reverse=True):
     dist.all_reduce(t, group=groups[n])
     ok = bool((t == n * (n + 1) / 2).all())
     del t
-    print(f"CHECK {n} {rank} {'ok' if ok else 'bad'}", flush=True)
+    sys.stdout.write(f"CHECK {n} {rank} {'ok' if ok else 'bad'}\n")  # one write per line
+    sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()

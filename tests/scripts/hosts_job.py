@@ -19,6 +19,7 @@ Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 """
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -107,6 +108,9 @@ for n in SIZES:
     assert torch.equal(scattered["det"], want), n
     assert torch.equal(scattered["det_flat"], want), n
 
-print(f"HOSTS-OK {rank} {mesh.topology.describe()} {os.environ.get('GROUP_RANK')}", flush=True)
+# One write per line: under PYTHONUNBUFFERED (set on CI) print writes the text
+# and its newline apart, and two ranks' lines interleaved in the node's log.
+sys.stdout.write(f"HOSTS-OK {rank} {mesh.topology.describe()} {os.environ.get('GROUP_RANK')}\n")
+sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()

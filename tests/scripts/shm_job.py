@@ -46,6 +46,7 @@ elif mode == "small":
         for _ in range(20):
             dist.all_reduce(t)
         blocks.append((time.perf_counter() - t0) / 20)
-    print(f"MEDIAN {rank} {statistics.median(blocks)}", flush=True)
-    print(f"OK {rank}", flush=True)
+    # One write per line (print writes the newline apart: interleaves under PYTHONUNBUFFERED).
+    sys.stdout.write(f"MEDIAN {rank} {statistics.median(blocks)}\nOK {rank}\n")
+    sys.stdout.flush()
 dist.destroy_process_group()
