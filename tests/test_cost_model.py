@@ -331,7 +331,8 @@ def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
     assert costs.total_time(ring, LINKS) == base  # dedicated cores: no wake-up term
     four = costs.Conditions(ranks_per_core=4.0)
     alphas = 14 * LINKS[NET].alpha  # the ring's 14 hops pay the slowest kind's alpha
-    assert costs.total_time(ring, wake, four) == pytest.approx(alphas + 14 * 3 * 400e-6)
+    # a ring step is a symmetric round: k/2 = 2 turns of WAKE per hop at 4 ranks per core
+    assert costs.total_time(ring, wake, four) == pytest.approx(alphas + 14 * 2 * 400e-6)
     assert costs.total_time(ring, LINKS, four) == base  # no WAKE fitted: nothing added
     slices = costs.host_slices(costs.Shape(2, 2, 4 << 20), costs.ENTRENAR)
     per_plan = [max(p.messages.values()) for p in slices]
@@ -386,24 +387,96 @@ def test_small_star_on_a_shaped_link_is_its_bytes_at_the_rate_or_its_waits() -> 
 
 
 def test_gloo_waits_one_wake_up_per_hop_entrenar_one_per_rank_on_the_core() -> None:
-    """gloo blocks (GLOO_WAKE per hop, whatever the ranks per core), entrenar spins (WAKE
-    x extra ranks per core). The ring at 4 KiB, no burst, by hand:
-    gloo 4 x 2: 14 hops x 150 us + max(7,168 B x 8 ns, 14 x 700 us) = 11.9 ms;
-    gloo 2 x 2: 6 x 150 us + max(6,144 B x 8 ns, 6 x 700 us) = 5.1 ms;
-    entrenar 4 x 2: 14 x 30 us + max(57.3 us, 14 x 3 x 250 us) = 10.92 ms."""
+    """gloo blocks (GLOO_WAKE per hop, whatever the ranks per core, after its own
+    message arrived: the wait overlaps only the other segment in flight), entrenar
+    spins (WAKE per turn of the others on the core: k/2 turns in a ring step). The
+    ring at 4 KiB, no burst, by hand:
+    gloo 4 x 2: 14 hops x 150 us + max(7,168 B x 8 ns, 14 x 700 us + 57.3 us / 2)
+    = 11.92867 ms; gloo 2 x 2: 6 x 150 us + max(6,144 B x 8 ns, 6 x 700 us +
+    49.2 us / 2) = 5.124576 ms; entrenar 4 x 2: 14 x 30 us + max(57.3 us, 14 x 2 x
+    250 us) = 7.42 ms (the old formula: 11.9, 5.1 and 10.92 ms)."""
     shape42, shape22 = costs.Shape(4, 2, 4 << 10), costs.Shape(2, 2, 4 << 10)
     four, two = costs.Conditions(ranks_per_core=4.0), costs.Conditions(ranks_per_core=2.0)
     gloo42 = costs.total_time(costs.ring(shape42, costs.GLOO), HAND, four, costs.GLOO)
     gloo22 = costs.total_time(costs.ring(shape22, costs.GLOO), HAND, two, costs.GLOO)
     ours42 = costs.total_time(costs.ring(shape42, costs.ENTRENAR), HAND, four)
-    assert gloo42 == pytest.approx(11.9e-3, rel=1e-9)
-    assert gloo22 == pytest.approx(5.1e-3, rel=1e-9)
-    assert ours42 == pytest.approx(10.92e-3, rel=1e-9)
+    assert gloo42 == pytest.approx(2.1e-3 + 9.8e-3 + 7168 * 8e-9 / 2, rel=1e-9)
+    assert gloo22 == pytest.approx(0.9e-3 + 4.2e-3 + 6144 * 8e-9 / 2, rel=1e-9)
+    assert ours42 == pytest.approx(7.42e-3, rel=1e-9)
     assert costs.hop_wait(HAND, costs.DEDICATED, costs.GLOO) == 0.0  # a core per rank
     # the check waits as the row's implementation does
     row = {"variant": "gloo", "hosts": 4, "local": 2, "bytes": 4 << 10, "median_s": 1.0}
     meta = {"machine": {"nproc": 2}}
     assert check.predict_row(row, meta, HAND).predicted_s == pytest.approx(gloo42)
+
+
+def test_a_rooted_hop_waits_k_minus_1_turns_a_symmetric_round_k_over_2() -> None:
+    """costs.hop_wait: a spinning rank's hop waits WAKE per turn of the others on its
+    core. The star's root (one rank acts for all, having just yielded) queues behind
+    k-1; in a ring step or dissemination round every rank on the core receives, and
+    its place in the line is uniform: k/2 (the old formula charged k-1 for both). At
+    2 per core both are 1; gloo (blocking) pays one wake-up per hop either way. By
+    hand with HAND (WAKE 250 us, net alpha 30 us), 4 KiB, no burst:
+    the dissemination barrier at 4 x 2: 3 rounds x (30 us + 2 x 250 us) = 1.59 ms (the
+    quiet run measured 1.59 ms; the old formula 3 x 780 us = 2.34 ms); at 2 x 2:
+    2 x (30 + 250) us = 0.56 ms; the star at 4 x 2 stays 2 x (30 + 3 x 250) us."""
+    four, two = costs.Conditions(ranks_per_core=4.0), costs.Conditions(ranks_per_core=2.0)
+    assert costs.hop_wait(HAND, four, costs.ENTRENAR, symmetric=True) == pytest.approx(500e-6)
+    assert costs.hop_wait(HAND, four, costs.ENTRENAR) == pytest.approx(750e-6)
+    assert costs.hop_wait(HAND, two, costs.ENTRENAR, symmetric=True) == pytest.approx(250e-6)
+    assert costs.hop_wait(HAND, two, costs.ENTRENAR) == pytest.approx(250e-6)
+    assert costs.hop_wait(HAND, four, costs.GLOO, symmetric=True) == pytest.approx(700e-6)
+    links = rooted.with_frame(HAND, 0.0)
+    shape42, shape22 = costs.Shape(4, 2, 0), costs.Shape(2, 2, 0)
+    barrier42 = rooted.barrier_dissemination(shape42, costs.ENTRENAR)
+    barrier22 = rooted.barrier_dissemination(shape22, costs.ENTRENAR)
+    assert costs.total_time(barrier42, links, four) == pytest.approx(3 * 530e-6, rel=1e-6)
+    assert costs.total_time(barrier22, links, two) == pytest.approx(2 * 280e-6, rel=1e-6)
+    star = costs.star(costs.Shape(4, 2, 4 << 10), costs.ENTRENAR)
+    assert costs.total_time(star, HAND, four) == pytest.approx(2 * 780e-6, rel=1e-3)
+    for name in ("ring", "doubling", "direct", "host slices"):
+        phases = costs.ALGORITHMS[name][0](costs.Shape(4, 2, 4 << 10), costs.ENTRENAR)
+        assert all(p.symmetric for p in phases if p.messages), name
+    for name in ("star", "host leaders"):
+        phases = costs.ALGORITHMS[name][0](costs.Shape(4, 2, 4 << 10), costs.ENTRENAR)
+        assert not any(p.symmetric for p in phases), name
+
+
+def test_a_blocking_wait_starts_when_its_own_segment_has_arrived() -> None:
+    """gloo sleeps until its segment is in and only then waits to be woken; its ring
+    keeps two segments in flight (gloo/allreduce.cc), so a wait overlaps the other
+    one's bytes, not its own. gloo's ring at 4 x 2, 1 MiB, 4 per core, by hand
+    (HAND: gloo-net 150 us, 8 ns/B; GLOO_WAKE 700 us): bytes 1.75 MiB x 8 ns =
+    14.68 ms; waits 14 x 700 us = 9.8 ms; 14 x 150 us + max(14.68, 9.8 + 14.68 / 2)
+    = 19.24 ms (the old formula overlapped the wait with all the bytes: 16.78 ms;
+    measured quiet: 27.6 ms median, 16.3 ms fastest). entrenar spins and takes its
+    turns while the bytes fly: the same phases under ENTRENAR's waits overlap all."""
+    shape = costs.Shape(4, 2, 1 << 20)
+    four = costs.Conditions(ranks_per_core=4.0)
+    bw = 2 * 7 / 8 * (1 << 20) * 8e-9
+    gloo = costs.total_time(costs.ring(shape, costs.GLOO), HAND, four, costs.GLOO)
+    assert gloo == pytest.approx(14 * 150e-6 + 9.8e-3 + bw / 2, rel=1e-9)
+    assert gloo > 14 * 150e-6 + max(bw, 9.8e-3) * 1.1
+    phase = costs.ring(shape, costs.GLOO)[0]
+    assert phase.in_flight == costs.RING_IN_FLIGHT == 2
+    assert phase.time(HAND, 9.8e-3) == pytest.approx(14 * 150e-6 + bw)  # spinning: overlaps
+    assert phase.time(HAND, 0.0, blocking=True) == phase.time(HAND)  # no wait: alpha-beta
+
+
+def test_fit_wake_follows_the_rows_that_agree_not_one_in_the_other_mode() -> None:
+    """Small medians here are bimodal (a fast mode where the woken thread's core is
+    idle): the quiet 2 x 2 run read gloo's 256 KiB at 3.72 ms and its 4 and 64 KiB at
+    7.6-7.9 ms. wake.fit_wake fits the absolute log ratio, so one row of three in the
+    fast mode (here 2.5x faster) leaves GLOO_WAKE where the other two put it; the
+    squared relative error (the old fit) followed the fast row to ~360 us."""
+    truth = LinkTable({**LINKS.params, GLOO_WAKE: LinkParams(900e-6, 0.0)}, {})
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    rows = []
+    for s, mode in ((4 << 10, 1.0), (64 << 10, 1.0), (256 << 10, 1 / 2.5)):
+        row = {"variant": "gloo", "hosts": 2, "local": 2, "bytes": s, "median_s": 1.0}
+        rows.append({**row, "median_s": check.predict_row(row, meta, truth).predicted_s * mode})
+    fitted = wake.fit_wake([{"meta": meta, "rows": rows}], LINKS)
+    assert fitted[GLOO_WAKE].alpha == pytest.approx(900e-6, rel=0.02)
 
 
 def test_fit_wake_recovers_both_wake_up_alphas_from_cluster_rows() -> None:

@@ -52,6 +52,11 @@ from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
 SLOT_DATA_BYTES = 4 << 20  # transport/shm/slots.SLOT_DATA_BYTES: the chunk of the large path
+# gloo's ring (gloo/allreduce.cc) cuts the buffer into at least 2N segments and
+# keeps two in flight (recv/send issued at iteration i, waited for at i + 2), so
+# that one segment's I/O overlaps the reduction of the other. (Only a blocking
+# fabric's waits see it: ``Phase.time``.)
+RING_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,29 @@ class Phase:
     messages: Mapping[str, float] = field(default_factory=dict)
     nbytes: Mapping[str, float] = field(default_factory=dict)
     fill: float = 0.0  # the bandwidth term's part spent filling a pipeline (moves no bytes)
+    # Every rank sends and receives in each hop (a ring step, a doubling or dissemination
+    # round): where spinning ranks share a core, a hop waits half as long as a rooted one
+    # (``Conditions``: rooted hops wait behind k-1 turns, symmetric rounds k/2).
+    symmetric: bool = False
+    # Messages a rank keeps in flight per hop (gloo's ring: two segments,
+    # gloo/allreduce.cc); a blocking wait overlaps only the others' bytes.
+    in_flight: float = 1.0
 
-    def time(self, links: LinkTable, waits: float = 0.0) -> float:
+    def time(self, links: LinkTable, waits: float = 0.0, blocking: bool = False) -> float:
         """Seconds: the alphas, then the bytes or ``waits`` (the hops' waits to be
-        scheduled, ``Conditions``), whichever is longer: a rank waiting for bytes
-        still on the link is woken by their arrival, so its wake-up overlaps them."""
+        scheduled, ``Conditions``), whichever is longer.
+
+        A spinning rank takes its turns on the core while the bytes it waits
+        for are still on the link, so its wait overlaps them all. A ``blocking``
+        one (gloo) sleeps until its message has arrived and only then waits to
+        be woken: the wait overlaps the other messages in flight, not its own
+        (``in_flight`` 2: half the bytes)."""
         lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
         bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
-        return lat + max(bw * (1 + self.fill), waits)
+        bw *= 1 + self.fill
+        if blocking and waits > 0:
+            return lat + max(bw, waits + bw / self.in_flight)
+        return lat + max(bw, waits)
 
     def hops(self) -> float:
         """Messages in sequence (the phase waits for its slowest kind's)."""
@@ -124,7 +144,8 @@ class Phase:
                 taken = min(free, nbytes[kind])
                 nbytes[kind] -= taken
                 free -= taken
-        return Phase(self.name, self.messages, nbytes, self.fill), free
+        kept = Phase(self.name, self.messages, nbytes, self.fill, self.symmetric, self.in_flight)
+        return kept, free
 
 
 @dataclass(frozen=True)
@@ -162,14 +183,26 @@ def hops(phases: list[Phase]) -> float:
     return sum(p.hops() for p in phases)
 
 
-def hop_wait(links: LinkTable, where: Conditions, fabric: Fabric) -> float:
+def hop_wait(links: LinkTable, where: Conditions, fabric: Fabric, symmetric: bool = False) -> float:
     """Seconds one hop waits to be scheduled under ``where`` (``Fabric.spins``):
-    none with a core per rank or where the fabric's wake kind is not fitted."""
-    extra = where.ranks_per_core - 1
-    if extra <= 0 or fabric.wake not in links.params:
+    none with a core per rank or where the fabric's wake kind is not fitted.
+
+    A spinning fabric's hop waits ``WAKE``'s alpha per turn of the other ranks on
+    the core (each holds it for its spin before it yields). A *rooted* hop (the
+    star's root, a host's leader) needs one rank that has just yielded and so
+    queues behind all k-1 others: k-1 turns. In a *symmetric* round every rank on
+    the core is a receiver, and its place in the line is uniform: k/2 turns on
+    average, and pipelined rounds pay the average (a rank whose message came
+    goes straight on). At k = 2 both are 1. A blocking fabric (gloo) pays one
+    wake-up of a sleeping thread per hop either way.
+    """
+    k = where.ranks_per_core
+    if k <= 1 or fabric.wake not in links.params:
         return 0.0
     alpha = links[fabric.wake].alpha
-    return alpha * extra if fabric.spins else alpha
+    if not fabric.spins:
+        return alpha
+    return alpha * (k / 2 if symmetric else k - 1)
 
 
 def total_time(
@@ -184,12 +217,12 @@ def total_time(
     bound by the link's rate: never below the call's host-link bytes x beta.
     """
     free, seconds, link_bytes = where.free_net_bytes, 0.0, 0.0
-    wait = hop_wait(links, where, fabric)
     for phase in phases:
         link_bytes += phase.nbytes.get(fabric.inter, 0.0)
         if free > 0:
             phase, free = phase.charged_after(free)
-        seconds += phase.time(links, wait * phase.hops())
+        wait = hop_wait(links, where, fabric, phase.symmetric)
+        seconds += phase.time(links, wait * phase.hops(), blocking=not fabric.spins)
     if where.free_net_bytes > 0 and where.back_to_back and link_bytes > 0:
         seconds = max(seconds, link_bytes * links[fabric.inter].beta)
     return seconds
@@ -235,7 +268,8 @@ def ring(shape: Shape, fabric: Fabric) -> list[Phase]:
     per_link = 2 * (n - 1) / n * s
     used = _kinds_used(shape, fabric)
     nbytes = _with_reduce(fabric, {k: per_link for k in used}, (n - 1) / n * s)
-    return [Phase("ring", {k: 2 * (n - 1) for k in used}, nbytes)]
+    steps = {k: 2 * (n - 1) for k in used}
+    return [Phase("ring", steps, nbytes, symmetric=True, in_flight=RING_IN_FLIGHT)]
 
 
 def star(shape: Shape, fabric: Fabric) -> list[Phase]:
@@ -285,10 +319,12 @@ def doubling(shape: Shape, fabric: Fabric) -> list[Phase]:
     s, phases = shape.nbytes, []
     if inside:
         nbytes = _with_reduce(fabric, {fabric.intra: inside * s}, inside * s)
-        phases.append(Phase("doubling in the host", {fabric.intra: inside}, nbytes))
+        phases.append(Phase("doubling in the host", {fabric.intra: inside}, nbytes, symmetric=True))
     if across:
         nbytes = _with_reduce(fabric, {fabric.inter: across * shape.local * s}, across * s)
-        phases.append(Phase("doubling across hosts", {fabric.inter: across}, nbytes))
+        phases.append(
+            Phase("doubling across hosts", {fabric.inter: across}, nbytes, symmetric=True)
+        )
     return phases
 
 
@@ -309,7 +345,7 @@ def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
     if shape.hosts > 1:
         nbytes[fabric.inter] = (shape.hosts - 1) * shape.local**2 * s
     used = _kinds_used(shape, fabric)
-    exchange = Phase("direct", {k: 1 for k in used}, nbytes)
+    exchange = Phase("direct", {k: 1 for k in used}, nbytes, symmetric=True)
     return [exchange, *_reduce_phase("direct-combine", fabric, (n - 1) * s)]
 
 
@@ -412,7 +448,7 @@ def _slices(shape: Shape, fabric: Fabric, count: int) -> list[Phase]:
             combined += (h - 1) / h * piece / local
         if messages:
             nbytes = _with_reduce(fabric, nbytes, combined)
-            phases.append(Phase(f"slices plan {t}", messages, nbytes))
+            phases.append(Phase(f"slices plan {t}", messages, nbytes, symmetric=True))
     return phases
 
 

@@ -161,7 +161,8 @@ def barrier_dissemination(shape: Shape, fabric: Fabric, confirm: bool = True) ->
     if shape.hosts == 1:
         nbytes[fabric.intra] = rounds * TOKEN_BYTES
     nbytes[FRAME] = 2 * rounds
-    return [Phase("barrier dissemination", {_hop_kind(shape, fabric): rounds}, nbytes)]
+    hops = {_hop_kind(shape, fabric): rounds}
+    return [Phase("barrier dissemination", hops, nbytes, symmetric=True)]
 
 
 def _hop_kind(shape: Shape, fabric: Fabric) -> str:
@@ -195,7 +196,8 @@ def broadcast_dissemination(shape: Shape, fabric: Fabric, confirm: bool = True) 
     if shape.hosts == 1:
         nbytes[fabric.intra] = len(sent) * s + rounds * TOKEN_BYTES
     nbytes[FRAME] = 2 * rounds + len(sent)
-    return [Phase("broadcast dissemination", {_hop_kind(shape, fabric): rounds}, nbytes)]
+    hops = {_hop_kind(shape, fabric): rounds}
+    return [Phase("broadcast dissemination", hops, nbytes, symmetric=True)]
 
 
 def _in_host(name: str, shape: Shape, fabric: Fabric, nbytes: float) -> list[Phase]:
