@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.model import check, cli, costs, fit, plan, rooted, rooted_measure, wake
+from benchmarks.model import check, cli, costs, fit, held_out, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import (
     GLOO_LOOPBACK,
     GLOO_NET,
@@ -678,3 +678,48 @@ def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None
         rooted.broadcast_dissemination(rounds, costs.ENTRENAR)
     )
     assert check.duration(want) in lines[1]
+
+
+def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
+    """held_out: rows made by the model at 2 x 2 with WAKE 200 us and at 4 x 2 with WAKE
+    300 us (GLOO_WAKE 800 / 600 us): each direction's table carries the alphas of the
+    run it was fitted on, and its check holds only the other layout's rows (so the
+    4 x 2 rows, checked with the 2 x 2 fit, come out low). A rooted run is predicted
+    with the other layout's table; a run of two layouts is refused."""
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    runs = []
+    for (h, local), w, g in (((2, 2), 200e-6, 800e-6), ((4, 2), 300e-6, 600e-6)):
+        truth = LinkTable({**LINKS.params, WAKE: LinkParams(w, 0), GLOO_WAKE: LinkParams(g, 0)}, {})
+        rows = []
+        for variant in ("gloo", "entrenar-flat", "entrenar"):
+            for s in (4 << 10, 64 << 10, 256 << 10, 16 << 20):
+                row = {"variant": variant, "hosts": h, "local": local, "bytes": s, "median_s": 1}
+                rows.append({**row, "median_s": check.predict_row(row, meta, truth).predicted_s})
+        runs.append({"meta": meta, "rows": rows})
+    first, second = held_out.held_out(runs[0], runs[1], LINKS)
+    assert first.fitted_on == (2, 2) and second.fitted_on == (4, 2)
+    assert first.table[WAKE].alpha == pytest.approx(200e-6, rel=0.02)
+    assert second.table[GLOO_WAKE].alpha == pytest.approx(600e-6, rel=0.02)
+    assert {(c.hosts, c.local) for c in first.checked} == {(4, 2)}
+    assert {(c.hosts, c.local) for c in second.checked} == {(2, 2)}
+    small = [c for c in first.checked if c.nbytes < 1 << 20 and c.variant != "gloo"]
+    # 4 x 2 made at 300 us, predicted with 200 us: low where the waits show, never high
+    assert all(c.error <= 1e-9 for c in small) and any(c.error < -0.1 for c in small)
+    rooted_run = {
+        "rate": "1gbit",
+        "rows": [
+            {
+                "backend": "entrenar",
+                "op": "barrier",
+                "bytes": 0,
+                "hosts": 4,
+                "local": 2,
+                "median_s": 1e-3,
+            }
+        ],
+    }
+    ((row, predicted),) = held_out.rooted_rows(rooted_run, [first, second])
+    links = rooted.with_frame(first.table, 0.0)
+    assert predicted == rooted_measure.predicted(row, links, "1gbit", 2)
+    with pytest.raises(ValueError, match="one layout"):
+        held_out.layout({"rows": runs[0]["rows"] + runs[1]["rows"]})

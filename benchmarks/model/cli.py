@@ -7,6 +7,9 @@
   hop's wait to be scheduled where ranks share a core: entrenar spins, gloo
   blocks) fitted from cluster rows below 1 MiB, added to ``--links`` and
   saved to ``--out``.
+- ``held-out A.json B.json [--rooted R.json ...]``: ``fit-wake`` on each
+  layout's run, ``check`` of the other's rows (and the rooted runs'), both
+  ways (``held_out.py``).
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
@@ -34,7 +37,18 @@ import logging
 import os
 from pathlib import Path
 
-from benchmarks.model import check, costs, fit, flat, measure, plan, rooted, rooted_measure, wake
+from benchmarks.model import (
+    check,
+    costs,
+    fit,
+    flat,
+    held_out,
+    measure,
+    plan,
+    rooted,
+    rooted_measure,
+    wake,
+)
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import parse_sizes
 
@@ -98,6 +112,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         check.plot(checked, Path(args.plot))
         print(f"\nplot: {args.plot}")
     return 1 if args.strict and any(c.flagged for c in checked) else 0
+
+
+def cmd_held_out(args: argparse.Namespace) -> None:
+    directions = held_out.held_out(
+        held_out.load(args.first), held_out.load(args.second), _links(args.links)
+    )
+    print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -192,6 +213,11 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--plot", default="", help=f"PNG path, predicted against measured (e.g. {CHECK_PLOT})"
     )
+    ho = sub.add_parser("held-out", help="fit the wake-ups on one layout, check the other")
+    ho.add_argument("first", help="cluster.json of one layout")
+    ho.add_argument("second", help="cluster.json of the other")
+    ho.add_argument("--rooted", nargs="*", default=[], help="measure-rooted JSON files")
+    ho.add_argument("--links", help="the links (default: the committed table)")
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")
     pr.add_argument("--hosts", type=int, required=True)
     pr.add_argument("--local", type=int, required=True)
@@ -224,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "measure": cmd_measure,
         "fit": cmd_fit,
         "fit-wake": cmd_fit_wake,
+        "held-out": cmd_held_out,
         "plan": cmd_plan,
         "predict": cmd_predict,
         "rooted": cmd_rooted,

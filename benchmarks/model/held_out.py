@@ -1,0 +1,92 @@
+"""Held out: the wake-up alphas fitted on one layout's run, every row of the other checked.
+
+``python -m benchmarks.model held-out A.json B.json [--rooted R.json ...]``:
+``wake.fit_wake`` on run A (``cluster.json``), ``check`` on run B, then the
+other way round; each ``measure-rooted`` file is predicted with the table
+fitted on the cluster run of the *other* layout (H x L), so no row is
+predicted from its own layout. The links (alpha, beta per kind) come from
+``--links`` (the 2-rank sweeps: ``data/quiet/links.json`` for a quiet machine).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.model import check, rooted, rooted_measure, wake
+from benchmarks.model.links import GLOO_WAKE, WAKE, LinkTable
+from benchmarks.sizes import format_bytes
+
+
+def layout(run: dict[str, Any]) -> tuple[int, int]:
+    """(H, L) of a cluster or measure-rooted run, from its rows."""
+    shapes = {(int(r["hosts"]), int(r["local"])) for r in run["rows"]}
+    if len(shapes) != 1:
+        raise ValueError(f"a run of one layout expected, got {sorted(shapes)}")
+    return shapes.pop()
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One way round: fitted on ``fitted_on``, ``checked`` the other run's rows."""
+
+    fitted_on: tuple[int, int]
+    table: LinkTable
+    checked: list[check.Checked]
+
+
+def held_out(first: dict[str, Any], second: dict[str, Any], links: LinkTable) -> list[Direction]:
+    """Fit on each run, check the other."""
+    out = []
+    for fit_run, check_run in ((first, second), (second, first)):
+        table = wake.fit_wake([fit_run], links)
+        out.append(Direction(layout(fit_run), table, check.check([check_run], table)))
+    return out
+
+
+def rooted_rows(
+    run: dict[str, Any], directions: Sequence[Direction]
+) -> list[tuple[dict[str, Any], float]]:
+    """entrenar's rows of a ``measure-rooted`` run, each predicted with a table fitted
+    on another layout."""
+    here = layout(run)
+    tables = [d.table for d in directions if d.fitted_on != here]
+    if not tables:
+        raise ValueError(f"no cluster run of a layout other than {here} to fit on")
+    links = rooted.with_frame(tables[0], 0.0)
+    return [
+        (r, rooted_measure.predicted(r, links, run.get("rate", "1gbit"), 2))
+        for r in run["rows"]
+        if r["backend"] == "entrenar"
+    ]
+
+
+def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]]) -> str:
+    lines = []
+    for d in directions:
+        h, local = d.fitted_on
+        lines.append(
+            f"\n## fitted on {h} x {local}: wake {d.table[WAKE].alpha * 1e6:.0f} us, "
+            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us\n"
+        )
+        lines.append(check.report(d.checked))
+    for run in rooted_runs:
+        h, local = layout(run)
+        lines.append(f"\n## measure-rooted {h} x {local} (fitted on the other layout)\n")
+        lines.append("| op | size | measured | predicted | error |\n|---|---|---|---|---|")
+        for r, p in rooted_rows(run, directions):
+            m = float(r["median_s"])
+            flag = " **>25 %**" if abs(p / m - 1) > check.TOLERANCE else ""
+            lines.append(
+                f"| {r['op']} | {format_bytes(int(r['bytes']))} | {check.duration(m)} "
+                f"| {check.duration(p)} | {p / m - 1:+.0%}{flag} |"
+            )
+    return "\n".join(lines)
+
+
+def load(path: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return data
