@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -723,3 +724,18 @@ def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
     assert predicted == rooted_measure.predicted(row, links, "1gbit", 2)
     with pytest.raises(ValueError, match="one layout"):
         held_out.layout({"rows": runs[0]["rows"] + runs[1]["rows"]})
+
+
+def test_held_out_command_on_the_committed_quiet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``held-out`` on the committed quiet runs: both directions and both rooted runs
+    are reported, each cluster table holding only the other layout's 18 rows."""
+    quiet = Path(__file__).resolve().parents[1] / "benchmarks/model/data/quiet"
+    argv = ["held-out", f"{quiet}/cluster-2x2-1gbit.json", f"{quiet}/cluster-4x2-1gbit.json"]
+    argv += ["--rooted", f"{quiet}/rooted-2x2-1gbit.json", f"{quiet}/rooted-4x2-1gbit.json"]
+    assert cli.main([*argv, "--links", f"{quiet}/links.json"]) == 0
+    out = capsys.readouterr().out
+    first, second = out.split("## fitted on 4 x 2")
+    assert "## fitted on 2 x 2" in first and "| 2 x 2 |" not in first
+    assert first.count("| 4 x 2 |") == 18 and second.count("| 2 x 2 |") == 18
+    assert "## measure-rooted 2 x 2" in second and "## measure-rooted 4 x 2" in second
+    assert second.count("| barrier | 0 B |") == 2
