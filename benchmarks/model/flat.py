@@ -18,9 +18,9 @@ finds the smallest N from which doubling is faster, per size, on:
 Both on dedicated cores (``costs.DEDICATED``: a core per rank, as on a
 cluster). ``this machine`` repeats the first with every rank on 2 cores
 (``Conditions.ranks_per_core`` N/2: each hop in sequence waits ``wake`` per
-extra rank on a core), which is what ``benchmarks.scale --calls`` measures
-here: there the star's two hops beat doubling's log2 N at every N, as
-measured (docs/benchmarks.md).
+turn of the others on its core, ``costs.hop_wait``), which is what
+``benchmarks.scale --calls`` measures here: there the star's two hops beat
+doubling's log2 N at every N, as measured (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def report(links: LinkTable) -> str:
     for layout in LAYOUTS:
         cells = [f"{format_bytes(s)}: {crossover(layout, s, links)}" for s in SIZES]
         parts.append(f"- {layout}: " + ", ".join(cells))
-    parts += ["", "This machine (N ranks on 2 cores, a wake-up per hop per extra rank):", ""]
+    parts += ["", "This machine (N ranks on 2 cores, each hop waiting its turns, hop_wait):", ""]
     parts += machine_lines(links)
     return "\n".join(parts)
 
