@@ -36,6 +36,16 @@ class Direction:
     fitted_on: tuple[int, int]
     table: LinkTable
     checked: list[check.Checked]
+    checked_when: str  # the checked run's start and load (``when``)
+
+
+def when(run: dict[str, Any]) -> str:
+    """A cluster run's start and 1-minute load average at start and end, from its meta
+    (a run taken while other jobs ran is not a quiet run: the check is for quiet ones)."""
+    meta = run.get("meta", {})
+    start, end = meta.get("loadavg_start"), meta.get("loadavg_end")
+    load = f", load {start[0]:.1f} -> {end[0]:.1f}" if start and end else ""
+    return f"{meta.get('started', 'start not recorded')}{load}"
 
 
 def held_out(first: dict[str, Any], second: dict[str, Any], links: LinkTable) -> list[Direction]:
@@ -43,7 +53,8 @@ def held_out(first: dict[str, Any], second: dict[str, Any], links: LinkTable) ->
     out = []
     for fit_run, check_run in ((first, second), (second, first)):
         table = wake.fit_wake([fit_run], links)
-        out.append(Direction(layout(fit_run), table, check.check([check_run], table)))
+        checked = check.check([check_run], table)
+        out.append(Direction(layout(fit_run), table, checked, when(check_run)))
     return out
 
 
@@ -70,7 +81,8 @@ def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]
         h, local = d.fitted_on
         lines.append(
             f"\n## fitted on {h} x {local}: wake {d.table[WAKE].alpha * 1e6:.0f} us, "
-            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us\n"
+            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us; checked: the run of "
+            f"{d.checked_when}\n"
         )
         lines.append(check.report(d.checked))
     for run in rooted_runs:
