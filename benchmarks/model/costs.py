@@ -80,7 +80,8 @@ class Fabric:
     ``spins``: entrenar busy-polls while it waits (``Options.spin_us``,
     ``caller_spin_us``), so a rank that is sent to shares its core with
     every other rank on it, all runnable: a hop waits ``wake``'s alpha per
-    extra rank on the core. gloo blocks (an epoll thread and a condition
+    turn of the others on the core (``hop_wait``: k-1 turns for a rooted
+    hop, k/2 for a symmetric round). gloo blocks (an epoll thread and a condition
     variable per message, gloo/transport/tcp): the others sleep, and a hop
     pays one wake-up of a sleeping thread, whatever the number of ranks.
     """
@@ -155,9 +156,10 @@ class Conditions:
     ``ranks_per_core``: ranks sharing one core. The emulated clusters put
     every rank of every host on this machine's cores (8 ranks on 2: 4);
     there every hop in sequence waits for its rank to be scheduled, as the
-    fabric waits (``Fabric.spins``): entrenar ``WAKE``'s alpha per hop per
-    extra rank on the core, gloo ``GLOO_WAKE``'s alpha per hop. The wait
-    overlaps the phase's bytes (``Phase.time``). (The links' alphas are
+    fabric waits (``Fabric.spins``): entrenar ``WAKE``'s alpha per turn of
+    the others on the core (``hop_wait``), gloo ``GLOO_WAKE``'s alpha per
+    hop. A spinning wait overlaps the phase's bytes, a blocking one only the
+    other messages in flight (``Phase.time``). (The links' alphas are
     fitted with 2 ranks on 2 cores: one per core.)
     ``free_net_bytes``: tc tbf's burst on the emulated links, 0 on a real
     link. A token bucket of that size, filled at the link's rate: a call's

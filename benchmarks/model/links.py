@@ -22,8 +22,9 @@ SLOTS = "slots"  # the shm-native allreduce's slot copies (collectives/shm_allre
 LOOPBACK = "loopback"  # TCP over the loopback interface
 NET = "net"  # TCP through a host's link (the shaped veth); bytes counted per host link
 REDUCE = "reduce"  # one combine (a += b) on one rank's CPU: beta per byte of the result
-# Not a link: a hop's wait for its rank to be scheduled, alpha per hop in
-# sequence per extra rank sharing a core (costs.Conditions); fitted from the
+# Not a link: a hop's wait for its rank to be scheduled, alpha per turn of the
+# other ranks sharing its core (costs.hop_wait: k-1 turns a rooted hop, k/2 a
+# symmetric round; a spinning rank's turn); fitted from the
 # emulated clusters' rows below 1 MiB (wake.py), beta unused.
 WAKE = "wake"
 # gloo's: a hop's wake-up of a sleeping thread (gloo blocks where entrenar
