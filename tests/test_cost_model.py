@@ -724,6 +724,9 @@ def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
     assert predicted == rooted_measure.predicted(row, links, "1gbit", 2)
     with pytest.raises(ValueError, match="one layout"):
         held_out.layout({"rows": runs[0]["rows"] + runs[1]["rows"]})
+    assert first.checked_when == "start not recorded"
+    timed = {"meta": {"started": "05:37", "loadavg_start": [1.66, 2, 5], "loadavg_end": [2.7]}}
+    assert held_out.when(timed) == "05:37, load 1.7 -> 2.7"
 
 
 def test_held_out_command_on_the_committed_quiet_runs(capsys: pytest.CaptureFixture[str]) -> None:
