@@ -9,6 +9,7 @@ import torch
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
 from .dissemination import confirm_in_rounds, disseminate
+from .rooted import confirm_rooted
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
@@ -25,9 +26,10 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
 
     With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
-    hears from none: with ``DIRECT`` every rank also exchanges its header with
-    every peer it does not already (``Plan.confirm_peers``; the root talks to
-    every rank anyway); the chain confirms through the dissemination rounds'
+    hears from none: with ``DIRECT`` every rank also sends the root its header
+    and waits for the root's verdict on all of them (``confirm_rooted``: the
+    root talks to every rank anyway, the others to the root and their ring
+    neighbours); the chain confirms through the dissemination rounds'
     tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
     most, not N - 1), so a rank that disagrees (root, size, dtype, algorithm)
     makes every rank raise in this call, the root included.
@@ -66,5 +68,5 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     if algo is Algo.CHAIN:
         confirm_in_rounds(call, plan, header)
     else:
-        plan.confirm_peers(n, header)
+        confirm_rooted(plan, root, n, header)
     call.mesh.run(plan, call.what(op), call)

@@ -1,10 +1,13 @@
 """Rooted collectives: reduce to a root, gather to a root, scatter from a root.
 
 In each, some rank only sends or only receives, so data alone does not show
-every rank every other rank's call: each plan also confirms its header with
-every peer it does not already exchange one with (``Plan.confirm_peers``),
-and a rank that disagrees (root, size, dtype, op) makes every rank raise in
-the call. The root travels in every header (``aux``).
+every rank every other rank's call: each plan also confirms its header
+through the root (``confirm_rooted``: the root checks every rank's header and
+answers each with a verdict) and with its ring neighbours, and a rank that
+disagrees (root, size, dtype, op) makes every rank raise in the call. A rank
+other than the root talks to the root and its ring neighbours only (before,
+it exchanged a header frame with every peer: a socket to each). The root
+travels in every header (``aux``).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> Non
         plan.send(root, bytes_of(buf))
     else:
         gather_reduce(call, plan, buf, red, root, header, replies=False)
-    plan.confirm_peers(call.world, header)
+    confirm_rooted(plan, root, call.world, header)
     call.mesh.run(plan, call.what(OpCode.REDUCE), call)
 
 
@@ -82,7 +85,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
     Every piece has ``inp``'s size (the adapter checks the root's list).
     Steps: one; every non-root rank sends its input to the root, which
     receives from all of them at once. Bytes: a leaf sends its input; the
-    root receives (N-1) inputs; plus the header confirmations. Latency: 1 hop.
+    root receives (N-1) inputs; plus the header confirmations (``confirm_rooted``). Latency: 1 hop.
     """
     r = call.rank
     if r == root:
@@ -91,7 +94,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
             outs[r].copy_(inp)
     header = call.header(OpCode.GATHER, Algo.DIRECT, inp.dtype, numel=inp.numel(), aux=root)
     plan = _rooted(call, header, root, outs or [], inp, to_root=True)
-    plan.confirm_peers(call.world, header)
+    confirm_rooted(plan, root, call.world, header)
     call.mesh.run(plan, call.what(OpCode.GATHER), call)
 
 
@@ -110,8 +113,19 @@ def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, r
             out.copy_(ins[r])
     header = call.header(OpCode.SCATTER, Algo.DIRECT, out.dtype, numel=out.numel(), aux=root)
     plan = _rooted(call, header, root, ins or [], out, to_root=False)
-    plan.confirm_peers(call.world, header)
+    confirm_rooted(plan, root, call.world, header)
     call.mesh.run(plan, call.what(OpCode.SCATTER), call)
+
+
+def confirm_rooted(plan: Plan, root: int, world: int, header: Header) -> None:
+    """The header rule for a rooted plan (call it after every ``open``): every
+    rank's header checked at the root, whose verdict each rank waits for
+    (``Plan.confirm_at_root``), and the ring neighbours' headers, so that a rank
+    running another plan for this call (another root, another collective) meets
+    this one on a link. Peers: a rank other than the root, the root and its two
+    ring neighbours; the root, every rank (its plan's own links)."""
+    plan.confirm_at_root(root, world, header)
+    plan.confirm_neighbours(world, header)
 
 
 def _rooted(
