@@ -9,7 +9,7 @@ import torch
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
 from .dissemination import confirm_in_rounds, disseminate
-from .rooted import confirm_rooted
+from .rooted import run_rooted
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
@@ -27,7 +27,7 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
 
     With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
     hears from none: with ``DIRECT`` every rank also sends the root its header
-    and waits for the root's verdict on all of them (``confirm_rooted``: the
+    and waits for the root's verdict on all of them (``run_rooted``: the
     root talks to every rank anyway, the others to the root and their ring
     neighbours); the chain confirms through the dissemination rounds'
     tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
@@ -65,8 +65,8 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
-    if algo is Algo.CHAIN:
-        confirm_in_rounds(call, plan, header)
-    else:
-        confirm_rooted(plan, root, n, header)
+    if algo is Algo.DIRECT:
+        run_rooted(call, plan, root, header, op)
+        return
+    confirm_in_rounds(call, plan, header)
     call.mesh.run(plan, call.what(op), call)

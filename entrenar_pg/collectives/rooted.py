@@ -2,7 +2,7 @@
 
 In each, some rank only sends or only receives, so data alone does not show
 every rank every other rank's call: each plan also confirms its header
-through the root (``confirm_rooted``: the root checks every rank's header and
+through the root (``run_rooted``: the root checks every rank's header and
 answers each with a verdict) and with its ring neighbours, and a rank that
 disagrees (root, size, dtype, op) makes every rank raise in the call. A rank
 other than the root talks to the root and its ring neighbours only (before,
@@ -75,8 +75,7 @@ def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> Non
         plan.send(root, bytes_of(buf))
     else:
         gather_reduce(call, plan, buf, red, root, header, replies=False)
-    confirm_rooted(plan, root, call.world, header)
-    call.mesh.run(plan, call.what(OpCode.REDUCE), call)
+    run_rooted(call, plan, root, header, OpCode.REDUCE)
 
 
 def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, root: int) -> None:
@@ -85,7 +84,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
     Every piece has ``inp``'s size (the adapter checks the root's list).
     Steps: one; every non-root rank sends its input to the root, which
     receives from all of them at once. Bytes: a leaf sends its input; the
-    root receives (N-1) inputs; plus the header confirmations (``confirm_rooted``). Latency: 1 hop.
+    root receives (N-1) inputs; plus the header confirmations (``run_rooted``). Latency: 1 hop.
     """
     r = call.rank
     if r == root:
@@ -94,8 +93,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
             outs[r].copy_(inp)
     header = call.header(OpCode.GATHER, Algo.DIRECT, inp.dtype, numel=inp.numel(), aux=root)
     plan = _rooted(call, header, root, outs or [], inp, to_root=True)
-    confirm_rooted(plan, root, call.world, header)
-    call.mesh.run(plan, call.what(OpCode.GATHER), call)
+    run_rooted(call, plan, root, header, OpCode.GATHER)
 
 
 def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, root: int) -> None:
@@ -113,19 +111,46 @@ def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, r
             out.copy_(ins[r])
     header = call.header(OpCode.SCATTER, Algo.DIRECT, out.dtype, numel=out.numel(), aux=root)
     plan = _rooted(call, header, root, ins or [], out, to_root=False)
-    confirm_rooted(plan, root, call.world, header)
-    call.mesh.run(plan, call.what(OpCode.SCATTER), call)
+    run_rooted(call, plan, root, header, OpCode.SCATTER)
 
 
-def confirm_rooted(plan: Plan, root: int, world: int, header: Header) -> None:
-    """The header rule for a rooted plan (call it after every ``open``): every
-    rank's header checked at the root, whose verdict each rank waits for
-    (``Plan.confirm_at_root``), and the ring neighbours' headers, so that a rank
-    running another plan for this call (another root, another collective) meets
-    this one on a link. Peers: a rank other than the root, the root and its two
-    ring neighbours; the root, every rank (its plan's own links)."""
-    plan.confirm_at_root(root, world, header)
-    plan.confirm_neighbours(world, header)
+def run_rooted(call: Call, plan: Plan, root: int, header: Header, op: OpCode) -> None:
+    """Run a rooted plan with the header rule (call it after every ``open``):
+    every rank's header checked at the root, whose verdict each rank waits for
+    (``Plan.confirm_at_root``), and the ring neighbours' headers, so that a
+    rank running another plan for this call (another root, another
+    collective) meets this one on a link. Peers: a rank other than the root,
+    the root and its two ring neighbours; the root, every rank (its plan's own
+    links).
+
+    Where some rank of the call is on another host, data sockets are made on
+    first use, the lower rank connecting, and a plan waits for its links
+    first: a rank that names another root would wait for that rank to
+    connect, which it never does. There the neighbours' headers go in a plan
+    of their own, first (ring neighbours are linked by every plan, so it
+    never waits on a link the neighbour does not make): a disagreement
+    surfaces there, and the rooted plan runs only where neighbours agree. One
+    more hop; on one host (every data socket made at set-up) the neighbours'
+    headers ride in the rooted plan.
+    """
+    n = call.world
+    if n > 1:
+        if linked_at_set_up(call):
+            plan.confirm_neighbours(n, header)
+        else:
+            first = call.plan()
+            first.confirm_neighbours(n, header)
+            call.mesh.run(first, call.what(op), call)
+        plan.confirm_at_root(root, n, header)
+    call.mesh.run(plan, call.what(op), call)
+
+
+def linked_at_set_up(call: Call) -> bool:
+    """Whether every rank of the call shares this rank's host (the data sockets
+    between them are made at set-up); the same answer on every rank of it."""
+    host_of = call.mesh.topology.host_of
+    here = host_of[call.mesh.rank]
+    return all(host_of[call.group_rank(i)] == here for i in range(call.world))
 
 
 def _rooted(
