@@ -32,11 +32,11 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
     used as scratch (the adapter hands in a copy, so user inputs survive).
     ``call.choice.algo`` (collectives.policy) ``STAR`` (two ranks, or up to
     ``star_max_bytes``): ``reduce_star``. Else a reduce-scatter, ``RING`` or
-    ``DIRECT`` (the direct-exchange tree, deterministic), and
+    ``DIRECT`` (the halving in tree order, deterministic: halving.py), and
     then every rank sends its reduced chunk to the root: every rank sends and
     receives about (N-1)/N x nbytes in the reduce-scatter, the root receives
     another (N-1)/N x nbytes: about 2 x nbytes at the root instead of the
-    star's (N-1) x nbytes. Latency: N-1 ring hops (1 when deterministic) + 1.
+    star's (N-1) x nbytes. Latency: N-1 ring hops (ceil(log2 N) when deterministic) + 1.
     The reduce-scatter's header carries the root, and completing it means
     every rank's header agreed (its data passes through every rank), so the
     final move to the root needs no confirmation of its own.
@@ -49,7 +49,7 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
         reduce_star(call, buf, red, root)
         return
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
-    if call.choice.algo is Algo.DIRECT:  # the tree exchange (deterministic)
+    if call.choice.algo is Algo.DIRECT:  # the halving (deterministic)
         reduce_scatter_tree(call, chunks, red, OpCode.REDUCE, aux=root)
     else:
         reduce_scatter_ring(call, chunks, red, OpCode.REDUCE, aux=root)
