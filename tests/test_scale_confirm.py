@@ -194,28 +194,52 @@ def test_rooted_ops_hold_the_root_and_log_n_sockets_at_sixteen() -> None:
 
 @dataclass(frozen=True)
 class Odd:
-    """One collective on every rank; rank ``odd`` passes another size or root."""
+    """One collective on every rank of ``world``; rank ``odd`` passes another
+    size, root (3, the others 0) or dtype (``kind``)."""
 
     collective: str
     odd: int
     numel: int
+    kind: str = "size"
+    world: int = WORLD
 
     def run(self, rank: int, pg: EntrenarProcessGroup) -> None:
         odd = rank == self.odd
-        numel = self.numel + (1 if odd and self.collective == "allreduce" else 0)
-        root = 3 if odd else 0
-        t = torch.ones(numel)
+        numel = self.numel + (1 if odd and self.kind == "size" else 0)
+        root = 3 if odd and self.kind == "root" else 0
+        dtype = torch.float64 if odd and self.kind == "dtype" else torch.float32
+        t = torch.ones(numel, dtype=dtype)
+        many = [[torch.ones_like(t) for _ in range(self.world)]] if rank == root else []
         if self.collective == "allreduce":
             pg.allreduce([t]).wait()
         elif self.collective == "reduce":
             opts = dist.ReduceOptions()
             opts.rootRank = root
             pg.reduce([t], opts).wait()
-        else:
+        elif self.collective == "gather":
             gopts = dist.GatherOptions()
             gopts.rootRank = root
-            outs = [[torch.empty(numel) for _ in range(WORLD)]] if rank == root else []
-            pg.gather(outs, [t], gopts).wait()
+            pg.gather(many, [t], gopts).wait()
+        elif self.collective == "scatter":
+            sopts = dist.ScatterOptions()
+            sopts.rootRank = root
+            pg.scatter([t], many, sopts).wait()
+        else:
+            bopts = dist.BroadcastOptions()
+            bopts.rootRank = root
+            pg.broadcast([t], bopts).wait()
+
+
+def raised_everywhere(case: Odd) -> dict[int, str]:
+    """Run ``case`` on fresh groups of ranks on hosts of their own; the ranks
+    that did not raise CollectiveMismatchError, with what they did."""
+    groups = make_groups(case.world, own_hosts(case.world), timeout_s=15.0)
+    try:
+        got = each_rank(groups, range(case.world), case.run, timeout_s=60.0)
+        return {r: repr(e) for r, e in got.items() if not isinstance(e, CollectiveMismatchError)}
+    finally:
+        for g in groups:
+            g.abort()
 
 
 @pytest.mark.timeout(90)
@@ -223,24 +247,35 @@ class Odd:
     "case",
     [
         Odd("allreduce", 11, 16 << 10),  # TREE_RING, one rank a size larger
-        Odd("reduce", 6, 64 << 10),  # halving + move, one rank another root
-        Odd("reduce", 13, 1 << 10),  # the star
-        Odd("gather", 9, 256),
+        Odd("reduce", 6, 64 << 10, "root"),  # halving + move, one rank another root
+        Odd("reduce", 13, 1 << 10, "root"),  # the star
+        Odd("gather", 9, 256, "root"),
     ],
-    ids=lambda c: f"{c.collective}-{c.numel}",
+    ids=lambda c: f"{c.collective}-{c.numel}-{c.kind}",
 )
 def test_a_disagreement_raises_on_every_one_of_sixteen(case: Odd) -> None:
     """16 ranks, each its own emulated host: one rank (no ring neighbour of
     the root, no partner of most ranks) disagrees; every rank raises
     CollectiveMismatchError in the call, none returns or times out."""
-    groups = make_groups(WORLD, own_hosts(WORLD), timeout_s=15.0)
-    try:
-        got = each_rank(groups, range(WORLD), case.run, timeout_s=60.0)
-        wrong = {r: repr(e) for r, e in got.items() if not isinstance(e, CollectiveMismatchError)}
-        assert not wrong, wrong
-    finally:
-        for g in groups:
-            g.abort()
+    assert not raised_everywhere(case)
+
+
+ROOTED_CASES = [
+    Odd(collective, odd, numel, kind, world=4)
+    for collective, numel in (("reduce", 1 << 10), ("gather", 256), ("scatter", 256))
+    for kind, odd in (("root", 2), ("size", 1), ("dtype", 0))
+] + [Odd("broadcast", odd, 24 << 10, kind, world=4) for kind, odd in (("size", 2), ("root", 1))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ROOTED_CASES, ids=lambda c: f"{c.collective}-{c.kind}-{c.odd}")
+def test_rooted_disagreements_across_hosts_raise_everywhere(case: Odd) -> None:
+    """The rooted plans' confirmation across hosts (the root's verdict and the
+    neighbours' plan first; tests/test_mismatch.py runs one host, where every
+    peer confirms): 4 ranks, each its own host, one disagreeing about the
+    root, the size or the dtype (the broadcast at 96 KiB: direct from the
+    root); every rank raises CollectiveMismatchError."""
+    assert not raised_everywhere(case)
 
 
 @pytest.mark.timeout(60)

@@ -26,13 +26,13 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
 
     With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
-    hears from none: with ``DIRECT`` every rank also sends the root its header
-    and waits for the root's verdict on all of them (``run_rooted``: the
-    root talks to every rank anyway, the others to the root and their ring
-    neighbours); the chain confirms through the dissemination rounds'
-    tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
-    most, not N - 1), so a rank that disagrees (root, size, dtype, algorithm)
-    makes every rank raise in this call, the root included.
+    hears from none: with ``DIRECT`` every rank also confirms its header as
+    the rooted ops do (``run_rooted``: on one host with every peer; across
+    hosts through the root's verdict and the ring neighbours); the chain
+    confirms through the dissemination rounds' tokens after its data
+    (``confirm_in_rounds``: 2 ceil(log2 N) peers more at most, not N - 1),
+    so a rank that disagrees (root, size, dtype, algorithm) makes every rank
+    raise in this call, the root included.
     """
     if call.choice.algo is Algo.DISSEMINATION:
         disseminate(call, op, buf, root)

@@ -2,12 +2,12 @@
 
 In each, some rank only sends or only receives, so data alone does not show
 every rank every other rank's call: each plan also confirms its header
-through the root (``run_rooted``: the root checks every rank's header and
-answers each with a verdict) and with its ring neighbours, and a rank that
-disagrees (root, size, dtype, op) makes every rank raise in the call. A rank
-other than the root talks to the root and its ring neighbours only (before,
-it exchanged a header frame with every peer: a socket to each). The root
-travels in every header (``aux``).
+(``run_rooted``: on one host with every peer; across hosts through the
+root, which checks every rank's header and answers each with a verdict, and
+the ring neighbours, so that a rank other than the root needs no socket but
+to the root and its neighbours), and a rank that disagrees (root, size,
+dtype, op) makes every rank raise in the call. The root travels in every
+header (``aux``).
 """
 
 from __future__ import annotations
@@ -115,32 +115,30 @@ def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, r
 
 
 def run_rooted(call: Call, plan: Plan, root: int, header: Header, op: OpCode) -> None:
-    """Run a rooted plan with the header rule (call it after every ``open``):
-    every rank's header checked at the root, whose verdict each rank waits for
-    (``Plan.confirm_at_root``), and the ring neighbours' headers, so that a
-    rank running another plan for this call (another root, another
-    collective) meets this one on a link. Peers: a rank other than the root,
-    the root and its two ring neighbours; the root, every rank (its plan's own
-    links).
+    """Run a rooted plan with the header rule (call it after every ``open``).
 
-    Where some rank of the call is on another host, data sockets are made on
-    first use, the lower rank connecting, and a plan waits for its links
-    first: a rank that names another root would wait for that rank to
-    connect, which it never does. There the neighbours' headers go in a plan
-    of their own, first (ring neighbours are linked by every plan, so it
-    never waits on a link the neighbour does not make): a disagreement
-    surfaces there, and the rooted plan runs only where neighbours agree. One
-    more hop; on one host (every data socket made at set-up) the neighbours'
-    headers ride in the rooted plan.
+    On one host (every data socket made at set-up): a header frame with every
+    peer (``Plan.confirm_peers``), which costs no socket there and no round
+    trip. Where some rank of the call is on another host, data sockets are
+    made on first use, so a frame with every peer would connect every rank to
+    every other: there every rank's header is checked at the root, whose
+    verdict each rank waits for (``Plan.confirm_at_root``: one more hop), and
+    a rank other than the root talks to the root and its two ring neighbours
+    only. The neighbours' headers, which make a rank running another plan for
+    this call (another root, another collective) meet this one, go in a plan
+    of their own, first: a plan waits for its links before it runs, the lower
+    rank connecting, so a rank that names another root would wait for that
+    rank to connect, which it never does; ring neighbours are linked by every
+    plan, so a disagreement surfaces there, and the rooted plan runs only
+    where neighbours agree (one more hop).
     """
     n = call.world
-    if n > 1:
-        if linked_at_set_up(call):
-            plan.confirm_neighbours(n, header)
-        else:
-            first = call.plan()
-            first.confirm_neighbours(n, header)
-            call.mesh.run(first, call.what(op), call)
+    if n > 1 and linked_at_set_up(call):
+        plan.confirm_peers(n, header)
+    elif n > 1:
+        first = call.plan()
+        first.confirm_neighbours(n, header)
+        call.mesh.run(first, call.what(op), call)
         plan.confirm_at_root(root, n, header)
     call.mesh.run(plan, call.what(op), call)
 
