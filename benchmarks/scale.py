@@ -70,6 +70,7 @@ class ScaleConfig:
     out: Path
     hosts: int = 1  # emulated hosts (Options.host_id per contiguous block of ranks)
     calls: int = 0  # timed 4 KiB allreduces per rank after set-up (0: none)
+    deterministic: bool = False  # entrenar's Options.deterministic
 
 
 def split(world: int, procs: int) -> list[tuple[int, ...]]:
@@ -107,7 +108,9 @@ def run_job(backend: str, world: int, procs: int, cfg: ScaleConfig) -> list[dict
     try:
         for ranks in split(world, procs):
             spec = Spec(backend, world, ranks, store.port, cfg.timeout_s, cfg.transport)
-            spec = dataclasses.replace(spec, hosts=cfg.hosts, calls=cfg.calls)
+            spec = dataclasses.replace(
+                spec, hosts=cfg.hosts, calls=cfg.calls, deterministic=cfg.deterministic
+            )
             stdout = tempfile.TemporaryFile()
             stderr = tempfile.TemporaryFile()
             cmd = [sys.executable, "-m", "benchmarks.scale_ranks", spec.to_json()]
@@ -221,6 +224,7 @@ def _result(
             "hosts": cfg.hosts,
             "allreduce_bytes": 4096,
             "calls": cfg.calls,
+            "deterministic": cfg.deterministic,
         },
         "fd_limit": {"soft_found": soft_before, "soft_used": soft, "hard": hard},
         "machine": machine_info(),
@@ -272,6 +276,11 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
         default=1,
         help="emulated hosts: ranks in this many contiguous blocks, each its own host_id",
     )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="entrenar's Options.deterministic (with entrenar-ring: the tree ring at 4 KiB)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "scale")
     a = ap.parse_args(argv)
     backends = tuple(b for b in a.backends.split(",") if b)
@@ -283,7 +292,16 @@ def parse_args(argv: list[str] | None = None) -> ScaleConfig:
     if a.calls < 0:
         ap.error("--calls must be 0 or more")
     return ScaleConfig(
-        a.ranks, a.procs, backends, a.repeats, a.timeout, a.transport, a.out, a.hosts, a.calls
+        a.ranks,
+        a.procs,
+        backends,
+        a.repeats,
+        a.timeout,
+        a.transport,
+        a.out,
+        a.hosts,
+        a.calls,
+        a.deterministic,
     )
 
 

@@ -81,6 +81,7 @@ class Spec:
     # its own Options.host_id (1: the machine's own identity, one host).
     hosts: int = 1
     calls: int = 0  # timed 4 KiB allreduces after the count (0: none)
+    deterministic: bool = False  # entrenar's Options.deterministic
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -159,6 +160,8 @@ def _create(spec: Spec, store: dist.Store, rank: int) -> Any:
         options = dataclasses.replace(options, algorithm=spec.backend[len(ENTRENAR) + 1 :])
     if spec.transport:
         options = dataclasses.replace(options, transport=spec.transport)
+    if spec.deterministic:
+        options = dataclasses.replace(options, deterministic=True)
     if spec.hosts > 1:
         # topology="hosts": host-aware although the emulated hosts share
         # loopback (the link probe would take the flat path on it).

@@ -135,30 +135,32 @@ def test_independent_of_segments_and_bucketing(world: int) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("slow_rank", [0, 2])
-def test_flow_control_with_a_slow_rank(slow_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank reduces slowly: the others run ahead only as far as the receive slots allow.
+def test_a_slow_rank_keeps_the_bits(slow_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank combines slowly: its partners' data for a level runs ahead of
+    its combines at the level below.
 
-    With many segments per chunk every receive slot is reused many times; a
-    peer that overran its credit would overwrite a slot before it was reduced
-    and the bits would differ from the tree sum.
+    With many segments per chunk (the halving, halving.py) a segment whose
+    data arrived before the level below was combined must wait for it; one
+    combined out of order, or read before it was combined, makes the bits
+    differ from the tree sum.
     """
     import threading
     import time
 
-    from entrenar_pg.collectives import tree as deterministic
+    from entrenar_pg.collectives import halving
 
     world, numel = 4, 40_000
     xs = inputs(world, numel, torch.float32, seed=11)
-    original = deterministic.tree_reduce_into
+    original = halving.combine_into
     calls = [0]
 
-    def slow(dst: torch.Tensor, parts: list[torch.Tensor], kind: Kind) -> None:
+    def slow(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kind: Kind) -> None:
         if threading.current_thread().name.startswith(f"entrenar-r{slow_rank}-"):
             calls[0] += 1
             time.sleep(0.0005 * (calls[0] % 3))
-        original(dst, parts, kind)
+        original(dst, a, b, kind)
 
-    monkeypatch.setattr(deterministic, "tree_reduce_into", slow)
+    monkeypatch.setattr(halving, "combine_into", slow)
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
         t = xs[rank].clone()
@@ -169,7 +171,7 @@ def test_flow_control_with_a_slow_rank(slow_rank: int, monkeypatch: pytest.Monke
     assert calls[0] > 100, "the slow rank was not slowed"
     ref = tree_sum(xs)
     for rank, out in enumerate(outs):
-        assert same_bits(out, ref), f"rank {rank}: a receive slot was overwritten"
+        assert same_bits(out, ref), f"rank {rank}: combined out of order"
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import torch
 from ..wire import Algo, OpCode
 from .common import Call, bytes_of, is_set, segments, setter
 from .dissemination import confirm_in_rounds, disseminate
+from .rooted import run_rooted
 
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
@@ -25,12 +26,13 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
 
     With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
-    hears from none: with ``DIRECT`` every rank also exchanges its header with
-    every peer it does not already (``Plan.confirm_peers``; the root talks to
-    every rank anyway); the chain confirms through the dissemination rounds'
-    tokens after its data (``confirm_in_rounds``: 2 ceil(log2 N) peers more at
-    most, not N - 1), so a rank that disagrees (root, size, dtype, algorithm)
-    makes every rank raise in this call, the root included.
+    hears from none: with ``DIRECT`` every rank also confirms its header as
+    the rooted ops do (``run_rooted``: on one host with every peer; across
+    hosts through the root's verdict and the ring neighbours); the chain
+    confirms through the dissemination rounds' tokens after its data
+    (``confirm_in_rounds``: 2 ceil(log2 N) peers more at most, not N - 1),
+    so a rank that disagrees (root, size, dtype, algorithm) makes every rank
+    raise in this call, the root included.
     """
     if call.choice.algo is Algo.DISSEMINATION:
         disseminate(call, op, buf, root)
@@ -63,8 +65,8 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(nxt, header, recv=False)
             for k, (a, b) in enumerate(segs):
                 plan.send(nxt, raw[a * size : b * size], is_set(have, k))
-    if algo is Algo.CHAIN:
-        confirm_in_rounds(call, plan, header)
-    else:
-        plan.confirm_peers(n, header)
+    if algo is Algo.DIRECT:
+        run_rooted(call, plan, root, header, op)
+        return
+    confirm_in_rounds(call, plan, header)
     call.mesh.run(plan, call.what(op), call)

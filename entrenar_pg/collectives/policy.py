@@ -44,9 +44,9 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   up to 64 KiB, measured: ``broadcast_direct_max_bytes``);
   ``CHAIN`` (pipelined, in rank order from the root) above.
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
-  reduce-scatter, ``RING`` (``DIRECT``, the tree exchange, when
+  reduce-scatter, ``RING`` (``DIRECT``, the tree halving, when
   deterministic), then each rank's chunk straight to the root.
-- ``REDUCE_SCATTER``: ``RING``, ``DIRECT`` (the tree exchange) when
+- ``REDUCE_SCATTER``: ``RING``, ``DIRECT`` (the tree halving) when
   deterministic; several hosts (``host_aware``, as for the allreduce:
   deterministic only where the hosts are subtrees of the canonical tree)
   ``HOST_SLICES``.
@@ -73,7 +73,7 @@ class Choice(NamedTuple):
 
     algo: Algo  # the plan, as its headers name it
     tree: bool  # sum in the canonical tree order over ranks (else rank / ring order)
-    segment_bytes: int  # pipelining unit of ring, star, chain and the tree exchange
+    segment_bytes: int  # pipelining unit of ring, star, chain and the tree halving
     flags: Flags  # the header's flags
 
     def segment_elems(self, dtype: torch.dtype) -> int:

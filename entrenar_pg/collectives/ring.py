@@ -17,6 +17,7 @@ from ..reduce_ops import Kind, Reduction, combine_, finish_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
+from .dissemination import confirm_in_rounds
 
 
 def ring_pass(
@@ -103,8 +104,9 @@ def open_ring(call: Call, plan: Plan, header: Header, chunks: Sequence[torch.Ten
     forwarded, hop by hop, by every other rank, each only after it had checked
     its own left neighbour's header (a rank that raises starves the rest, who
     then get its abort). With an empty chunk some rank may receive nothing
-    that passed through the others, so then every rank confirms its header
-    with every peer (``Plan.confirm_peers``).
+    that passed through the others, so then the headers also go along the
+    dissemination rounds (``confirm_in_rounds``: 2 ceil(log2 N) more peers at
+    most, where a header frame with every peer needed a socket to each).
     """
     n, r = call.world, call.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -112,7 +114,7 @@ def open_ring(call: Call, plan: Plan, header: Header, chunks: Sequence[torch.Ten
     if left != right:
         plan.open(left, header, send=False, recv=True)
     if any(c.numel() == 0 for c in chunks):
-        plan.confirm_peers(n, header)
+        confirm_in_rounds(call, plan, header)
 
 
 def allreduce_ring(call: Call, buf: torch.Tensor, red: Reduction) -> None:

@@ -1,10 +1,13 @@
 """Rooted collectives: reduce to a root, gather to a root, scatter from a root.
 
 In each, some rank only sends or only receives, so data alone does not show
-every rank every other rank's call: each plan also confirms its header with
-every peer it does not already exchange one with (``Plan.confirm_peers``),
-and a rank that disagrees (root, size, dtype, op) makes every rank raise in
-the call. The root travels in every header (``aux``).
+every rank every other rank's call: each plan also confirms its header
+(``run_rooted``: on one host with every peer; across hosts through the
+root, which checks every rank's header and answers each with a verdict, and
+the ring neighbours, so that a rank other than the root needs no socket but
+to the root and its neighbours), and a rank that disagrees (root, size,
+dtype, op) makes every rank raise in the call. The root travels in every
+header (``aux``).
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
     used as scratch (the adapter hands in a copy, so user inputs survive).
     ``call.choice.algo`` (collectives.policy) ``STAR`` (two ranks, or up to
     ``star_max_bytes``): ``reduce_star``. Else a reduce-scatter, ``RING`` or
-    ``DIRECT`` (the direct-exchange tree, deterministic), and
+    ``DIRECT`` (the halving in tree order, deterministic: halving.py), and
     then every rank sends its reduced chunk to the root: every rank sends and
     receives about (N-1)/N x nbytes in the reduce-scatter, the root receives
     another (N-1)/N x nbytes: about 2 x nbytes at the root instead of the
-    star's (N-1) x nbytes. Latency: N-1 ring hops (1 when deterministic) + 1.
+    star's (N-1) x nbytes. Latency: N-1 ring hops (ceil(log2 N) when deterministic) + 1.
     The reduce-scatter's header carries the root, and completing it means
     every rank's header agreed (its data passes through every rank), so the
     final move to the root needs no confirmation of its own.
@@ -46,7 +49,7 @@ def reduce(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> None:
         reduce_star(call, buf, red, root)
         return
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
-    if call.choice.algo is Algo.DIRECT:  # the tree exchange (deterministic)
+    if call.choice.algo is Algo.DIRECT:  # the halving (deterministic)
         reduce_scatter_tree(call, chunks, red, OpCode.REDUCE, aux=root)
     else:
         reduce_scatter_ring(call, chunks, red, OpCode.REDUCE, aux=root)
@@ -72,8 +75,7 @@ def reduce_star(call: Call, buf: torch.Tensor, red: Reduction, root: int) -> Non
         plan.send(root, bytes_of(buf))
     else:
         gather_reduce(call, plan, buf, red, root, header, replies=False)
-    plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.REDUCE), call)
+    run_rooted(call, plan, root, header, OpCode.REDUCE)
 
 
 def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, root: int) -> None:
@@ -82,7 +84,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
     Every piece has ``inp``'s size (the adapter checks the root's list).
     Steps: one; every non-root rank sends its input to the root, which
     receives from all of them at once. Bytes: a leaf sends its input; the
-    root receives (N-1) inputs; plus the header confirmations. Latency: 1 hop.
+    root receives (N-1) inputs; plus the header confirmations (``run_rooted``). Latency: 1 hop.
     """
     r = call.rank
     if r == root:
@@ -91,8 +93,7 @@ def gather(call: Call, inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, r
             outs[r].copy_(inp)
     header = call.header(OpCode.GATHER, Algo.DIRECT, inp.dtype, numel=inp.numel(), aux=root)
     plan = _rooted(call, header, root, outs or [], inp, to_root=True)
-    plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.GATHER), call)
+    run_rooted(call, plan, root, header, OpCode.GATHER)
 
 
 def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, root: int) -> None:
@@ -110,8 +111,44 @@ def scatter(call: Call, ins: Sequence[torch.Tensor] | None, out: torch.Tensor, r
             out.copy_(ins[r])
     header = call.header(OpCode.SCATTER, Algo.DIRECT, out.dtype, numel=out.numel(), aux=root)
     plan = _rooted(call, header, root, ins or [], out, to_root=False)
-    plan.confirm_peers(call.world, header)
-    call.mesh.run(plan, call.what(OpCode.SCATTER), call)
+    run_rooted(call, plan, root, header, OpCode.SCATTER)
+
+
+def run_rooted(call: Call, plan: Plan, root: int, header: Header, op: OpCode) -> None:
+    """Run a rooted plan with the header rule (call it after every ``open``).
+
+    On one host (every data socket made at set-up): a header frame with every
+    peer (``Plan.confirm_peers``), which costs no socket there and no round
+    trip. Where some rank of the call is on another host, data sockets are
+    made on first use, so a frame with every peer would connect every rank to
+    every other: there every rank's header is checked at the root, whose
+    verdict each rank waits for (``Plan.confirm_at_root``: one more hop), and
+    a rank other than the root talks to the root and its two ring neighbours
+    only. The neighbours' headers, which make a rank running another plan for
+    this call (another root, another collective) meet this one, go in a plan
+    of their own, first: a plan waits for its links before it runs, the lower
+    rank connecting, so a rank that names another root would wait for that
+    rank to connect, which it never does; ring neighbours are linked by every
+    plan, so a disagreement surfaces there, and the rooted plan runs only
+    where neighbours agree (one more hop).
+    """
+    n = call.world
+    if n > 1 and linked_at_set_up(call):
+        plan.confirm_peers(n, header)
+    elif n > 1:
+        first = call.plan()
+        first.confirm_neighbours(n, header)
+        call.mesh.run(first, call.what(op), call)
+        plan.confirm_at_root(root, n, header)
+    call.mesh.run(plan, call.what(op), call)
+
+
+def linked_at_set_up(call: Call) -> bool:
+    """Whether every rank of the call shares this rank's host (the data sockets
+    between them are made at set-up); the same answer on every rank of it."""
+    host_of = call.mesh.topology.host_of
+    here = host_of[call.mesh.rank]
+    return all(host_of[call.group_rank(i)] == here for i in range(call.world))
 
 
 def _rooted(

@@ -30,6 +30,8 @@ from ..reduce_ops import Kind, Reduction, combine_into, finish_, tree_reduce_
 from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
+from .dissemination import confirm_in_rounds
+from .halving import halve
 
 CREDIT = 4  # segments a rank sends ahead of its own reduction (receive scratch: 2x this)
 
@@ -134,17 +136,12 @@ def reduce_scatter_tree(
     differ); ``prepare_`` (PREMUL_SUM's scale) is the caller's, AVG's division
     is done here, after the sum.
 
-    Steps: one, a direct exchange. Rank r sends chunk p to every rank p != r
-    and receives chunk r from every peer, segment by segment, all links at
-    once; segment k of chunk r is combined in the canonical tree order as soon
-    as every peer's segment k has arrived (the N-1 combines of an element are
-    done by its owner, none on the way). A rank sends segment i only once it
-    has reduced its own segment i - CREDIT, which bounds the receive scratch
-    to 2 x CREDIT segments per peer (one segment when N = 2; the whole chunk
-    per peer when chunk sizes differ by more than a segment). Bytes on the
-    wire per rank: the other chunks out, (N-1) x chunk r in; for equal chunks
-    (N-1)/N x total each way, the ring's. Latency: 1 hop. ``aux`` goes into
-    the header (reduce's root); every rank checks every peer's.
+    Recursive halving in the canonical tree's shape (halving.py): ceil(log2 N)
+    levels, one partner each, segment k of a chunk combined in the canonical
+    tree order level by level as it arrives. Bytes on the wire per rank: the
+    other chunks out, once each; for equal chunks (N-1)/N x total out, the
+    ring's. Latency: ceil(log2 N) hops. ``aux`` goes into the header
+    (reduce's root). Headers: see ``confirm_tree``.
     """
     n = call.world
     if len(chunks) != n:
@@ -157,8 +154,27 @@ def reduce_scatter_tree(
     header = call.header(
         op, Algo.DIRECT, chunks[0].dtype, reduce_op=int(red.kind), numel=numel, aux=aux
     )
-    exchange(call, plan, chunks, red, header)
+    halve(call, plan, chunks, red, header)
+    confirm_tree(call, plan, header, chunks)
     call.mesh.run(plan, call.what(op), call)
+
+
+def confirm_tree(call: Call, plan: Plan, header: Header, chunks: Sequence[torch.Tensor]) -> None:
+    """The header rule for a plan built on ``halve`` (call it after every ``open``).
+
+    Every chunk's sum gathers every rank's contribution along a tree of links,
+    each receiver checking its sender's header before it combines and sends
+    the chunk on; so a rank that receives its reduced chunk (and, in the
+    allreduce, every other) has seen every rank's call agree, if every chunk
+    has data. The ring neighbours' headers make a rank running another plan
+    for this call meet this one. With an empty chunk some rank's result passes
+    through no one: then the headers go along the dissemination rounds
+    (``confirm_in_rounds``: 2 ceil(log2 N) more peers at most, not N - 1).
+    """
+    if any(c.numel() == 0 for c in chunks):
+        confirm_in_rounds(call, plan, header)
+    else:
+        plan.confirm_neighbours(call.world, header)
 
 
 def allreduce_tree_ring(
@@ -166,13 +182,15 @@ def allreduce_tree_ring(
 ) -> None:
     """Deterministic allreduce of the flat CPU tensor ``buf``, in place.
 
-    Steps: the direct-exchange reduce-scatter of ``reduce_scatter_tree``
-    (``buf`` cut by ``chunk_bounds``; rank r owns chunk r and tree-reduces it),
+    Steps: the halving reduce-scatter of ``reduce_scatter_tree`` (``buf`` cut
+    by ``chunk_bounds``; rank r owns chunk r and reduces it in tree order),
     then N-1 ring all-gather steps (at step s rank r forwards chunk r-s to
     r+1 and receives chunk r-s-1 from r-1), both in one plan: segment k of
     chunk r goes round the ring as soon as it is reduced. Bytes on the wire
-    per rank: 2(N-1)/N x nbytes sent and received, the same as the ring
-    allreduce. Latency: 1 + (N-1) hops.
+    per rank: 2(N-1)/N x nbytes sent (the ring allreduce's). Latency:
+    ceil(log2 N) + (N-1) hops. Peers: the halving's (ceil(log2 N) for a power
+    of two, at most 2 ceil(log2 N)) and the ring neighbours (the direct
+    exchange before it talked to all N - 1).
     """
     n, r = call.world, call.rank
     if n == 1:
@@ -181,12 +199,16 @@ def allreduce_tree_ring(
     header = call.header(op, Algo.TREE_RING, buf.dtype, reduce_op=int(red.kind), numel=buf.numel())
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.numel(), n)]
     plan = call.plan()
-    reduced = exchange(call, plan, chunks, red, header)
-    # Ring all-gather over the same (already open) links. A received segment
-    # lands in its final place; chunk c's segment k can only arrive after its
-    # owner had this rank's segment k, so overwriting it never races the
-    # exchange's send of the same bytes.
+    reduced = halve(call, plan, chunks, red, header)
+    # Ring all-gather after the halving's pieces (on a link they share). A
+    # received segment lands in its final place; chunk c's segment k can only
+    # arrive after its owner had this rank's share of it, so overwriting it
+    # never races the halving's send of the same bytes.
     right, left = (r + 1) % n, (r - 1) % n
+    if call.group_rank(right) not in plan.sends:
+        plan.open(right, header, recv=False)
+    if call.group_rank(left) not in plan.recvs:
+        plan.open(left, header, send=False)
     seg_elems = call.segment_elems(buf.dtype)
     size = buf.element_size()
     views = [bytes_of(c) for c in chunks]
@@ -202,4 +224,5 @@ def allreduce_tree_ring(
         gate = reduced if s == 0 else got[s - 1]
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
             plan.send(right, views[c][a * size : b * size], is_set(gate, k))
+    confirm_tree(call, plan, header, chunks)
     call.mesh.run(plan, call.what(op), call)

@@ -102,7 +102,10 @@ class Plan:
     sent only after its own checks) on the way. A plan whose data reaches
     every rank through every other (ring, star, direct) gets that from its
     data; one where some rank only sends or only hears from some peers adds
-    ``confirm_peers`` (header-only frames on the links it does not use), and
+    ``confirm_peers`` (header-only frames on the links it does not use),
+    ``confirm_at_root`` (rooted plans: the root checks every header and
+    answers each rank with a verdict) or the dissemination rounds
+    (collectives/dissemination.py, ``confirm_in_rounds``), and
     one whose links carry different headers (all-to-all: per-link sizes)
     adds ``acknowledge``. Every plan also exchanges headers with its ring
     neighbours (star plans through ``confirm_neighbours``), so two different
@@ -185,6 +188,37 @@ class Plan:
             self.open(right, header, recv=False)
         if self._rank_of(left) not in self.recvs:
             self.open(left, header, send=False)
+
+    def confirm_at_root(self, root: int, world: int, header: Header) -> None:
+        """The header rule through ``root`` (rooted plans: the root talks to every
+        rank, the others to the root); call it after every ``open``.
+
+        Every rank and the root exchange headers (a header-only frame on a
+        direction the plan leaves unused); the root compares all N - 1 with its
+        own and, only once every header it receives has passed, sends each rank
+        a verdict: ``header`` again, received and checked like a header, after
+        whatever the plan sends that rank. So a rank completes only after the
+        root found every rank's call equal to its own, and a rank other than
+        the root needs no socket to any rank but the root (where
+        ``confirm_peers`` exchanged a frame with every peer). One more hop for
+        the ranks that only send to the root; 32 or 64 bytes each way per
+        rank. The root's header goes out at once, unlike its verdict, so a
+        rank running another plan for this call (one over shared memory,
+        say) still finds a frame from the root on its link; and two different
+        plans meet through ``confirm_neighbours``.
+        """
+        me, root_rank = self.rank, self._rank_of(root)
+        peers = [i for i in range(world) if self._rank_of(i) != me]
+        for i in [root] if me != root_rank else peers:
+            peer = self._rank_of(i)
+            if peer not in self.sends or peer not in self.recvs:
+                self.open(i, header, send=peer not in self.sends, recv=peer not in self.recvs)
+        stamp = self._stamp(header)
+        if me != root_rank:
+            self._expect(root_rank, stamp, None)
+            return
+        for i in peers:
+            self._send(self._rank_of(i), memoryview(stamp.packed), self._tally.all_passed)
 
     def acknowledge(self, peer: int, header: Header) -> None:
         """End the link with ``peer`` with an acknowledgement both ways.
