@@ -289,7 +289,13 @@ def test_a_job_interrupted_by_the_groups_failure_keeps_its_culprit() -> None:
     groups = make_groups(2, timeout_s=20.0)
     try:
         work = groups[0].allreduce([torch.ones(4)])  # rank 1 never joins
-        time.sleep(0.2)
+        # Inside the job, waiting for rank 1 (what a QUERY would hear): a
+        # failure recorded before the job started would refuse it instead.
+        mesh = groups[0]._runtime.mesh
+        deadline = time.monotonic() + 10
+        while mesh.control.waiting is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert mesh.control.waiting is not None, "the job never waited for rank 1"
         groups[0]._runtime.state.fail(PeerConnectionError("rank 0: injected", culprit=1), "test")
         with pytest.raises(PeerConnectionError, match="interrupted.*injected") as info:
             work.wait()

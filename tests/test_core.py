@@ -8,6 +8,7 @@ barrier, argument validation, mismatch detection and timeouts.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -322,25 +323,36 @@ def test_size_mismatch_is_detected() -> None:
 
 
 def test_stalled_peer_times_out_on_every_rank() -> None:
+    """Rank 2 joins only once ranks 0 and 1 have given up (or 20 s have
+    passed): they raise at the 2 s no-progress timeout, while rank 2 is still
+    held. Held by events, not a fixed sleep, so a loaded machine that makes
+    the timeout and its wait-for walk late cannot turn the outcome."""
     groups = make_groups(3, Options(), timeout_s=2.0)
+    gave_up = [threading.Event(), threading.Event()]
     started = time.monotonic()
 
-    def fn(rank: int, pg: EntrenarProcessGroup) -> float:
+    def fn(rank: int, pg: EntrenarProcessGroup) -> float | bool:
         if rank == 2:
-            time.sleep(4.0)  # never joins the collective in time
+            held = all(e.wait(20.0) for e in gave_up)  # never joins the collective in time
             with pytest.raises(PeerConnectionError):
                 allreduce(pg, torch.ones(8))
-        else:
+            return held
+        try:
             with pytest.raises(PeerConnectionError, match="no progress|rank 2|failed"):
                 allreduce(pg, torch.ones(8))
+        finally:
+            gave_up[rank].set()
         return time.monotonic() - started
 
     try:
-        elapsed = run_ranks(3, fn, groups=groups, timeout_s=30)
+        *elapsed, held = run_ranks(3, fn, groups=groups, timeout_s=60)
     finally:
         for g in groups:
             g.shutdown()
-    assert max(elapsed[:2]) < 2.0 + 1.5, elapsed  # within the timeout, not after it
+    # Both gave up before rank 2 came (within the timeout, not after it), and
+    # neither before the timeout had run out.
+    assert held is True, elapsed
+    assert min(elapsed) >= 2.0, elapsed
 
 
 def test_missing_rank_fails_group_creation_within_timeout() -> None:

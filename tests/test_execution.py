@@ -40,6 +40,8 @@ def test_blocking_call_completes_in_the_callers_thread() -> None:
     """Blocking: done when the call returns, run by the calling thread. Async:
     returns at once (the peer is still asleep) and runs on the comm thread."""
 
+    looked = threading.Event()  # rank 0 looked at its async call's Work
+
     def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[bool, bool, bool, bool]:
         ran_in: list[threading.Thread] = []
         real_run = pg.mesh.run
@@ -55,9 +57,14 @@ def test_blocking_call_completes_in_the_callers_thread() -> None:
         blocking_done = w.is_completed()
         blocking_here = ran_in[-1] is threading.current_thread()
         if rank == 1:
-            time.sleep(0.3)
+            # Joins rank 0's async call only once rank 0 has looked at it (an
+            # event, not a sleep: a loaded machine may hold rank 0's thread
+            # between its call and the look).
+            assert looked.wait(30)
         w = pg.allreduce([torch.ones(8)], _opts(blocking=False))
         async_pending = not w.is_completed()
+        if rank == 0:
+            looked.set()
         w.wait()
         async_elsewhere = ran_in[-1] is not threading.current_thread()
         return blocking_done, blocking_here, async_pending, async_elsewhere
@@ -260,19 +267,30 @@ def test_comm_thread_waits_for_a_callers_thread_job() -> None:
     by another thread is queued behind it, not run at once on the comm thread
     (two jobs on the same sockets at once would interleave their bytes)."""
 
+    issued = threading.Event()  # rank 0's second call is issued
+
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[float]:
         first = torch.full((50_000,), float(rank + 1))
         second = torch.full((50_000,), float(10 * (rank + 1)))
         if rank == 1:
-            time.sleep(0.4)  # rank 0's first call waits for us in its caller's thread
+            # Rank 0's first call waits for us in its caller's thread until its
+            # second is issued (events, not sleeps: under load a sleep could
+            # let the second be issued before the first, or after it ended).
+            assert issued.wait(30)
             pg.allreduce([first], _opts(blocking=True)).wait()
             pg.allreduce([second], _opts(blocking=True)).wait()
             return [float(first[0]), float(second[0])]
         works: list[object] = []
+        seq = pg._runtime.seq
 
         def issue_second() -> None:
-            time.sleep(0.1)  # while the first call is in progress
+            # While the first call is in progress: it has its seq (and, under
+            # the same lock, the token), and it waits for rank 1.
+            deadline = time.monotonic() + 30
+            while pg._runtime.seq == seq and time.monotonic() < deadline:
+                time.sleep(0.001)
             works.append(pg.allreduce([second], _opts(blocking=False)))
+            issued.set()
 
         helper = threading.Thread(target=issue_second)
         helper.start()

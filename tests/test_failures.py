@@ -26,6 +26,7 @@ from conftest import allreduce_errors, free_port, make_groups, rank_env
 from preloaded import start_script
 
 from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
+from entrenar_pg.transport import acceptor
 
 REPO = Path(__file__).resolve().parents[1]
 BLAME = REPO / "tests" / "scripts" / "blame.py"
@@ -149,11 +150,18 @@ def test_abort_cause_and_culprit_reach_every_rank(transport: str) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_setup_is_not_delayed_by_silent_or_flooding_strangers() -> None:
+def test_setup_is_not_delayed_by_silent_or_flooding_strangers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Three connections that connect and say nothing, and 500 connect-and-close
     attempts, at rank 0's listener while rank 1 joins: the group forms in well
     under one handshake deadline (before: 10 s per silent connection; with
-    three, set-up failed at its 20 s timeout)."""
+    three, set-up failed at its 20 s timeout).
+
+    The handshake deadline is made 30 s, longer than set-up's 20 s timeout: a
+    set-up that waited out a silent connection fails, so the verdict does not
+    rest on how fast a loaded machine sets a group up."""
+    monkeypatch.setattr(acceptor, "HANDSHAKE_S", 30.0)
     store = dist.HashStore()
     made: dict[int, object] = {}
 
@@ -194,7 +202,7 @@ def test_setup_is_not_delayed_by_silent_or_flooding_strangers() -> None:
         groups = [made.get(0), made.get(1)]
         for g in groups:
             assert isinstance(g, EntrenarProcessGroup), g
-        assert elapsed < 3.0, f"set-up took {elapsed:.2f}s with 3 silent connections"
+        assert elapsed < 10.0, f"set-up took {elapsed:.2f}s with 3 silent connections"
         assert flooded[0] > 0
 
         results: list[float] = [0.0, 0.0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,44 @@ def end_record(metrics: Path) -> dict:
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert recs and recs[-1].get("event") == "end", recs[-1:]
     return recs[-1]
+
+
+# torch's elastic agents race on their store at exit (pytorch/pytorch#69520,
+# open): an agent still in the exit barrier when the agent that hosts the
+# store has exited logs "Error waiting on exit barrier" and a traceback, after
+# every worker succeeded, and exits 0. Seen on a loaded machine; torch's, not
+# the job's.
+_EXIT_BARRIER = re.compile(
+    r"(\S*/elastic/agent/server/api\.py:\d+\]) Error waiting on exit barrier"
+)
+
+
+def without_exit_barrier_race(log: str) -> str:
+    """``log`` without that one logged error (every line of it carries the
+    logger's ``file:line]`` tag); every other line, any other traceback, kept."""
+    tags = {m.group(1) for m in _EXIT_BARRIER.finditer(log)}
+    return "\n".join(line for line in log.splitlines() if not any(t in line for t in tags))
+
+
+def test_only_torchs_exit_barrier_race_is_left_out_of_a_node_log() -> None:
+    """The race's block (as a loaded run logged it) goes; a job's traceback,
+    or the agent's other lines, stay."""
+    tag = "E1126 07:26:52.456 25586 torch/distributed/elastic/agent/server/api.py:1008]"
+    race = [
+        f"{tag} Error waiting on exit barrier. Elapsed: 0.0076 seconds",
+        f"{tag} Traceback (most recent call last):",
+        f'{tag}   File "torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier',
+        f"{tag} torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.",
+    ]
+    job = [
+        "I1126 07:26:40.1 25586 site-packages/torch/distributed/elastic/agent/server/api.py:900] "
+        "Local worker group finished",
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "trainer/train.py", line 1, in <module>',
+    ]
+    assert without_exit_barrier_race("\n".join(race + job)) == "\n".join(job)
+    assert "Traceback" not in without_exit_barrier_race("\n".join(race))
+    assert without_exit_barrier_race("\n".join(job)) == "\n".join(job)
 
 
 # -- static checks -------------------------------------------------------------------------
@@ -209,6 +248,6 @@ def test_netns_cluster_two_hosts_over_veth(tmp_path):
     assert end["world_size"] == 2 and end["replicas_agree"] and end["step"] == 4
     # each node ran in its own namespace with its own address on the bridge
     for i in (0, 1):
-        log = (tmp_path / "logs" / f"node{i}.log").read_text()
+        log = without_exit_barrier_race((tmp_path / "logs" / f"node{i}.log").read_text())
         assert "Traceback" not in log, log[-3000:]
     assert "rendezvous 10.77.0.1:" in proc.stderr

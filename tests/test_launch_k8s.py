@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 from conftest import netns_allowed, run_session
-from test_launch import TINY, end_record
+from test_launch import TINY, end_record, without_exit_barrier_race
 
 yaml = pytest.importorskip("yaml")
 
@@ -210,7 +210,8 @@ def run_pods(pods: list[Pod], root: Path) -> dict[str, Path]:
         check=False,
     )
     logs = "\n".join(
-        f"--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted((root / "logs").glob("*"))
+        f"--- {p.name} ---\n{without_exit_barrier_race(p.read_text())[-3000:]}"
+        for p in sorted((root / "logs").glob("*"))
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + logs
     assert f"head {HEAD_ADDR}," in proc.stderr, proc.stderr

@@ -296,10 +296,14 @@ def test_every_other_call_takes_the_long_path() -> None:
         pg.checker = None
         check("common again", [torch.full((8,), rank + 1.0)], blocking())
         # busy: rank 0's async call waits for rank 1, which comes late, so
-        # rank 0's next call must queue behind it
+        # rank 0's next call must queue behind it. Late by rank 0's seq (both
+        # calls issued), not by a sleep a loaded machine could outlast.
         slow = torch.full((1 << 16,), rank + 1.0)
         if rank == 1:
-            time.sleep(0.3)
+            issued = pg._runtime.seq + 2  # rank 0's async call and its next
+            deadline = time.monotonic() + 30
+            while groups[0]._runtime.seq < issued and time.monotonic() < deadline:
+                time.sleep(0.001)
         first = pg.allreduce([slow], async_opts)
         check("busy group", [torch.full((8,), rank + 1.0)], blocking())
         first.wait()
@@ -307,7 +311,12 @@ def test_every_other_call_takes_the_long_path() -> None:
         return seen
 
     thin = {"common", "2-d", "requires_grad", "per-call timeout", "common again"}
-    seen = run_ranks(2, fn, timeout_s=70)
+    groups = make_groups(2)
+    try:
+        seen = run_ranks(2, fn, groups=groups, timeout_s=70)
+    finally:
+        for g in groups:
+            g.shutdown()
     assert {k for k, v in seen[0].items() if v} == thin
     # Rank 1: its async call may be done before its next one; the profiler's
     # switch is the process's, so rank 0's profiler may have sent it the long way.

@@ -17,7 +17,7 @@ Each rank that sees the error prints ``RESULT <rank> <ErrorClass> <message>``
 import os
 import signal
 import sys
-import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,17 @@ from short_timeout import init_group
 
 import entrenar_pg
 
+
+def all_finished(store: dist.Store, rank: int, world: int, step: int) -> None:
+    """Return once every rank has said it finished ``step`` (a store rendezvous)."""
+    store.set(f"fr_scenario/finished/{step}/{rank}", "1")
+    store.wait([f"fr_scenario/finished/{step}/{r}" for r in range(world)], timedelta(seconds=60))
+
+
 mode, victim, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 init_group()  # set-up under a generous timeout, then TIMEOUT_S
 rank, world = dist.get_rank(), dist.get_world_size()
+store = dist.distributed_c10d._get_default_store()
 t = torch.ones(1024)
 ops = [
     dist.P2POp(dist.isend, t.clone(), (rank + 1) % world),
@@ -38,10 +46,12 @@ for w in dist.batch_isend_irecv(ops):
 try:
     for step in range(k + 1):
         if step == k and mode == "desync":
-            # Let every rank finish the previous allreduce first: a leaf still
-            # reading its result when the root sees the mismatch fails there,
-            # and its records stop before the call the test is about.
-            time.sleep(1.0)
+            # Every rank finishes the previous allreduce before any issues this
+            # one (a rank still inside it when another sees the mismatch fails
+            # there, and its records stop before the call the test is about).
+            # Met in the store, not by a collective, which would be recorded
+            # and shift the seqs; a fixed sleep was too short under load.
+            all_finished(store, rank, world, step - 1)
         if step == k and rank == victim:
             if mode == "desync":
                 dist.all_reduce(torch.ones(512))
