@@ -122,6 +122,7 @@ class SlotArea:
         self.peer_headers = [
             [self._slots[q][p][:_HEADER_BYTES] for q in self._peers] for p in (0, 1)
         ]
+        self._own_headers = [self._slots[rank][p][:_HEADER_BYTES] for p in (0, 1)]
         # The fence (``fence.Fence``'s kind: an uncontended lock round trip, a
         # locked instruction, a full barrier on x86-64), inlined where it is hot.
         self._lock = threading.Lock()
@@ -169,8 +170,8 @@ class SlotArea:
     def publish(self, phase: int, header: bytes | bytearray | None = None) -> None:
         """This rank's slot of ``phase`` is written (and ``header``, if given,
         goes into the slot's header now): say so, waking sleeping peers."""
-        if header is not None:
-            self._slots[self.rank][phase & 1][: len(header)] = header
+        if header is not None:  # a wire header: _HEADER_BYTES
+            self._own_headers[phase & 1][:] = header
         lock = self._lock
         lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
         lock.release()
