@@ -869,11 +869,11 @@ def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room() 
     lower, own0 = placement(0, [(1, hi)])
     lower.shared_core()
     assert lower.moves == 0 and own0[word] == cpu + 1
-    # More ranks than CPUs: sharing is the plan, nobody moves.
+    # More ranks than CPUs: sharing is the plan, nobody moves (nor even says where).
     crowd = [(0, low)] + [(q, words()) for q in range(2, len(allowed) + 1)]
-    crowded, _ = placement(1, crowd)
+    crowded, own_c = placement(1, crowd)
     crowded.shared_core()
-    assert crowded.moves == 0
+    assert crowded.moves == 0 and own_c[word] == 0
     # A peer elsewhere: nothing to do.
     elsewhere = words()
     elsewhere[word] = max(allowed) + 2  # not ``cpu``

@@ -24,7 +24,8 @@ stays, so a pair never swaps cores and ends together again.
 Bounded: at most one move per ``MOVE_EVERY_S``, and none where the
 thread's affinity has fewer CPUs than the area has ranks (oversubscribed,
 as four ranks on two cores: sharing is then the plan, and the waits'
-yields handle it), where ``sched_getcpu`` is missing, or once changing the
+yields handle it; looked at when the area is made, which then does
+nothing more, and before each move), where ``sched_getcpu`` is missing, or once changing the
 affinity failed (a cpuset that forbids it). The word can be stale (a peer
 the scheduler moved since it wrote it): a wrong move then costs one
 migration, and the next shared wait puts it right.
@@ -72,6 +73,8 @@ class Placement:
         self._word = word
         self._world = len(peers) + 1
         self._getcpu = getcpu if getcpu is not None else _libc_getcpu()
+        if len(os.sched_getaffinity(0)) < self._world:
+            self._getcpu = None  # more ranks than CPUs (as made): sharing is the plan
         self._next_move = 0.0
         self.moves = 0  # moves made (tests and benchmarks read it)
 
