@@ -90,6 +90,7 @@ _OPTIONS = dist.AllreduceOptions
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms (as in Runtime.submit)
+_ALLREDUCE_OP = OpCode.ALLREDUCE
 _KIND = "allreduce"  # the stats' kind and the Work's label, as op_name(ALLREDUCE)
 _CHECK_KIND = "check"  # likewise for the checker's job, as op_name(CHECK)
 # The last DoneWork is returned again when nothing else holds it (torch's
@@ -220,7 +221,7 @@ class ThinPath:
             call.timeout_s = timeout_s  # the job's pace travels in its Call
             start = time.perf_counter()
             if route.pair is not None:  # two ranks' shm sum: the caller's buffer, in place
-                shm.allreduce_shm_pair(call, t, route.pair)
+                shm.allreduce_shm_pair(call, t, route.pair, _ALLREDUCE_OP, start)
             else:
                 flat = t.detach() if t.requires_grad else t  # as Staging.load
                 if flat.dim() != 1:

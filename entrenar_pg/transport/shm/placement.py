@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Callable
 
-MOVE_EVERY_S = 0.01  # at most one move per this many seconds
+MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
 
 
 def _libc_getcpu() -> Callable[[], int] | None:
