@@ -65,6 +65,7 @@ class _Swap:
         old_area = old_slots.SlotArea(new_area.rank, dict(enumerate(new_area._areas)), links)
         self._mesh, self._table, self._key = mesh, jobs._ALLREDUCE, Algo.SHM
         self._scratch: Any = None  # the group's ScratchPool (set by ``_rank``)
+        self.thin: Any = None  # the group's ThinPath (set by ``_rank``)
         self._plans: dict[str, dict[Any, Any]] = {"baseline": {}, "new": {}}
         self._using = "new"
         self.variants = {
@@ -81,6 +82,11 @@ class _Swap:
                 del plans[k]
             plans.update(self._plans[name])
         self._using = name
+        if self.thin is not None:
+            # The thin path's own two-rank sums bypass the table: only the
+            # new tree's; its routes are made again under the variant in use.
+            self.thin.pair_sums = name == "new"
+            self.thin._routes.clear()
         area, fn = self.variants[name]
         area.phase = int(area._own[_ARRIVED])  # the shared truth
         self._mesh.slots = area
@@ -106,6 +112,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) ->
     backend: Any = group._get_backend(torch.device("cpu"))  # the EntrenarProcessGroup
     swap = _Swap(backend._runtime.mesh, args["dirs"])
     swap._scratch = backend._runtime.scratch
+    swap.thin = backend._thin
     names = list(swap.variants)
     out: dict[int, dict[str, list[float]]] = {}
     for nbytes in args["sizes"]:

@@ -48,6 +48,7 @@ from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport.shm import ring, slots
 from entrenar_pg.transport.shm import setup as shm
+from entrenar_pg.transport.shm.placement import Placement
 from entrenar_pg.wire import Algo
 
 c10d = torch._C._distributed_c10d
@@ -434,7 +435,7 @@ def test_two_rank_sums_in_one_phase_in_place_then_sliced(monkeypatch: pytest.Mon
     are NaNs of other payloads the same NaN on both ranks (one element too:
     numpy's one-element add into itself would take the other payload)."""
     ran: list[str] = []
-    for name in ("_small", "_sliced_pair"):
+    for name in ("_small", "allreduce_shm_pair", "_sliced_pair"):
         monkeypatch.setattr(shm_allreduce, name, _counting(getattr(shm_allreduce, name), ran))
     cases = [(dt, op, f, n) for dt, op, f in PAIR_SUMS for n in _pair_sizes(dt)]
 
@@ -454,7 +455,8 @@ def test_two_rank_sums_in_one_phase_in_place_then_sliced(monkeypatch: pytest.Mon
 
     got = _run(2, Options(transport="shm"), fn, True)
     small = [c for c in cases if c[3] * c[0].itemsize <= shm_allreduce.PAIR_SUM_SMALL_MAX_BYTES]
-    assert ran.count("_small") == 2 * (2 * len(small) + len(NAN_SIZES) - 1), ran.count("_small")
+    one_phase = ran.count("_small") + ran.count("allreduce_shm_pair")  # torch's add, numpy's
+    assert one_phase == 2 * (2 * len(small) + len(NAN_SIZES) - 1), ran
     assert ran.count("_sliced_pair") == 2 * (2 * (len(cases) - len(small)) + 1)
     i = 0
     for dtype, op, factor, n in cases:
@@ -819,6 +821,77 @@ def test_four_ranks_on_two_cores_stay_fast() -> None:
     finally:
         _kill_all(procs)
     assert max(medians) < 5e-3, f"median per 4 KiB allreduce: {medians}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_two_ranks_put_on_one_core_move_apart() -> None:
+    """Both ranks' affinity narrowed to one CPU for 200 calls, then given back:
+    Linux leaves them there (100% of 2000 calls on one CPU before
+    ``placement.py``, at load 20-50), each call ~40 us instead of ~8. Rank
+    1 moves off (rank 0 never does), and they end apart."""
+    procs = _start(2, "apart", ENTRENAR_TRANSPORT="shm", ITERS="2000")
+    rows = {}
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=100)
+            lines = [ln.split() for ln in out.splitlines() if ln.startswith("CPUS")]
+            assert lines and p.returncode == 0, out[-2000:] + err[-3000:]
+            _, rank, moves, cpus = lines[0]
+            rows[int(rank)] = (int(moves), [int(c) for c in cpus.split(",")])
+    finally:
+        _kill_all(procs)
+    assert rows[0][0] == 0 and rows[1][0] >= 1, {r: m for r, (m, _) in rows.items()}
+    last = list(zip(rows[0][1], rows[1][1], strict=True))[-500:]
+    shared = sum(a == b for a, b in last) / len(last)
+    assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
+
+
+def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room() -> None:
+    """``Placement.shared_core`` on real control words and this thread's real
+    affinity (given back each time): the CPU it runs on is the one injected."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    cpu = min(allowed)
+    word = 4
+
+    def words() -> memoryview:
+        return memoryview(bytearray(64)).cast("q")
+
+    def placement(rank: int, peers: list[tuple[int, memoryview]]) -> tuple[Any, memoryview]:
+        own = words()
+        return Placement(rank, own, peers, word, getcpu=lambda: cpu), own
+
+    low = words()
+    low[word] = cpu + 1  # rank 0 said it runs on ``cpu``
+    high, own = placement(1, [(0, low)])
+    high.shared_core()
+    assert high.moves == 1 and own[word] - 1 in allowed - {cpu}
+    assert os.sched_getaffinity(0) == allowed  # the mask given back
+    high.shared_core()  # within MOVE_EVERY_S: no second move
+    assert high.moves == 1 and own[word] == cpu + 1  # it still says where it found itself
+    high._next_move = 0.0
+    high.shared_core()
+    assert high.moves == 2
+    # The lower rank stays where it is, whoever shares its CPU.
+    hi = words()
+    hi[word] = cpu + 1
+    lower, own0 = placement(0, [(1, hi)])
+    lower.shared_core()
+    assert lower.moves == 0 and own0[word] == cpu + 1
+    # More ranks than CPUs: sharing is the plan, nobody moves (nor even says where).
+    crowd = [(0, low)] + [(q, words()) for q in range(2, len(allowed) + 1)]
+    crowded, own_c = placement(1, crowd)
+    crowded.shared_core()
+    assert crowded.moves == 0 and own_c[word] == 0
+    # A peer elsewhere: nothing to do.
+    elsewhere = words()
+    elsewhere[word] = max(allowed) + 2  # not ``cpu``
+    alone, _ = placement(1, [(0, elsewhere)])
+    alone.shared_core()
+    assert alone.moves == 0
+    assert os.sched_getaffinity(0) == allowed
 
 
 def test_segment_is_private_to_this_user() -> None:

@@ -121,11 +121,12 @@ def allreduce_shm(
     """Allreduce of the flat CPU tensor ``buf``, in place, through the slot areas."""
     area = call.mesh.slots
     assert area is not None, "internal: the policy chose SHM without slot areas"
-    key = ("shm", op, buf.dtype, red.kind, buf.numel(), call.choice.flags)
-    shape = call.scratch.plan(key)
-    if shape is None:
-        shape = _new_shape(call, area, op, buf, red)
-        call.scratch.keep_plan(key, shape)
+    shape = _shape(call, area, op, buf, red)
+    if shape.small and shape.pair is not None and buf.is_contiguous():
+        allreduce_shm_pair(call, buf, shape, op)
+        if red.kind is Kind.AVG:
+            finish_(buf, red, call.mesh.world)
+        return
     stamp_seq(shape.packed, call.seq)
     if shape.small:
         _small(call, area, buf, shape, op)
@@ -135,6 +136,29 @@ def allreduce_shm(
         _chunked(call, area, buf, shape, op)
     if red.kind is Kind.AVG:
         finish_(buf, red, call.mesh.world)
+
+
+def shm_pair_shape(call: Call, buf: torch.Tensor, red: Reduction) -> PairShape | None:
+    """The shape of the SUM allreduce of ``buf`` (flat, contiguous) where two
+    ranks add it in one phase with numpy (``_Pair``), else None: the thin
+    path (``runtime/thin.py``) then runs each such call with
+    ``allreduce_shm_pair``, the same steps and bits as ``allreduce_shm``
+    without finding its shape again (AVG is left out: it divides after)."""
+    area = call.mesh.slots
+    if area is None or red.kind is not Kind.SUM:
+        return None
+    shape = _shape(call, area, OpCode.ALLREDUCE, buf, red)
+    return shape if shape.small and shape.pair is not None else None
+
+
+def _shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: Reduction) -> _Shape:
+    """The cached shape of this call (made at its first call)."""
+    key = ("shm", op, buf.dtype, red.kind, buf.numel(), call.choice.flags)
+    shape = call.scratch.plan(key)
+    if shape is None:
+        shape = _new_shape(call, area, op, buf, red)
+        call.scratch.keep_plan(key, shape)
+    return shape
 
 
 def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: Reduction) -> _Shape:
@@ -170,41 +194,74 @@ def chunk_elems(dtype: torch.dtype) -> int:
 def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
     began = time.perf_counter()
     phase = area.phase + 1
-    parity = phase & 1
-    parts = shape.slot_views[parity]
-    pair = shape.pair
-    if pair is not None and buf.is_contiguous():
-        host = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
-        pair.own[parity][:] = host[0]  # memcpy
-    else:
-        host = None
-        parts[area.rank].copy_(buf)
-    area.publish(phase, shape.packed)
-    if not area.arrived(phase):
-        _wait(area, phase, call, op, shape.packed, _spin_for(began))
-    packed = shape.packed
-    for raw in area.peer_headers[parity]:
-        if packed != raw:  # bytearray first: its compare is a memcmp, memoryview's is not
-            _check_headers(area, call, parity, packed)
-    if area.failed_peer() is not None:
-        _raise_failed(area, call, op)
-    if host is not None:
-        # The peer's slot added into the caller's buffer in place, in rank
-        # order (both ranks get the same bits, NaN payloads too: numpy's
-        # loops take them alike whichever operand is the output, from two
-        # elements on, ``_new_pair``), ``out`` passed by position: numpy's
-        # keyword parsing costs ~0.35 us a call, as much as the 4 KiB add.
-        # In place, numpy streams two arrays, not three: ~30% less time than
-        # summing the two slots into the buffer from 32 KiB on.
-        mine, peer = host[1], pair.peer[parity]  # type: ignore[union-attr]
-        if pair.first:  # type: ignore[union-attr]
-            np.add(mine, peer, mine)
-        else:
-            np.add(peer, mine, mine)
-    elif len(parts) == 2:  # rank order is the tree order
+    parts = shape.slot_views[phase & 1]
+    parts[area.rank].copy_(buf)
+    _meet(call, area, phase, shape.packed, op, began)
+    if len(parts) == 2:  # rank order is the tree order
         combine_into(buf, parts[0], parts[1], shape.kind)
     else:
         _combine(buf, parts, shape.kind, call.choice.tree, call.scratch)
+
+
+def allreduce_shm_pair(
+    call: Call,
+    buf: torch.Tensor,
+    shape: PairShape,
+    op: OpCode = OpCode.ALLREDUCE,
+    began: float | None = None,
+) -> None:
+    """The one phase of two ranks summing with numpy (``_Pair``): ``_small``'s
+    steps, for a shape with a pair and a contiguous ``buf`` of its size (the
+    thin path calls it for a ``shm_pair_shape``; AVG's division is the caller's).
+    ``began``: ``time.perf_counter()`` just before the call, if the caller has it."""
+    if began is None:
+        began = time.perf_counter()
+    area = call.mesh.slots
+    pair = shape.pair
+    assert area is not None and pair is not None, "internal: not a pair shape"
+    packed = shape.packed
+    stamp_seq(packed, call.seq)
+    phase = area.phase + 1
+    parity = phase & 1
+    host = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
+    pair.own[parity][:] = host[0]  # memcpy
+    # ``_meet``, inline: a call is ~1% of a 64 KiB call here (as ``_sliced_pair``'s)
+    area.publish(phase, packed)
+    if not area.arrived(phase):
+        _wait(area, phase, call, op, packed, _spin_for(began))
+    for raw in area.peer_headers[parity]:
+        if packed != raw:
+            _check_headers(area, call, parity, packed)
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
+    # The peer's slot added into the caller's buffer in place, in rank
+    # order (both ranks get the same bits, NaN payloads too: numpy's
+    # loops take them alike whichever operand is the output, from two
+    # elements on, ``_new_pair``), ``out`` passed by position: numpy's
+    # keyword parsing costs ~0.35 us a call, as much as the 4 KiB add.
+    # In place, numpy streams two arrays, not three: ~30% less time than
+    # summing the two slots into the buffer from 32 KiB on.
+    mine, peer = host[1], pair.peer[parity]
+    if pair.first:
+        np.add(mine, peer, mine)
+    else:
+        np.add(peer, mine, mine)
+
+
+def _meet(
+    call: Call, area: SlotArea, phase: int, packed: bytearray, op: OpCode, began: float
+) -> None:
+    """The one phase's meeting: publish this rank's slot (and header), wait
+    for every peer's (spinning for a multiple of the work since ``began``),
+    compare every peer's header with ours, and stop if a peer failed."""
+    area.publish(phase, packed)
+    if not area.arrived(phase):
+        _wait(area, phase, call, op, packed, _spin_for(began))
+    for raw in area.peer_headers[phase & 1]:
+        if packed != raw:  # bytearray first: its compare is a memcmp, memoryview's is not
+            _check_headers(area, call, phase & 1, packed)
+    if area.failed_peer() is not None:
+        _raise_failed(area, call, op)
 
 
 # numpy warns where a float sum overflows or meets inf - inf (a RuntimeWarning
@@ -234,6 +291,9 @@ _NUMPY_SUM: dict[torch.dtype, type] = {
 }
 _MAX_HOST_VIEWS = 8  # caller buffers remembered per shape (a training loop reuses a few)
 _V = TypeVar("_V")  # what a shape remembers of a caller's buffer
+
+
+PairShape = _Shape  # the thin path's name for a ``shm_pair_shape``
 
 
 @dataclass(slots=True)

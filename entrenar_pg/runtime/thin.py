@@ -34,7 +34,12 @@ What it keeps from the long path, so that nothing observable differs:
   the ``Call`` of ``JobContext.call`` (the policy's cached choice: deterministic mode's tree
   order and the header flags come with it), reused per size with its seq
   rewritten; the algorithm from ``jobs._ALLREDUCE`` looked up per call,
-  as ``allreduce_flat`` does; the engine's stats.
+  as ``allreduce_flat`` does, except where the choice is SHM and two ranks
+  sum a small message: the route (one per op, dtype and size: the
+  Reduction, the Call, the shape) then runs ``shm_allreduce.allreduce_shm_pair``
+  on the caller's tensor, the steps and bits ``allreduce_shm`` would run
+  for it without finding its shape again (~0.6 us less at 64 KiB); the
+  engine's stats.
 - Failure as ``Engine.execute``'s: a group broken between the claim and
   the job fails the call without running it; an error in the job breaks
   the group (``Engine._fail``: the break hooks, queued jobs failed) and
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from sys import getrefcount
 from typing import TYPE_CHECKING, Any
@@ -74,9 +80,10 @@ from torch.autograd import profiler as _profiler
 
 from ..call.work import EntrenarWork
 from ..collectives import Call
+from ..collectives import shm_allreduce as shm
 from ..config import timeout_seconds
 from ..reduce_ops import Kind, Reduction, resolve
-from ..wire import OpCode
+from ..wire import Algo, OpCode
 from .context import JobContext
 from .engine import Job
 from .jobs import _ALLREDUCE
@@ -88,6 +95,7 @@ _OPTIONS = dist.AllreduceOptions
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms (as in Runtime.submit)
+_ALLREDUCE_OP = OpCode.ALLREDUCE
 _KIND = "allreduce"  # the stats' kind and the Work's label, as op_name(ALLREDUCE)
 _CHECK_KIND = "check"  # likewise for the checker's job, as op_name(CHECK)
 # The last DoneWork is returned again when nothing else holds it (torch's
@@ -139,6 +147,15 @@ class DoneWork(EntrenarWork):
         return self._result
 
 
+@dataclass(slots=True)
+class _Route:
+    """What every thin call of one (op, dtype, size) reuses."""
+
+    red: Reduction
+    call: Call  # its seq and timeout are rewritten per call
+    pair: shm.PairShape | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
+
+
 class ThinPath:
     """One group's thin path (made with the group; reads its runtime's parts)."""
 
@@ -153,6 +170,11 @@ class ThinPath:
         self._spin_s = runtime.options.caller_spin_us / 1e6
         self._calls: dict[int, Call] = {}  # payload bytes -> the Call of that size
         self._reductions: dict[tuple[int, torch.dtype], Reduction] = {}
+        self._routes: dict[tuple[int, torch.dtype, int], _Route] = {}  # (op, dtype, bytes)
+        # Two ranks' small shm sums run straight (``allreduce_shm_pair``); False:
+        # through ``jobs._ALLREDUCE`` like every other call (benchmarks/shm_ab.py
+        # swaps the algorithm there).
+        self.pair_sums = True
         self._done = DoneWork()
         self._done._rank = self._rank
         self._check_call: Call | None = None  # the checker's job's Call (only its seq changes)
@@ -179,16 +201,15 @@ class ThinPath:
             or rt.recorder is not None
         ):
             return None
-        dtype = t.dtype
+        nbytes = t.nbytes
         # hash(ReduceOp) is its op's value (torch's __hash__; checked when learnt):
         # half the cost of ``.op.value``, which makes a RedOpType first.
-        red = self._reductions.get((hash(opts.reduceOp), dtype))
-        if red is None:
-            self._learn_reduction(opts.reduceOp, dtype)
+        key = (hash(opts.reduceOp), t.dtype, nbytes)
+        route = self._routes.get(key)
+        if route is None and not self._knows(key, opts.reduceOp):
             return None  # this time the long path (it checks the op itself)
         per_call = opts.timeout
         timeout_s = timeout_seconds(per_call) if per_call > _UNSET else rt.timeout.seconds
-        nbytes = t.numel() * t.element_size()
         engine = self._engine
         with rt._lock:  # as in Runtime.submit: seq order == issue order
             if not engine.try_claim():
@@ -198,18 +219,21 @@ class ThinPath:
         try:
             if self._state.error is not None:  # broken since the claim (Engine.execute)
                 return self._refused(seq)
-            call = self._calls.get(nbytes)
-            if call is None:
-                call = self._call(seq, nbytes)
+            if route is None:
+                route = self._route(key, seq, t)
+            call = route.call
             call.seq = seq
             call.timeout_s = timeout_s  # the job's pace travels in its Call
-            flat = t.detach() if t.requires_grad else t  # as Staging.load
-            if flat.dim() != 1:
-                flat = flat.view(-1)
-            algo = _ALLREDUCE.get(call.choice.algo)  # None: Algo.NONE, nothing to do
             start = time.perf_counter()
-            if algo is not None:
-                algo(call, flat, red)
+            if route.pair is not None:  # two ranks' shm sum: the caller's buffer, in place
+                shm.allreduce_shm_pair(call, t, route.pair, _ALLREDUCE_OP, start)
+            else:
+                flat = t.detach() if t.requires_grad else t  # as Staging.load
+                if flat.dim() != 1:
+                    flat = flat.view(-1)
+                algo = _ALLREDUCE.get(call.choice.algo)  # None: Algo.NONE, nothing to do
+                if algo is not None:
+                    algo(call, flat, route.red)
             self._stats.record(_KIND, nbytes, time.perf_counter() - start)
         except BaseException as e:
             return self._failed(seq, nbytes, e)
@@ -261,6 +285,15 @@ class ThinPath:
 
     # ------------------------------------------------------------ first calls, failures
 
+    def _knows(self, key: tuple[int, torch.dtype, int], op: Any) -> bool:
+        """Whether the (op, dtype) of a route ``key`` not made yet was learnt
+        (its route is made in the call); if not, learn it now (the long path
+        runs this call and checks the op itself)."""
+        if (key[0], key[1]) in self._reductions:
+            return True
+        self._learn_reduction(op, key[1])
+        return False
+
     def _learn_reduction(self, op: Any, dtype: torch.dtype) -> None:
         """Remember ``op`` on ``dtype`` once ``resolve`` finds it valid (a plain
         op: its Reduction never changes); an invalid one is left to the long path."""
@@ -276,14 +309,28 @@ class ThinPath:
                 self._reductions.clear()
             self._reductions[(key, dtype)] = red
 
-    def _call(self, seq: int, nbytes: int) -> Call:
-        """The Call of ``nbytes`` (the runtime's: its cached policy choice),
-        kept for every later call of that size (only its seq changes)."""
-        call = self._new_call(seq, OpCode.ALLREDUCE, nbytes)
-        if len(self._calls) >= _MAX_CACHED:
-            self._calls.clear()
-        self._calls[nbytes] = call
-        return call
+    def _route(self, key: tuple[int, torch.dtype, int], seq: int, t: torch.Tensor) -> _Route:
+        """The route of ``key`` (op, dtype, bytes), kept for every later call
+        with it: the Reduction, the Call of that size (the runtime's: its
+        cached policy choice; only its seq and timeout change) and, where the
+        choice is SHM between two ranks summing a small message, that sum's
+        shape (``shm_allreduce.shm_pair_shape``)."""
+        red = self._reductions[(key[0], key[1])]
+        nbytes = key[2]
+        call = self._calls.get(nbytes)
+        if call is None:
+            call = self._new_call(seq, OpCode.ALLREDUCE, nbytes)
+            if len(self._calls) >= _MAX_CACHED:
+                self._calls.clear()
+            self._calls[nbytes] = call
+        pair = None
+        if self.pair_sums and call.choice.algo is Algo.SHM:
+            pair = shm.shm_pair_shape(call, t.detach().view(-1), red)
+        route = _Route(red, call, pair)
+        if len(self._routes) >= _MAX_CACHED:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
 
     def _new_call(self, seq: int, op: OpCode, nbytes: int) -> Call:
         """``JobContext.call``'s Call of ``op`` and ``nbytes`` in the caller's thread."""

@@ -7,8 +7,13 @@ print ``RESULT <rank> <ErrorClass> <culprit> <message>`` and wait to be
 killed (the test kills every rank).
 ``small``: time ``ITERS`` 4 KiB allreduces; print ``MEDIAN <rank> <seconds>``
 (median over blocks of 20 calls) and ``OK <rank>``.
+``apart``: 64 KiB allreduces with both ranks' affinity narrowed to one CPU,
+then ``ITERS`` more with each rank's own mask back; print ``CPUS <rank>
+<moves> <cpu after each of those calls, comma-separated>`` (``moves``: the
+slot area's placement moves, -1 where it has none).
 """
 
+import ctypes
 import os
 import statistics
 import sys
@@ -48,5 +53,20 @@ elif mode == "small":
         blocks.append((time.perf_counter() - t0) / 20)
     # One write per line (print writes the newline apart: interleaves under PYTHONUNBUFFERED).
     sys.stdout.write(f"MEDIAN {rank} {statistics.median(blocks)}\nOK {rank}\n")
+    sys.stdout.flush()
+elif mode == "apart":
+    getcpu = ctypes.CDLL(None).sched_getcpu
+    allowed = os.sched_getaffinity(0)
+    t = torch.ones(16 << 10)
+    os.sched_setaffinity(0, {min(allowed)})  # both ranks on one CPU
+    for _ in range(200):
+        dist.all_reduce(t)
+    os.sched_setaffinity(0, allowed)  # free again: the scheduler may leave them there
+    cpus = []
+    for _ in range(int(os.environ.get("ITERS", "2000"))):
+        dist.all_reduce(t)
+        cpus.append(getcpu())
+    moves = getattr(getattr(mesh.slots, "placement", None), "moves", -1)
+    sys.stdout.write(f"CPUS {rank} {moves} {','.join(map(str, cpus))}\n")
     sys.stdout.flush()
 dist.destroy_process_group()

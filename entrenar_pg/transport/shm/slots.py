@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ...config import SHM_SLEEP_CAP_S
+from .placement import Placement
 
 if TYPE_CHECKING:
     from ..control import Causes
@@ -63,6 +64,7 @@ AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the
 _ARRIVED = 64 // 8
 _SLEEPS = 128 // 8
 _FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
+_CPU = 256 // 8  # the CPU this rank last found itself on, + 1 (``placement.Placement``)
 _HEADER_BYTES = 32  # wire.HEADER_BYTES (a plan's frame starts with one)
 _NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
 
@@ -120,12 +122,14 @@ class SlotArea:
         self.peer_headers = [
             [self._slots[q][p][:_HEADER_BYTES] for q in self._peers] for p in (0, 1)
         ]
+        self._own_headers = [self._slots[rank][p][:_HEADER_BYTES] for p in (0, 1)]
         # The fence (``fence.Fence``'s kind: an uncontended lock round trip, a
         # locked instruction, a full barrier on x86-64), inlined where it is hot.
         self._lock = threading.Lock()
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
+        self.placement = Placement(rank, self._own, self._peer_ctl, _CPU)
 
     # ---------------------------------------------------------------- data
 
@@ -166,8 +170,8 @@ class SlotArea:
     def publish(self, phase: int, header: bytes | bytearray | None = None) -> None:
         """This rank's slot of ``phase`` is written (and ``header``, if given,
         goes into the slot's header now): say so, waking sleeping peers."""
-        if header is not None:
-            self._slots[self.rank][phase & 1][: len(header)] = header
+        if header is not None:  # a wire header: _HEADER_BYTES
+            self._own_headers[phase & 1][:] = header
         lock = self._lock
         lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
         lock.release()
@@ -231,14 +235,19 @@ class SlotArea:
         # The caller looked first (``arrived``). If the peer then came only
         # while this rank's core was given away, it probably shares this
         # core: the next wait looks only ``_FEW_LOOKS`` times, as more looks
-        # would only delay the yield that lets it run.
+        # would only delay the yield that lets it run, and this rank moves
+        # off that core if the peer is indeed there (``placement.py``).
         now = time.perf_counter()
         spin_until = now + max(spin_s, pace.spin_s)
         while now < spin_until:
             os.sched_yield()
             then, now = now, time.perf_counter()
             if not self.missing(phase):
-                self._looks = _FEW_LOOKS if now - then > _GAVE_AWAY_S else _TIGHT_LOOKS
+                if now - then > _GAVE_AWAY_S:
+                    self._looks = _FEW_LOOKS
+                    self.placement.shared_core()
+                else:
+                    self._looks = _TIGHT_LOOKS
                 return
         self._looks = _TIGHT_LOOKS
         self._sleep_until(phase, progress, what, pace.timeout_s)
