@@ -34,6 +34,7 @@ ENV_TOPOLOGY = "ENTRENAR_TOPOLOGY"
 ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
 ENV_HOST_STAR_MAX_BYTES = "ENTRENAR_HOST_STAR_MAX_BYTES"
 ENV_HOST_ID = "ENTRENAR_HOST_ID"
+ENV_SHM_PLACEMENT = "ENTRENAR_SHM_PLACEMENT"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -182,6 +183,13 @@ class Options:
             ranks, if some peer is not on this host). The control channel,
             p2p and set-up stay on TCP in every mode (docs/architecture.md,
             "Shared-memory transport"). Env ``ENTRENAR_TRANSPORT``.
+        shm_placement: keep the ranks that share a slot area on cores of their
+            own: a rank whose shared-memory wait finds its peer running on its
+            own core moves its thread to a core no peer names, by narrowing
+            its affinity for an instant and restoring it
+            (``transport/shm/placement.py``; never where the ranks outnumber
+            the thread's CPUs). False: the threads' placement is left to the
+            scheduler alone. Env ``ENTRENAR_SHM_PLACEMENT``.
         topology: ``"auto"``: the group learns which ranks share a host
             (``transport/topology.py``) and, when every host holds the same
             number of ranks (at least two hosts of at least two ranks),
@@ -249,6 +257,7 @@ class Options:
     caller_spin_us: int = 50
     inline_max_bytes: int = 0
     transport: str = "auto"
+    shm_placement: bool = True
     topology: str = "auto"
     host_leaders_max_bytes: int = 64 << 10
     host_star_max_bytes: int = 64 << 10
@@ -318,7 +327,11 @@ class Options:
         ):
             if var in env:
                 kw[name] = _parse_int(var, env[var])
-        for var, name in ((ENV_DETERMINISTIC, "deterministic"), (ENV_CHECK, "check")):
+        for var, name in (
+            (ENV_DETERMINISTIC, "deterministic"),
+            (ENV_CHECK, "check"),
+            (ENV_SHM_PLACEMENT, "shm_placement"),
+        ):
             if var in env:
                 kw[name] = _parse_bool(var, env[var])
         if ENV_CHECK_TOLERANCE in env:

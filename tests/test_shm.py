@@ -891,7 +891,13 @@ def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room() 
     alone, _ = placement(1, [(0, elsewhere)])
     alone.shared_core()
     assert alone.moves == 0
+    # Turned off (Options.shm_placement=False): never moves, nor says where.
+    off = Placement(1, words(), [(0, low)], word, getcpu=lambda: cpu, enabled=False)
+    off.shared_core()
+    assert off.moves == 0 and off._own[word] == 0
     assert os.sched_getaffinity(0) == allowed
+    assert not Options.from_env({"ENTRENAR_SHM_PLACEMENT": "0"}).shm_placement
+    assert Options.from_env({}).shm_placement
 
 
 def test_segment_is_private_to_this_user() -> None:
@@ -1032,3 +1038,20 @@ def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatc
     finally:
         for g in groups.values():
             g.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_placement_option_reaches_the_slot_area() -> None:
+    """``Options.shm_placement`` is what the group's slot area holds: on by
+    default (two ranks, two CPUs: it may move), off when asked (never)."""
+    for flag in (True, False):
+        groups = make_groups(2, Options(transport="shm", shm_placement=flag), timeout_s=20)
+        try:
+            for g in groups:
+                slots = g._runtime.mesh.slots
+                assert slots is not None
+                assert (slots.placement._getcpu is not None) == flag, (flag, g.rank())
+        finally:
+            for g in groups:
+                g.shutdown()

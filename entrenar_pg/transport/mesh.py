@@ -108,7 +108,9 @@ class Mesh:
         self.slots: SlotArea | None = None
         if world > 1:
             try:
-                found = connect_shm(rank, data, options.transport, timeout_s, keys)
+                found = connect_shm(
+                    rank, data, options.transport, timeout_s, keys, options.shm_placement
+                )
                 self.shm, self.slots = found.links, found.slots
                 self.all_local = found.slots is not None
                 log.info(

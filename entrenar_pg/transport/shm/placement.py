@@ -29,6 +29,9 @@ nothing more, and before each move), where ``sched_getcpu`` is missing, or once 
 affinity failed (a cpuset that forbids it). The word can be stale (a peer
 the scheduler moved since it wrote it): a wrong move then costs one
 migration, and the next shared wait puts it right.
+
+``Options.shm_placement=False`` (``ENTRENAR_SHM_PLACEMENT=0``) turns it off:
+the threads' placement is then the scheduler's alone.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Placement:
         peers: list[tuple[int, memoryview]],
         word: int,
         getcpu: Callable[[], int] | None = None,
+        enabled: bool = True,
     ) -> None:
         self._rank = rank
         self._own = own
@@ -73,8 +77,10 @@ class Placement:
         self._word = word
         self._world = len(peers) + 1
         self._getcpu = getcpu if getcpu is not None else _libc_getcpu()
-        if len(os.sched_getaffinity(0)) < self._world:
-            self._getcpu = None  # more ranks than CPUs (as made): sharing is the plan
+        if not enabled or len(os.sched_getaffinity(0)) < self._world:
+            # Off (``Options.shm_placement``), or more ranks than CPUs (as
+            # made): sharing is the plan.
+            self._getcpu = None
         self._next_move = 0.0
         self.moves = 0  # moves made (tests and benchmarks read it)
 

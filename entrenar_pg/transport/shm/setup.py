@@ -233,7 +233,12 @@ def offered_key(host_id: str = "") -> str:
 
 
 def connect(
-    rank: int, data: dict[int, socket.socket], mode: str, timeout_s: float, keys: list[str]
+    rank: int,
+    data: dict[int, socket.socket],
+    mode: str,
+    timeout_s: float,
+    keys: list[str],
+    placement: bool = True,
 ) -> ShmPeers:
     """Shared-memory links to the peers on this host (``mode``: auto or shm;
     tcp: none).
@@ -246,7 +251,8 @@ def connect(
     ours). A pair uses shared memory only when both sides mapped the other's
     block, so both agree. With ``mode == "shm"`` a peer that is not local is
     an error here, at group creation. Each rank's memfd is closed at the end:
-    the mappings keep the memory, nothing else names it.
+    the mappings keep the memory, nothing else names it. ``placement``:
+    ``Options.shm_placement``, for the slot area.
     """
     ex = _Exchange(rank, data, time.monotonic() + timeout_s)
     every = dict(enumerate(keys))
@@ -325,5 +331,5 @@ def connect(
         if complete and all(answers[p].get("complete") for p in local):
             areas = {p: mapped[p].area for p in local}
             areas[rank] = seg.view[seg.area_offset : seg.area_offset + AREA_BYTES]
-            slots = SlotArea(rank, areas, links)  # type: ignore[arg-type]
+            slots = SlotArea(rank, areas, links, placement)  # type: ignore[arg-type]
     return ShmPeers(local, links, slots, every)

@@ -99,7 +99,13 @@ class SlotArea:
     thread-safe: one collective runs at a time on a group (the engine's token).
     """
 
-    def __init__(self, rank: int, areas: dict[int, memoryview], links: dict[int, ShmLink]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        areas: dict[int, memoryview],
+        links: dict[int, ShmLink],
+        placement: bool = True,
+    ) -> None:
         self.rank = rank
         self.world = len(areas)
         self._areas = [areas[q] for q in range(self.world)]
@@ -129,7 +135,7 @@ class SlotArea:
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
-        self.placement = Placement(rank, self._own, self._peer_ctl, _CPU)
+        self.placement = Placement(rank, self._own, self._peer_ctl, _CPU, enabled=placement)
 
     # ---------------------------------------------------------------- data
 
