@@ -1,10 +1,12 @@
-"""The one optimizer step post-hook: what runs after every optimizer step in this process.
+"""The optimizer step hooks: what runs before and after every optimizer step in this process.
 
 Unmodified DDP and FSDP scripts never call us at a step boundary, so the
 per-step work (the contract checker's C-DDP-001, the run ledger's line) hangs
-off torch's *global* optimizer post-hook. There is one such hook for the whole
+off torch's *global* optimizer hooks. There is one post-hook for the whole
 library, registered once, so the order is fixed: the checker first (its
-verdict for this step is then known), the ledger second (it records it).
+verdict for this step is then known where a ledger asks for it), the ledger
+second (it records it). The pre-hook is the checker's alone: it judges the
+previous step's batch, which waits for it (checker/checker.py).
 
 Only the default group is consulted: a step belongs to a training loop, and a
 program's training loop runs on its default group. Optimizers registered with

@@ -11,9 +11,12 @@ and judged (checker/verdict.py) in batches:
 - from then on, once per optimizer step, in the same exchange as C-DDP-001's
   parameter hashes, and whenever ``flush_every`` records are pending or a
   barrier runs (so a loop without steps still gets verdicts within
-  ``flush_every`` calls). A violation then raises in ``optimizer.step()`` of
-  the step whose collective broke, naming that collective's kind and sequence
-  number.
+  ``flush_every`` calls). The step's exchange waits for the next step's
+  pre-hook (``before_optimizer_step``; a flush or the group's shutdown if
+  none comes), so no rank waits for another at a step's end: a violation in
+  step k's collectives raises in ``optimizer.step()`` of step k before its
+  update, diverged parameters after step k in that of step k + 1, naming the
+  collective's kind and sequence number or the step.
 
 Which batch a record lands in is decided inside the group's jobs, which run
 in the same order on every rank, so every rank exchanges the same batches.
