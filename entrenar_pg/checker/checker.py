@@ -141,9 +141,8 @@ class ContractChecker:
             else (options.check_tolerance if options is not None else 1e-3)
         )
         self.flush_every = flush_every
-        # A step's batch is exchanged at the start of the group's next job
-        # rather than at the step (see _step): no rank waits for the other at
-        # the step's end.
+        # A step's batch is exchanged at the next step's pre-hook rather than
+        # at the step (see _step): no rank waits for the others at a step's end.
         self.defer_steps = defer_steps
         self.step = 0  # optimizer steps checked
         self.allreduces_checked = 0
@@ -155,7 +154,8 @@ class ContractChecker:
         self._pending: list[list[int]] = []  # records not judged yet (job threads only)
         self._hold = 1  # records held before judging: 1 until the first step, then flush_every
         # The parameter record of the last step while its batch waits for the
-        # group's next job (job threads only; the same on every rank).
+        # next step's pre-hook (set and taken in the group's jobs, so the same
+        # on every rank).
         self._due: list[int] | None = None
         self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
         self._passed: Counter[str] = Counter()  # held since take_verdicts
@@ -472,14 +472,14 @@ class _WatchHandles:
 @dataclass(frozen=True, slots=True)
 class _Stepped:
     """The checker's job at a deferred step: the step is marked in job order, and its
-    batch (the pending records and ``parameters``) waits for the group's next job."""
+    batch (the pending records and ``parameters``) waits for the next step's pre-hook."""
 
     checker: ContractChecker
     parameters: list[int]
 
     def __call__(self, call: Call) -> None:
         checker = self.checker
-        if checker._due is not None:  # two steps without a job between: judge the older now
+        if checker._due is not None:  # two steps without a pre-hook between: the older now
             checker._settle(call)
         checker._stepped()
         checker._due = self.parameters
