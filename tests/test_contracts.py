@@ -803,6 +803,44 @@ def test_last_step_judged_at_shutdown() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_shutdown_hides_no_error_of_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+    """One rank destroys its group while a step waits and the other rank is in
+    another call (as a rank handling its own error in a ``finally`` would): the
+    exchange fails on both, the destroying rank's shutdown logs that the step
+    went unjudged and returns (raising only a violation, it never replaces the
+    caller's error), and the other rank's call fails; nothing hangs."""
+    from entrenar_pg.errors import EntrenarError
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> str:
+        model = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert pg.checker is not None
+        pg.checker.watch(opt)
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
+            opt.step()
+        if rank == 0:
+            pg.shutdown()  # a step waits: its exchange meets rank 1's allreduce
+            return "returned"
+        try:
+            pg.allreduce([torch.ones(8)], op(dist.ReduceOp.SUM)).wait()
+        except EntrenarError as e:
+            return type(e).__name__
+        return "no error"
+
+    with caplog.at_level("WARNING", logger="entrenar_pg.checker.checker"):
+        results = run_ranks(2, body, options=CHECK, timeout_s=40)
+    assert results[0] == "returned" and results[1] != "no error", results
+    assert "optimizer step (2) could not be judged at shutdown" in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
 def test_step_end_waits_for_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """A watched step's post-hook exchanges nothing (it hashes the parameters and
     marks the step); the step's batch goes in the next step's pre-hook, with that

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .. import step_hook
 from ..collectives.common import Call
-from ..errors import ContractViolation
+from ..errors import ContractViolation, EntrenarError
 from ..wire import Algo, OpCode
 from . import records, replicas
 from .hashing import FAST_HASH, HASH_NAME, digest_sized
@@ -288,12 +288,26 @@ class ContractChecker:
         self.group.submit_check(_Batch(self, _NO_PARAMETERS, _AUX_BATCH)).wait()
 
     def settle(self) -> None:
-        """Judge the last step's batch if it still waits for a job of the group (the
-        group's ``shutdown`` calls this, so a run's last step is judged). A collective
-        on every rank alike: whether a step waits is decided in the group's jobs.
-        Nothing on a broken group (its failure has been raised already)."""
-        if self._due is not None and self.group.errored() is None:
+        """Judge the last step's batch if it still waits (the group's ``shutdown`` calls
+        this, so a run's last step is judged). A collective on every rank alike:
+        whether a step waits is decided in the group's jobs. Nothing on a broken
+        group (its failure has been raised already). Raises only a violation: a
+        failure to exchange (a peer gone, or in another call, as when one rank
+        destroys the group while handling an error of its own) is logged, and
+        the step stays unjudged, so destroy never hides the caller's own error."""
+        if self._due is None or self.group.errored() is not None:
+            return
+        try:
             self.flush()
+        except ContractViolation:
+            raise
+        except EntrenarError as e:
+            log.warning(
+                "contract checker: the last optimizer step (%d) could not be judged at "
+                "shutdown: %s",
+                self.step,
+                e,
+            )
 
     # ------------------------------------------------------------ optimizer steps
 
