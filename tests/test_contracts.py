@@ -14,7 +14,6 @@ import math
 import os
 import re
 import textwrap
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -848,12 +847,12 @@ def test_step_end_waits_for_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     post-hook's exchange was a point where every rank waited for the others.)"""
     from entrenar_pg.checker import checker as checker_mod
 
-    phase = threading.local()
-    seen: list[tuple[int, str]] = []
+    phase: dict[int, str] = {}  # by rank: where each rank's thread is (its jobs may run in
+    seen: list[tuple[int, str]] = []  # its comm thread, while it waits for them)
     real_exchange = checker_mod.exchange
 
     def tagged(call: Any, payload: list[int], aux: int) -> list[list[int]]:
-        seen.append((call.rank, getattr(phase, "name", "other")))
+        seen.append((call.rank, phase[call.rank]))
         return real_exchange(call, payload, aux)
 
     monkeypatch.setattr(checker_mod, "exchange", tagged)
@@ -865,27 +864,26 @@ def test_step_end_waits_for_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
                 p.fill_(0.5)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # registered first, so they run before the checker's hooks
-        opt.register_step_pre_hook(lambda o, a, k: setattr(phase, "name", "pre"))
-        opt.register_step_post_hook(lambda o, a, k: setattr(phase, "name", "post"))
+        opt.register_step_pre_hook(lambda o, a, k: phase.__setitem__(rank, "pre"))
+        opt.register_step_post_hook(lambda o, a, k: phase.__setitem__(rank, "post"))
         assert pg.checker is not None
         pg.checker.watch(opt)
         for _ in range(4):
-            phase.name = "backward"  # (the allreduces run in the comm thread)
+            phase[rank] = "backward"
             model(torch.ones(3, 4)).sum().backward()
             for p in model.parameters():
                 assert p.grad is not None
                 pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
             opt.step()
-        phase.name = "shutdown"
+        phase[rank] = "shutdown"
         pg.shutdown()
 
     run_ranks(2, body, options=CHECK)
     for rank in range(2):
         mine = [name for r, name in seen if r == rank]
-        # the first step's 2 calls judged one by one (in the comm thread, which has
-        # no phase), steps 1-3 in the pre-hooks of steps 2-4 (with those steps'
-        # records), step 4 at shutdown
-        assert mine == ["other"] * 2 + ["pre"] * 3 + ["shutdown"], mine
+        # the first step's 2 calls judged one by one, steps 1-3 in the pre-hooks
+        # of steps 2-4 (with those steps' records), step 4 at shutdown
+        assert mine == ["backward"] * 2 + ["pre"] * 3 + ["shutdown"], mine
 
 
 # ---------------------------------------------------------------------- process level (DDP)
