@@ -590,9 +590,16 @@ def test_nonfinite_input_caught_at_k(bad: float, dtype: torch.dtype, reduce_op: 
 
 
 def _train(
-    rank: int, pg: EntrenarProcessGroup, steps: int, perturb: tuple[int, int] | None
-) -> tuple[int, str]:
-    """Data-parallel SGD by hand: grads averaged through ``pg``, the checker watching."""
+    rank: int, pg: EntrenarProcessGroup, steps: int, fault: tuple[str, int, int] | None
+) -> tuple[int, str, bool]:
+    """Data-parallel SGD by hand: grads averaged through ``pg``, the checker watching.
+
+    ``fault`` = (kind, step, rank): "perturb" a weight after that step's update,
+    or "nan" one gradient element before its allreduce. Returns the step whose
+    ``optimizer.step()`` raised (0: the group's shutdown, which judges the last
+    step; -1: none), the message, and whether the parameters were left as they
+    were when that step began (the raise came before its update).
+    """
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     init = torch.Generator().manual_seed(0)  # same init on every rank (not the global RNG,
     with torch.no_grad():  # which the rank threads share)
@@ -600,14 +607,18 @@ def _train(
             p.copy_(torch.randn(p.shape, generator=init) * 0.3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     current = [0]
-    if perturb is not None:
+    before: list[torch.Tensor] = []
 
-        def hook(o: Any, args: Any, kwargs: Any) -> None:  # runs before the checker's hook
-            if rank == perturb[1] and current[0] == perturb[0]:
-                with torch.no_grad():
-                    model[0].weight[3, 5] += 1e-6
+    def snapshot(o: Any, args: Any, kwargs: Any) -> None:  # runs before the checker's pre-hook
+        before[:] = [p.detach().clone() for p in model.parameters()]
 
-        opt.register_step_post_hook(hook)
+    def perturb(o: Any, args: Any, kwargs: Any) -> None:  # runs before the checker's hook
+        if fault is not None and fault[0] == "perturb" and (current[0], rank) == fault[1:]:
+            with torch.no_grad():
+                model[0].weight[3, 5] += 1e-6
+
+    opt.register_step_pre_hook(snapshot)
+    opt.register_step_post_hook(perturb)
     assert pg.checker is not None
     pg.checker.watch(opt)
     g = torch.Generator().manual_seed(rank)
@@ -619,18 +630,24 @@ def _train(
             torch.nn.functional.mse_loss(model(x), y).backward()
             for p in model.parameters():
                 assert p.grad is not None
+                if fault is not None and fault[0] == "nan" and (step, rank) == fault[1:]:
+                    p.grad[0] = float("nan")
                 pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
             opt.step()
+        current[0] = 0
+        pg.shutdown()  # every rank at once, as each process's destroy: judges the last step
     except ContractViolation as e:
-        return current[0], str(e)
+        kept = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        return current[0], str(e), kept
     assert pg.checker.steps_checked == steps
-    return -1, "no violation"
+    assert pg.checker.checked["C-DDP-001"] == steps  # the last one judged at shutdown
+    return -1, "no violation", True
 
 
 @pytest.mark.timeout(60)
 def test_training_clean() -> None:
     results = run_ranks(3, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
-    assert results == [(-1, "no violation")] * 3
+    assert results == [(-1, "no violation", True)] * 3
 
 
 @pytest.mark.timeout(60)
@@ -652,9 +669,10 @@ def test_batch_exchange_builds_its_plan_once_per_length(monkeypatch: pytest.Monk
     monkeypatch.setattr(Plan, "open", counting_open)
     world = 3
     results = run_ranks(world, lambda r, pg: _train(r, pg, 6, None), options=CHECK)
-    assert results == [(-1, "no violation")] * world
-    # Lengths: one record (the 4 per-call batches before the first step), the
-    # first step's parameters alone, then each step's 4 records + parameters.
+    assert results == [(-1, "no violation", True)] * world
+    # Lengths: one record (the 4 per-call batches before the first step), then
+    # each step's parameters + the next step's 4 records (judged at its
+    # pre-hook), and the last step's parameters alone (at shutdown).
     assert opened == {r: 3 * (world - 1) for r in range(world)}
 
 
@@ -737,14 +755,135 @@ def test_checking_runs_no_generator() -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
-def test_weight_perturbation_caught_at_step_k(world: int) -> None:
+def test_weight_perturbation_caught_before_the_next_update(world: int) -> None:
+    """Replicas diverged after step k: ``optimizer.step()`` of step k + 1 raises on
+    every rank before it updates anything, naming step k and the culprit (the
+    step's batch waits for the next step's pre-hook: no rank waits for the other
+    at a step's end). (Before: raised by step k's own post-hook.)"""
     k, victim = 4, 1
-    results = run_ranks(world, lambda r, pg: _train(r, pg, 8, (k, victim)), options=CHECK)
-    for rank, (at, msg) in enumerate(results):
-        assert at == k, f"rank {rank}: caught at step {at}: {msg}"
+    results = run_ranks(
+        world, lambda r, pg: _train(r, pg, 8, ("perturb", k, victim)), options=CHECK
+    )
+    for rank, (at, msg, kept) in enumerate(results):
+        assert at == k + 1, f"rank {rank}: caught at step {at}: {msg}"
         assert "C-DDP-001" in msg and f"optimizer step {k}:" in msg, msg
+        assert kept, f"rank {rank}: step {k + 1} updated the parameters before raising"
         if world > 2:
             assert f"rank(s) [{victim}] diverged" in msg, msg
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_gradient_caught_before_its_update() -> None:
+    """A NaN gradient at step k: ``optimizer.step()`` of step k raises F-DP-003 on every
+    rank, naming the culprit, before the update (the parameters stay finite).
+    (Before: raised by step k's post-hook, after the NaN update was applied.)"""
+    k, victim = 3, 2
+    results = run_ranks(3, lambda r, pg: _train(r, pg, 6, ("nan", k, victim)), options=CHECK)
+    for rank, (at, msg, kept) in enumerate(results):
+        assert at == k, f"rank {rank}: caught at step {at}: {msg}"
+        assert "F-DP-003" in msg and f"of optimizer step {k};" in msg, msg
+        assert f"rank(s) [{victim}]" in msg, msg
+        assert kept, f"rank {rank}: step {k} updated the parameters before raising"
+
+
+@pytest.mark.timeout(60)
+def test_last_step_judged_at_shutdown() -> None:
+    """Replicas diverged after the run's last step: no later step comes, so the
+    group's shutdown (torch's destroy_process_group) judges it and raises on every
+    rank, naming the step and the culprit. (Before the deferral: at the step.)"""
+    steps, victim = 5, 0
+    results = run_ranks(
+        3, lambda r, pg: _train(r, pg, steps, ("perturb", steps, victim)), options=CHECK
+    )
+    for rank, (at, msg, _) in enumerate(results):
+        assert at == 0, f"rank {rank}: caught at step {at}, not at shutdown: {msg}"
+        assert "C-DDP-001" in msg and f"optimizer step {steps}:" in msg, msg
+        assert f"rank(s) [{victim}] diverged" in msg, msg
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_hides_no_error_of_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+    """One rank destroys its group while a step waits and the other rank is in
+    another call (as a rank handling its own error in a ``finally`` would): the
+    exchange fails on both, the destroying rank's shutdown logs that the step
+    went unjudged and returns (raising only a violation, it never replaces the
+    caller's error), and the other rank's call fails; nothing hangs."""
+    from entrenar_pg.errors import EntrenarError
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> str:
+        model = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert pg.checker is not None
+        pg.checker.watch(opt)
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
+            opt.step()
+        if rank == 0:
+            pg.shutdown()  # a step waits: its exchange meets rank 1's allreduce
+            return "returned"
+        try:
+            pg.allreduce([torch.ones(8)], op(dist.ReduceOp.SUM)).wait()
+        except EntrenarError as e:
+            return type(e).__name__
+        return "no error"
+
+    with caplog.at_level("WARNING", logger="entrenar_pg.checker.checker"):
+        results = run_ranks(2, body, options=CHECK, timeout_s=40)
+    assert results[0] == "returned" and results[1] != "no error", results
+    assert "optimizer step (2) could not be judged at shutdown" in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_step_end_waits_for_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watched step's post-hook exchanges nothing (it hashes the parameters and
+    marks the step); the step's batch goes in the next step's pre-hook, with that
+    step's records: one exchange per step, none at a step's end. (Before: the
+    post-hook's exchange was a point where every rank waited for the others.)"""
+    from entrenar_pg.checker import checker as checker_mod
+
+    phase: dict[int, str] = {}  # by rank: where each rank's thread is (its jobs may run in
+    seen: list[tuple[int, str]] = []  # its comm thread, while it waits for them)
+    real_exchange = checker_mod.exchange
+
+    def tagged(call: Any, payload: list[int], aux: int) -> list[list[int]]:
+        seen.append((call.rank, phase[call.rank]))
+        return real_exchange(call, payload, aux)
+
+    monkeypatch.setattr(checker_mod, "exchange", tagged)
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> None:
+        model = torch.nn.Linear(4, 2)
+        with torch.no_grad():  # the same on every rank (the threads share the global RNG)
+            for p in model.parameters():
+                p.fill_(0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # registered first, so they run before the checker's hooks
+        opt.register_step_pre_hook(lambda o, a, k: phase.__setitem__(rank, "pre"))
+        opt.register_step_post_hook(lambda o, a, k: phase.__setitem__(rank, "post"))
+        assert pg.checker is not None
+        pg.checker.watch(opt)
+        for _ in range(4):
+            phase[rank] = "backward"
+            model(torch.ones(3, 4)).sum().backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                pg.allreduce([p.grad], op(dist.ReduceOp.AVG)).wait()
+            opt.step()
+        phase[rank] = "shutdown"
+        pg.shutdown()
+
+    run_ranks(2, body, options=CHECK)
+    for rank in range(2):
+        mine = [name for r, name in seen if r == rank]
+        # the first step's 2 calls judged one by one, steps 1-3 in the pre-hooks
+        # of steps 2-4 (with those steps' records), step 4 at shutdown
+        assert mine == ["backward"] * 2 + ["pre"] * 3 + ["shutdown"], mine
 
 
 # ---------------------------------------------------------------------- process level (DDP)
@@ -783,22 +922,24 @@ DDP_SCRIPT = textwrap.dedent(
     opt.register_step_post_hook(perturb)
     model[0].weight.register_hook(poison)
     g = torch.Generator().manual_seed(rank)
+    checker = dist.distributed_c10d._get_default_group().checker
     try:
         for step in range(1, 7):
             x, y = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
             opt.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+        step = "destroy"  # judges the last step's batch
+        dist.destroy_process_group()
     except Exception as e:
         line = f"VIOLATION rank={rank} step={step} {type(e).__name__} {e}".replace(chr(10), " ")
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(line)
         os._exit(0)  # the test is about the verdict; skip interpreter teardown after a failure
-    checker = dist.distributed_c10d._get_default_group().checker
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"CLEAN rank={rank} steps={checker.steps_checked} "
-                f"allreduces={checker.allreduces_checked}")
-    dist.destroy_process_group()
+                f"allreduces={checker.allreduces_checked} "
+                f"judged={checker.checked['C-DDP-001']}")
     """
 )
 
@@ -820,31 +961,40 @@ def _ddp_run(tmp_path: Path, fault: str) -> str:
 def test_ddp_torchrun_clean(tmp_path: Path) -> None:
     """Unmodified DDP training, ENTRENAR_CHECK=1: no violation, every step and bucket checked."""
     out = _ddp_run(tmp_path, "clean")
-    lines = re.findall(r"CLEAN rank=(\d) steps=(\d+) allreduces=(\d+)", out)
-    assert sorted(r for r, _, _ in lines) == ["0", "1"], out
-    for _, steps, allreduces in lines:
+    lines = re.findall(r"CLEAN rank=(\d) steps=(\d+) allreduces=(\d+) judged=(\d+)", out)
+    assert sorted(r for r, _, _, _ in lines) == ["0", "1"], out
+    for _, steps, allreduces, judged in lines:
         assert int(steps) == 6 and int(allreduces) >= 6  # every bucket of every step checked
+        assert int(judged) == 6  # the last step's parameters too, judged at destroy
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("fault", "contract"), [("perturb", "C-DDP-001"), ("nan", "F-DP-003")])
-def test_ddp_torchrun_fault_caught_at_step_k(tmp_path: Path, fault: str, contract: str) -> None:
-    """Rank 1's weights perturbed after step k / a NaN in its gradient at step k: all stop at k.
-
-    Both are raised by the optimizer hook at step k: ContractViolation itself.
-    (From the first step on, the checker judges a step's allreduces in the
-    step's own exchange, with C-DDP-001's hashes; the NaN's allreduce is named.)
+@pytest.mark.parametrize(
+    ("fault", "at", "raised", "contract"),
+    [
+        ("perturb:3", "4", "optimizer step 3:", "C-DDP-001"),
+        ("perturb:6", "destroy", "optimizer step 6:", "C-DDP-001"),
+        ("nan:3", "3", "of optimizer step 3;", "F-DP-003"),
+    ],
+)
+def test_ddp_torchrun_fault_caught(
+    tmp_path: Path, fault: str, at: str, raised: str, contract: str
+) -> None:
+    """Unmodified DDP, rank 1's weights perturbed after step k, or a NaN in its
+    gradient at step k: every rank raises ContractViolation itself, naming the
+    step and the culprit. The NaN: in ``optimizer.step()`` of step k, before its
+    update (the step's pre-hook judges its allreduces). The perturbation: in
+    ``optimizer.step()`` of step k + 1, before its update, or at
+    ``destroy_process_group()`` after the run's last step. (Before: both in step
+    k's post-hook, after its update; ``perturb:6``: at step 6.)
     """
-    k = 3
-    out = _ddp_run(tmp_path, f"{fault}:{k}")
-    caught = re.findall(r"VIOLATION rank=(\d) step=(\d+) (\w+) (.*)", out)
+    out = _ddp_run(tmp_path, fault)
+    caught = re.findall(r"VIOLATION rank=(\d) step=(\w+) (\w+) (.*)", out)
     assert sorted(r for r, _, _, _ in caught) == ["0", "1"], out
     for _, step, kind, msg in caught:
-        assert int(step) == k and contract in msg, msg
+        assert step == at and contract in msg and raised in msg, msg
         assert kind == "ContractViolation", msg
-        if fault == "perturb":
-            assert f"optimizer step {k}:" in msg, msg
-        else:
-            assert re.search(rf"allreduce #\d+ \(bucket \d of optimizer step {k};", msg), msg
+        if fault.startswith("nan"):
+            assert re.search(r"allreduce #\d+ \(bucket \d of optimizer step 3;", msg), msg
             assert "rank(s) [1]" in msg, msg

@@ -306,7 +306,11 @@ class EntrenarProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Release threads and sockets (torch's destroy_process_group calls this)."""
-        self._runtime.close()
+        try:
+            if self.checker is not None:
+                self.checker.settle()  # the last step's verdict (a collective; may raise)
+        finally:
+            self._runtime.close()
 
     def abort(self) -> None:
         """Break the group at once (within a second, whatever peers and store do):

@@ -11,9 +11,12 @@ and judged (checker/verdict.py) in batches:
 - from then on, once per optimizer step, in the same exchange as C-DDP-001's
   parameter hashes, and whenever ``flush_every`` records are pending or a
   barrier runs (so a loop without steps still gets verdicts within
-  ``flush_every`` calls). A violation then raises in ``optimizer.step()`` of
-  the step whose collective broke, naming that collective's kind and sequence
-  number.
+  ``flush_every`` calls). The step's exchange waits for the next step's
+  pre-hook (``before_optimizer_step``; a flush or the group's shutdown if
+  none comes), so no rank waits for another at a step's end: a violation in
+  step k's collectives raises in ``optimizer.step()`` of step k before its
+  update, diverged parameters after step k in that of step k + 1, naming the
+  collective's kind and sequence number or the step.
 
 Which batch a record lands in is decided inside the group's jobs, which run
 in the same order on every rank, so every rank exchanges the same batches.
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from .. import step_hook
 from ..collectives.common import Call
-from ..errors import ContractViolation
+from ..errors import ContractViolation, EntrenarError
 from ..wire import Algo, OpCode
 from . import records, replicas
 from .hashing import FAST_HASH, HASH_NAME, digest_sized
@@ -126,6 +129,7 @@ class ContractChecker:
         tolerance: float | None = None,
         watch_optimizers: bool = True,
         flush_every: int = FLUSH_EVERY,
+        defer_steps: bool = True,
     ) -> None:
         if flush_every < 1:
             raise ValueError(f"ContractChecker: flush_every must be >= 1, got {flush_every}")
@@ -137,6 +141,9 @@ class ContractChecker:
             else (options.check_tolerance if options is not None else 1e-3)
         )
         self.flush_every = flush_every
+        # A step's batch is exchanged at the next step's pre-hook rather than
+        # at the step (see _step): no rank waits for the others at a step's end.
+        self.defer_steps = defer_steps
         self.step = 0  # optimizer steps checked
         self.allreduces_checked = 0
         self.steps_checked = 0
@@ -146,6 +153,10 @@ class ContractChecker:
         self._projection = Projection()
         self._pending: list[list[int]] = []  # records not judged yet (job threads only)
         self._hold = 1  # records held before judging: 1 until the first step, then flush_every
+        # The parameter record of the last step while its batch waits for the
+        # next step's pre-hook (set and taken in the group's jobs, so the same
+        # on every rank).
+        self._due: list[int] | None = None
         self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
         self._passed: Counter[str] = Counter()  # held since take_verdicts
         self._lock = threading.Lock()  # _passed: counted in job threads, taken by the caller's
@@ -206,7 +217,9 @@ class ContractChecker:
                 if req.op is OpCode.ALLREDUCE:
                     self.allreduces_checked += 1  # measured: judged in this batch or the next
             due = len(self._pending) >= self._hold or m.contract.rule is Rule.FLUSH
-            if self._pending and due:
+            if due and self._due is not None:  # a step's batch waits: it takes these along
+                self._settle(rt.call(OpCode.CHECK, 0))
+            elif self._pending and due:
                 self._batch(rt.call(OpCode.CHECK, 0), _NO_PARAMETERS, _AUX_BATCH)
         finally:
             self.seconds += time.perf_counter() - start
@@ -241,6 +254,13 @@ class ContractChecker:
                 culprit=culprits[0] if len(culprits) == 1 else None,
             )
 
+    def _settle(self, call: Call) -> None:
+        """In a job: exchange and judge the batch of the step that waits (its records
+        and parameters), as the step's own job would have."""
+        due, self._due = self._due, None
+        assert due is not None
+        self._batch(call, due, _AUX_STEP)
+
     def _count(self, held: Iterable[str]) -> None:
         with self._lock:
             for cid in held:
@@ -263,20 +283,58 @@ class ContractChecker:
         self._count(Counter(other.take_verdicts()).elements())
 
     def flush(self) -> None:
-        """Judge every pending record now. A collective: every rank of the group calls it."""
+        """Judge every pending record (and a step that waits) now. A collective: every
+        rank of the group calls it."""
         self.group.submit_check(_Batch(self, _NO_PARAMETERS, _AUX_BATCH)).wait()
+
+    def settle(self) -> None:
+        """Judge the last step's batch if it still waits (the group's ``shutdown`` calls
+        this, so a run's last step is judged). A collective on every rank alike:
+        whether a step waits is decided in the group's jobs. Nothing on a broken
+        group (its failure has been raised already). Raises only a violation: a
+        failure to exchange (a peer gone, or in another call, as when one rank
+        destroys the group while handling an error of its own) is logged, and
+        the step stays unjudged, so destroy never hides the caller's own error."""
+        if self._due is None or self.group.errored() is not None:
+            return
+        try:
+            self.flush()
+        except ContractViolation:
+            raise
+        except EntrenarError as e:
+            log.warning(
+                "contract checker: the last optimizer step (%d) could not be judged at "
+                "shutdown: %s",
+                self.step,
+                e,
+            )
 
     # ------------------------------------------------------------ optimizer steps
 
     def watch(self, optimizer: Any) -> Any:
-        """Check after every step of ``optimizer`` (for groups that are not the default).
+        """Check every step of ``optimizer`` (for groups that are not the default).
 
-        Returns the hook handle; the global hook then skips this optimizer.
+        Returns a handle whose ``remove()`` removes the checker's hooks; the
+        global hooks then skip this optimizer.
         """
         step_hook.watched(optimizer)
-        return optimizer.register_step_post_hook(
-            lambda opt, args, kwargs: self.check_parameters(_params(opt))
+        return _WatchHandles(
+            optimizer.register_step_pre_hook(_BeforeStep(self)),
+            optimizer.register_step_post_hook(_AfterStep(self)),
         )
+
+    def before_optimizer_step(self, optimizer: Any = None) -> None:
+        """The step pre-hook: judge the previous step's batch, which waited for it,
+        with the records of this step's collectives so far (one exchange; raises
+        before this step updates anything). Nothing when no batch waits."""
+        if self._due is None:
+            return
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            self.flush()
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
 
     def after_optimizer_step(self, optimizer: Any) -> None:
         """The global hook's step (this is the default group's checker): every checked
@@ -287,18 +345,21 @@ class ContractChecker:
         # is known to its ranks only; the default group's exchange, last,
         # tells every rank, so all of them stop at this step.
         elsewhere: ContractViolation | None = None
-        for group in _checked_groups(self.group):
+        groups = _checked_groups(self.group)
+        for group in groups:
             if group is self.group:
                 continue
             try:
-                group.checker._step(plan.get(id(group), (group, []))[1])
+                group.checker._step(plan.get(id(group), (group, []))[1], defer=False)
             except ContractViolation as e:
                 if elsewhere is None:
                     elsewhere = e
                     e.culprit = _global_rank(group, e.culprit)
             self._absorb(group.checker)
         try:
-            self._step(plan.get(id(self.group), (self.group, []))[1], elsewhere)
+            # With other checked groups the default group's exchange, at the
+            # step, is what tells every rank of one group's violation: no deferral.
+            self._step(plan.get(id(self.group), (self.group, []))[1], elsewhere, len(groups) == 1)
         except ContractViolation:
             if elsewhere is not None:
                 raise elsewhere from None  # this rank's own, fuller account
@@ -307,11 +368,21 @@ class ContractChecker:
     def check_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """One step of this group now: judge the pending records and C-DDP-001 for the
         parameters replicated across its ranks. A collective: every rank calls it."""
-        self._step(replicas.by_group(params, self.group).get(id(self.group), (None, []))[1])
+        self._step(
+            replicas.by_group(params, self.group).get(id(self.group), (None, []))[1], defer=False
+        )
 
     def _step(
-        self, tensors: list[torch.Tensor], elsewhere: ContractViolation | None = None
+        self,
+        tensors: list[torch.Tensor],
+        elsewhere: ContractViolation | None = None,
+        defer: bool = False,
     ) -> None:
+        """One step: hash the parameters now (as they are after the update), then either
+        exchange and judge the step's batch at once, or (``defer``: a step pre-hook
+        will come) mark the step in job order and leave its batch to the next
+        step's pre-hook, a flush, or the group's shutdown, whichever comes first
+        (docs/contracts.md, "When verdicts come")."""
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             parameters = list(_NO_PARAMETERS)
@@ -321,7 +392,12 @@ class ContractChecker:
             if elsewhere is not None:
                 culprit = elsewhere.culprit
                 parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1
-            self.group.submit_check(_Batch(self, parameters, _AUX_STEP)).wait()
+            # A ledger's line needs the step's verdicts at the step.
+            if defer and self.defer_steps and getattr(self.group, "ledger", None) is None:
+                job: _Batch | _Stepped = _Stepped(self, parameters)
+            else:
+                job = _Batch(self, parameters, _AUX_STEP)
+            self.group.submit_check(job).wait()
         finally:
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu
@@ -363,9 +439,64 @@ class _Batch:
     aux: int
 
     def __call__(self, call: Call) -> None:
+        checker = self.checker
+        if checker._due is not None:  # a step's batch waits: it goes first, in its own order
+            checker._settle(call)
+            if self.aux == _AUX_BATCH and not checker._pending:
+                return  # a flush (settle): nothing more to judge
         if self.aux == _AUX_STEP:
-            self.checker._stepped()
-        self.checker._batch(call, self.parameters, self.aux)
+            checker._stepped()
+        checker._batch(call, self.parameters, self.aux)
+
+
+@dataclass(frozen=True, slots=True)
+class _BeforeStep:
+    """A watched optimizer's step pre-hook."""
+
+    checker: ContractChecker
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.checker.before_optimizer_step(optimizer)
+
+
+@dataclass(frozen=True, slots=True)
+class _AfterStep:
+    """A watched optimizer's step post-hook: its parameters' step, deferred."""
+
+    checker: ContractChecker
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        checker = self.checker
+        params = replicas.by_group(_params(optimizer), checker.group)
+        checker._step(params.get(id(checker.group), (None, []))[1], defer=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _WatchHandles:
+    """``watch``'s handle: removes both hooks."""
+
+    before: Any
+    after: Any
+
+    def remove(self) -> None:
+        self.before.remove()
+        self.after.remove()
+
+
+@dataclass(frozen=True, slots=True)
+class _Stepped:
+    """The checker's job at a deferred step: the step is marked in job order, and its
+    batch (the pending records and ``parameters``) waits for the next step's pre-hook."""
+
+    checker: ContractChecker
+    parameters: list[int]
+
+    def __call__(self, call: Call) -> None:
+        checker = self.checker
+        if checker._due is not None:  # two steps without a pre-hook between: the older now
+            checker._settle(call)
+        checker._stepped()
+        checker._due = self.parameters
 
 
 @functools.cache
