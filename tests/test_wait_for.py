@@ -61,3 +61,30 @@ def test_a_cycle_blames_nobody_and_no_waiting_starts_no_walk():
     b = walk(g, 0, [1], "a", 0.1)
     assert b.culprit is None and "a cycle" in b.story
     assert walk(Table({}), 0, [], "a", 0.1).culprit is None
+
+
+def test_in_one_round_an_answer_outweighs_silence():
+    """Regression (the suite under load, N=8: rank 3 blamed rank 0, alive but
+    slow to answer, where rank 5, asked in the same round, answered that it
+    is not in the collective; every other rank blamed 5): the strongest
+    evidence of a round wins, whatever the ranks' order."""
+    g = Table(
+        {
+            2: PeerState("allreduce #1", (1, 3, 6)),
+            4: PeerState("allreduce #1", (0, 3, 5, 6)),
+            0: None,  # alive, but its answer came too late
+            1: PeerState("allreduce #1", (0, 2, 5)),
+            5: PeerState(None, ()),
+            6: PeerState("allreduce #1", (5,)),
+        }
+    )
+    b = walk(g, 3, [2, 4], "allreduce #1", 0.5)
+    assert b.culprit == 5 and "rank 5 is not inside any collective" in b.story, b
+    assert g.rounds == [[2, 4], [0, 1, 5, 6]]
+    # A peer's own verdict outweighs both; an ended rank outweighs silence.
+    g.states[6] = PeerState("allreduce #1", (5,), blamed=7)
+    assert walk(g, 3, [2, 4], "allreduce #1", 0.5).culprit == 7
+    ended = Table({1: None, 2: None}, {2: Gone("has left the group")})
+    assert walk(ended, 0, [1, 2], "x", 0.1).culprit == 2
+    # Silence alone still blames the silent rank.
+    assert walk(Table({1: PeerState("x", (2,)), 2: None}), 0, [1], "x", 0.1).culprit == 2

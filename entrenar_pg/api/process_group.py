@@ -32,6 +32,7 @@ from .. import sparse
 from .._plugin import BACKEND_NAME
 from ..call.work import EntrenarWork, P2PWork
 from ..checker import ContractChecker
+from ..checker.checker import settle
 from ..config import Options
 from ..errors import EntrenarError, PeerConnectionError
 from ..ledger_writer import RunLedger
@@ -305,10 +306,10 @@ class EntrenarProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------ lifecycle, health
 
     def shutdown(self) -> None:
-        """Release threads and sockets (torch's destroy_process_group calls this)."""
+        """Release threads and sockets (torch's destroy_process_group calls this), once
+        the checker judged a step still waiting (a collective; may raise)."""
         try:
-            if self.checker is not None:
-                self.checker.settle()  # the last step's verdict (a collective; may raise)
+            settle(self.checker)
         finally:
             self._runtime.close()
 
@@ -324,18 +325,13 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         )
 
     def errored(self) -> EntrenarError | None:
-        """The group's first failure (an exception object), or None while it is healthy.
-
-        After ``abort()``: an error saying the group was aborted. torchft asks
-        its inner group this to decide whether to reconfigure.
-        """
+        """The group's first failure (an exception object; after ``abort()`` one saying
+        so), or None while healthy: torchft asks its inner group this to reconfigure."""
         return self._runtime.state.error
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """The no-progress timeout of later collectives and p2p calls (whose opts set none).
-
-        Collectives already issued keep the timeout they were issued with.
-        """
+        """The no-progress timeout of later collectives and p2p calls whose opts set none
+        (collectives already issued keep the timeout they were issued with)."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
         if seconds <= 0:
             raise ValueError(

@@ -287,28 +287,6 @@ class ContractChecker:
         rank of the group calls it."""
         self.group.submit_check(_Batch(self, _NO_PARAMETERS, _AUX_BATCH)).wait()
 
-    def settle(self) -> None:
-        """Judge the last step's batch if it still waits (the group's ``shutdown`` calls
-        this, so a run's last step is judged). A collective on every rank alike:
-        whether a step waits is decided in the group's jobs. Nothing on a broken
-        group (its failure has been raised already). Raises only a violation: a
-        failure to exchange (a peer gone, or in another call, as when one rank
-        destroys the group while handling an error of its own) is logged, and
-        the step stays unjudged, so destroy never hides the caller's own error."""
-        if self._due is None or self.group.errored() is not None:
-            return
-        try:
-            self.flush()
-        except ContractViolation:
-            raise
-        except EntrenarError as e:
-            log.warning(
-                "contract checker: the last optimizer step (%d) could not be judged at "
-                "shutdown: %s",
-                self.step,
-                e,
-            )
-
     # ------------------------------------------------------------ optimizer steps
 
     def watch(self, optimizer: Any) -> Any:
@@ -428,6 +406,29 @@ class ContractChecker:
                 f"ranks: {listing}); rank(s) {diverged} diverged",
                 culprit=diverged[0] if len(diverged) == 1 else None,
             )
+
+
+def settle(checker: ContractChecker | None) -> None:
+    """Judge the last step's batch if it still waits (the group's ``shutdown`` calls
+    this, so a run's last step is judged). A collective on every rank alike:
+    whether a step waits is decided in the group's jobs. Nothing without a
+    checker or on a broken group (its failure has been raised already).
+    Raises only a violation: a failure to exchange (a peer gone, or in
+    another call, as when one rank destroys the group while handling an error
+    of its own) is logged, and the step stays unjudged, so destroy never
+    hides the caller's own error."""
+    if checker is None or checker._due is None or checker.group.errored() is not None:
+        return
+    try:
+        checker.flush()
+    except ContractViolation:
+        raise
+    except EntrenarError as e:
+        log.warning(
+            "contract checker: the last optimizer step (%d) could not be judged at shutdown: %s",
+            checker.step,
+            e,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ the ``Blame``. Before a rank raises on no progress it walks from the peers
 it waits on; a peer that is itself waiting names the ranks it waits on, and
 the walk goes on until it reaches a rank that does not answer (stopped or
 hung), has ended, or is not in the collective: that rank is blamed, on every
-rank, instead of the first neighbour whose timer fired.
+rank, instead of the first neighbour whose timer fired. Among the ranks asked
+in one round, the strongest evidence wins: a verdict or an ended rank's
+culprit over a rank outside the collective, and that over silence.
 """
 
 from __future__ import annotations
@@ -60,30 +62,45 @@ def walk(
     while frontier:
         answers = graph.ask(frontier, answer_s)
         nxt: list[int] = []
+        # The frontier's strongest evidence wins, not its lowest rank: a
+        # peer's own verdict or an ended rank's culprit, then a rank that
+        # answered it is not in the collective (or ended), and only then one
+        # that did not answer, which a loaded machine can make of a live rank
+        # (the suite: a silent rank 0 blamed beside rank 5, not in the collective).
+        found: list[tuple[int, Blame]] = []
         for q in frontier:
             asked.add(q)
             state = answers.get(q)
             if state is not None and state.blamed is not None:
                 b = state.blamed
-                return Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))
-            if state is None:
+                found.append((0, Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))))
+            elif state is None:
                 gone = graph.gone(q)
                 if gone is not None and gone.culprit not in (None, q):
-                    return Blame(gone.culprit, "; ".join([*path, f"rank {q} {gone.why}"]))
+                    found.append(
+                        (0, Blame(gone.culprit, "; ".join([*path, f"rank {q} {gone.why}"])))
+                    )
+                    continue
                 why = (
                     gone.why
                     if gone is not None
                     else f"does not answer within {answer_s:.1f}s (stopped or hung)"
                 )
-                return Blame(q, "; ".join([*path, f"rank {q} {why}"]))
-            if state.what is None:
-                return Blame(
+                silent = 2 if gone is None else 1  # silence alone is the weakest
+                found.append((silent, Blame(q, "; ".join([*path, f"rank {q} {why}"]))))
+            elif state.what is None:
+                found.append((1, Blame(
                     q,
                     "; ".join([*path, f"rank {q} is not inside any collective (it has not "
                                f"issued {what}, or issued it on another group)"]),
-                )  # fmt: skip
-            onward = [r for r in state.waiting_on if r not in asked and r not in nxt]
-            path.append(f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}")
-            nxt.extend(onward)
+                )))  # fmt: skip
+            else:
+                onward = [r for r in state.waiting_on if r not in asked and r not in nxt]
+                path.append(
+                    f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}"
+                )
+                nxt.extend(onward)
+        if found:
+            return min(found, key=lambda f: f[0])[1]  # the first of the strongest kind
         frontier = sorted(nxt)
     return Blame(None, "; ".join(path) + " (a cycle: every rank waits on another)")
