@@ -46,6 +46,7 @@ from entrenar_pg import (
 )
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
+from entrenar_pg.transport.shm import placement as placement_module
 from entrenar_pg.transport.shm import ring, slots
 from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.transport.shm.placement import Placement
@@ -847,9 +848,15 @@ def test_two_ranks_put_on_one_core_move_apart() -> None:
     assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
 
 
-def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room() -> None:
+def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``Placement.shared_core`` on real control words and this thread's real
-    affinity (given back each time): the CPU it runs on is the one injected."""
+    affinity (given back each time): the CPU it runs on is the one injected,
+    and so is the clock (a loaded machine once let MOVE_EVERY_S pass between
+    two calls meant to fall within it)."""
+    now = [1000.0]
+    monkeypatch.setattr(placement_module, "monotonic", lambda: now[0])
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
@@ -869,9 +876,10 @@ def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room() 
     high.shared_core()
     assert high.moves == 1 and own[word] - 1 in allowed - {cpu}
     assert os.sched_getaffinity(0) == allowed  # the mask given back
+    now[0] += placement_module.MOVE_EVERY_S / 2
     high.shared_core()  # within MOVE_EVERY_S: no second move
     assert high.moves == 1 and own[word] == cpu + 1  # it still says where it found itself
-    high._next_move = 0.0
+    now[0] += placement_module.MOVE_EVERY_S
     high.shared_core()
     assert high.moves == 2
     # The lower rank stays where it is, whoever shares its CPU.

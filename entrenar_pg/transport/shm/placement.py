@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from collections.abc import Callable
+from time import monotonic
 
 MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
 
@@ -97,7 +97,7 @@ class Placement:
         self._own[word] = cpu + 1
         if not any(q < self._rank and ctl[word] == cpu + 1 for q, ctl in self._peers):
             return
-        now = time.monotonic()
+        now = monotonic()
         if now < self._next_move:
             return
         self._next_move = now + MOVE_EVERY_S
