@@ -22,12 +22,18 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from short_timeout import SET_UP_TIMEOUT
 
 mode = sys.argv[1]
-timeout = timedelta(seconds=float(os.environ.get("ENTRENAR_TEST_TIMEOUT_S", "60")))
-dist.init_process_group("entrenar", timeout=timeout)
+# Set-up under a generous timeout (on a loaded machine the ranks start seconds
+# apart: a 3 s one failed a rank's set-up, which then printed nothing), then
+# the test's own for the calls it times out.
+dist.init_process_group("entrenar", timeout=SET_UP_TIMEOUT)
+dist.barrier()
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+backend.set_timeout(timedelta(seconds=float(os.environ.get("ENTRENAR_TEST_TIMEOUT_S", "60"))))
 rank, world = dist.get_rank(), dist.get_world_size()
-mesh = dist.group.WORLD._get_backend(torch.device("cpu"))._runtime.mesh  # type: ignore[union-attr]
+mesh = backend._runtime.mesh  # type: ignore[union-attr]
 
 if mode == "loop":
     t = torch.ones(int(os.environ.get("LOOP_NUMEL", 16 << 10)))
