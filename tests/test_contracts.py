@@ -14,6 +14,7 @@ import math
 import os
 import re
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,19 @@ def test_projection_views_are_kept_by_address(monkeypatch: pytest.MonkeyPatch) -
     assert held - _resident_bytes() > 32 << 20, "the projection's cache kept the tensor alive"
 
 
+@dataclass(frozen=True)
+class _Noting:
+    """A torch function that notes ``name`` in ``log`` on each call, then runs."""
+
+    name: str
+    original: Any
+    log: list[str]
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        self.log.append(self.name)
+        return self.original(*a, **k)
+
+
 @pytest.mark.timeout(30)
 def test_every_variant_is_made_at_a_buckets_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A DDP step uses a new pair of vectors per bucket until all VARIANTS have come
@@ -299,18 +313,8 @@ def test_every_variant_is_made_at_a_buckets_first_call(monkeypatch: pytest.Monke
     x = torch.randn(4096 + 7)
     proj.floats(x)  # the bucket's first call (variant 0)
     made: list[str] = []
-    real_randn, real_randint = torch.randn, torch.randint
-
-    def randn(*a: Any, **k: Any) -> torch.Tensor:
-        made.append("randn")
-        return real_randn(*a, **k)
-
-    def randint(*a: Any, **k: Any) -> torch.Tensor:
-        made.append("randint")
-        return real_randint(*a, **k)
-
-    monkeypatch.setattr(torch, "randn", randn)
-    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(torch, "randn", _Noting("randn", torch.randn, made))
+    monkeypatch.setattr(torch, "randint", _Noting("randint", torch.randint, made))
     got = {v: proj.floats(x, variant=v) for v in range(projection.VARIANTS)}
     assert made == [], f"vectors made after the bucket's first call: {made}"
     monkeypatch.undo()
@@ -370,21 +374,13 @@ def test_kept_read_takes_the_norm_first(monkeypatch: pytest.MonkeyPatch) -> None
     more per byte, then finds it in cache (~50 us less per 2.3 MiB bucket inside the
     DDP job). (Before: the product first.)"""
     calls: list[str] = []
-    real_mm, real_norm = torch.mm, torch.linalg.vector_norm
-
-    def mm(*a: Any, **k: Any) -> torch.Tensor:
-        calls.append("mm")
-        return real_mm(*a, **k)
-
-    def vector_norm(*a: Any, **k: Any) -> torch.Tensor:
-        calls.append("norm")
-        return real_norm(*a, **k)
-
     x = torch.randn(5 * 4096 + 7)
     proj = Projection()
     first = proj.floats(x)
-    monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(torch.linalg, "vector_norm", vector_norm)
+    monkeypatch.setattr(torch, "mm", _Noting("mm", torch.mm, calls))
+    monkeypatch.setattr(
+        torch.linalg, "vector_norm", _Noting("norm", torch.linalg.vector_norm, calls)
+    )
     again = proj.floats(x)
     monkeypatch.undo()
     assert calls == ["norm", "mm"]
