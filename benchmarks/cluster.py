@@ -46,6 +46,7 @@ from benchmarks.cluster_config import (
     DEFAULT_VARIANTS,
     ClusterConfig,
 )
+from benchmarks.cluster_load import background_cores
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
@@ -88,6 +89,22 @@ def _link_per_call(
     return {d: (sum(b[d] for b in blocks) - len(blocks) * fence[d]) / calls for d in ("tx", "rx")}
 
 
+def _background(
+    ranks: Sequence[dict[str, Any]], variant: str | None = None, size: int | None = None
+) -> float | None:
+    """Cores the rest of the machine took during the blocks of ``variant`` at ``size``
+    (every block if None): ``cluster_load.background_cores``; None for records without it."""
+    picked = [
+        [
+            b
+            for b in r.get("load", [])
+            if (variant is None or b["variant"] == variant) and (size is None or b["bytes"] == size)
+        ]
+        for r in ranks
+    ]
+    return background_cores(picked)
+
+
 def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every rank's record -> rows (the schema of cluster.json) and per-host link details."""
     names = list(cfg.variants)
@@ -126,9 +143,16 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
                 xhost_bytes_per_host=max(max(h["tx"], h["rx"]) for h in per_host),
                 bound_bytes_per_host=bound_bytes(cfg.hosts, size),
                 sockets_per_rank=statistics.fmean(r["sockets"][name] for r in ranks),
+                # Cores other processes took meanwhile (the cost model's load term).
+                background_cores=_background(ranks, name, size),
             )
             rows.append(row)
-    return {"rows": rows, "links": links, "fence_bytes": fences}
+    return {
+        "rows": rows,
+        "links": links,
+        "fence_bytes": fences,
+        "background_cores": _background(ranks),
+    }
 
 
 def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
@@ -155,6 +179,8 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
             "entrenar_pg_file": ranks[0]["entrenar_pg_file"],
             "loadavg_start": load_start,
             "loadavg_end": list(os.getloadavg()),
+            # Over every timed block: cores other processes took (benchmarks/cluster_load.py).
+            "background_cores": part["background_cores"],
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
             "elapsed_s": time.time() - started,
             "fence_bytes_per_block": part["fence_bytes"],

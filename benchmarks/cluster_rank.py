@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from benchmarks import netns, netns_job
 from benchmarks.cluster_config import ClusterConfig, resolve_variants
+from benchmarks.cluster_load import BlockClock
 from benchmarks.config import FLOAT32_BYTES, Variant
 from benchmarks.sizes import plan_for, rotated
 from benchmarks.workers import Contestant, _GroupAllreduce, _new_group, _time_allreduce, _verify
@@ -85,6 +86,9 @@ class RankRecord:
     sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # per variant
     links: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # leader only
     calibration: list[dict[str, int]] = dataclasses.field(default_factory=list)  # leader only
+    # Per block, in order: wall, this rank's CPU, and on rank 0 the machine's busy CPU
+    # (benchmarks/cluster_load.py: the others' load the cost model reads).
+    load: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     variant_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     entrenar_pg_file: str = ""
@@ -137,6 +141,7 @@ def _sweep(
 ) -> None:
     """Every size: ``rounds`` rounds of fenced blocks, one per variant, order rotated."""
     names = list(groups)
+    clock = BlockClock(reads_machine=rank == 0)
     for size in cfg.sizes:
         plan = plan_for(size, cfg.plan_config())
         t = torch.zeros(size // FLOAT32_BYTES, dtype=torch.float32)
@@ -145,6 +150,7 @@ def _sweep(
                 key = f"{name}|{size}"
                 who = groups[name]
                 start = fence.open()
+                began = clock.read()
                 calls, warm = 0, plan.warmup
                 if r == 0:
                     _verify(t, who, rank, cfg.world, name)
@@ -153,6 +159,8 @@ def _sweep(
                 rec.times.setdefault(key, []).extend(_time_allreduce(t, who, warm, plan.per_block))
                 calls += warm + plan.per_block
                 link = fence.close(start)
+                load = BlockClock.block(began, clock.read())
+                rec.load.append({"variant": name, "bytes": size, **load})
                 if link is not None:
                     rec.links.append({"variant": name, "bytes": size, "calls": calls, **link})
         del t

@@ -82,6 +82,12 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
         f"{meta['loadavg_end'][0]:.1f} at end; {meta['elapsed_s']:.0f} s.",
         "",
     ]
+    background = meta.get("background_cores")
+    if background is not None:
+        lines[-1:-1] = [
+            f"Other processes took {background:.2f} of the {m['nproc']} cores during the timed "
+            "blocks (per row: cluster.json's background_cores).",
+        ]
     lines += table(result, markdown)
     lines.append("")
     ceiling = link_ceiling_GBps(meta)

@@ -5,10 +5,11 @@
 - ``fit MEASUREMENTS.json``: the link table from measurements.
 - ``fit-wake CLUSTER.json ...``: the ``wake`` and ``gloo-wake`` kinds (a
   hop's wait to be scheduled where ranks share a core: entrenar spins, gloo
-  blocks) fitted from cluster rows below 1 MiB, added to ``--links`` and
-  saved to ``--out``.
-- ``held-out A.json B.json [--rooted R.json ...]``: ``fit-wake`` on each
-  layout's run, ``check`` of the other's rows (and the rooted runs'), both
+  blocks) and, from rows a loaded machine recorded, ``load`` (a spinning
+  hop's wait for other jobs' threads) fitted from cluster rows below 1 MiB,
+  added to ``--links`` and saved to ``--out``.
+- ``held-out A.json B.json ... [--rooted R.json ...]``: ``fit-wake`` on each
+  layout's runs, ``check`` of the other's rows (and the rooted runs'), both
   ways (``held_out.py``).
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
@@ -115,9 +116,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_held_out(args: argparse.Namespace) -> None:
-    directions = held_out.held_out(
-        held_out.load(args.first), held_out.load(args.second), _links(args.links)
-    )
+    directions = held_out.held_out([held_out.load(p) for p in args.cluster], _links(args.links))
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
 
 
@@ -214,8 +213,7 @@ def parser() -> argparse.ArgumentParser:
         "--plot", default="", help=f"PNG path, predicted against measured (e.g. {CHECK_PLOT})"
     )
     ho = sub.add_parser("held-out", help="fit the wake-ups on one layout, check the other")
-    ho.add_argument("first", help="cluster.json of one layout")
-    ho.add_argument("second", help="cluster.json of the other")
+    ho.add_argument("cluster", nargs="+", help="cluster.json files of two layouts (H x L)")
     ho.add_argument("--rooted", nargs="*", default=[], help="measure-rooted JSON files")
     ho.add_argument("--links", help="the links (default: the committed table)")
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")

@@ -38,6 +38,7 @@ from benchmarks.model.links import (
     GLOO_LOOPBACK,
     GLOO_NET,
     GLOO_WAKE,
+    LOAD,
     LOOPBACK,
     NET,
     REDUCE,
@@ -168,11 +169,29 @@ class Conditions:
     takes less than its host-link bytes at the link's beta (``total_time``);
     ``back_to_back`` False: each call timed alone after a pause that refilled
     the bucket (``rooted_rank``'s control barrier), no such bound.
+    ``busy_share``: the load, the share of the cores other processes took
+    while the call ran (the cluster harness records it per row:
+    ``benchmarks/cluster_load.py``). A spinning rank yields its core at every
+    turn of its poll (``sched_yield``); where another job's thread is
+    runnable there, a yield can hand it the core until the scheduler takes
+    it back (at most a tick, 4 ms at this kernel's ``CONFIG_HZ`` 250), and
+    the rank, runnable but not woken, waits: ``LOAD``'s alpha x the share per
+    hop (``load_wait``; the alpha is fitted, and half a tick bounds it). A
+    blocking rank (gloo) sleeps, and its wake-up is placed ahead of the other
+    job's thread (EEVDF's lag): no term. 0: nothing else ran, or not recorded.
     """
 
     ranks_per_core: float = 1.0
     free_net_bytes: float = 0.0
     back_to_back: bool = True  # calls timed in a loop; False: each alone, the bucket full
+    busy_share: float = 0.0
+
+    def load_wait(self, links: LinkTable, fabric: Fabric) -> float:
+        """Seconds one hop of ``fabric`` waits for other jobs' threads (none if it
+        blocks, nothing else ran, or ``LOAD`` is not fitted)."""
+        if not fabric.spins or self.busy_share <= 0 or LOAD not in links.params:
+            return 0.0
+        return min(self.busy_share, 1.0) * links[LOAD].alpha
 
 
 DEDICATED = Conditions()
@@ -197,14 +216,19 @@ def hop_wait(links: LinkTable, where: Conditions, fabric: Fabric, symmetric: boo
     average, and pipelined rounds pay the average (a rank whose message came
     goes straight on). At k = 2 both are 1. A blocking fabric (gloo) pays one
     wake-up of a sleeping thread per hop either way.
+
+    Load (``Conditions.load_wait``): a spinning hop also waits ``LOAD``'s
+    alpha x the share of the cores other jobs took; a blocking one nothing
+    more. With a core per rank and nothing else running, no wait.
     """
+    load = where.load_wait(links, fabric)
     k = where.ranks_per_core
     if k <= 1 or fabric.wake not in links.params:
-        return 0.0
+        return load
     alpha = links[fabric.wake].alpha
     if not fabric.spins:
         return alpha
-    return alpha * (k / 2 if symmetric else k - 1)
+    return alpha * (k / 2 if symmetric else k - 1) + load
 
 
 def total_time(

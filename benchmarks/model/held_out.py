@@ -1,8 +1,10 @@
-"""Held out: the wake-up alphas fitted on one layout's run, every row of the other checked.
+"""Held out: the wake-up alphas fitted on one layout's runs, every row of the other checked.
 
-``python -m benchmarks.model held-out A.json B.json [--rooted R.json ...]``:
-``wake.fit_wake`` on run A (``cluster.json``), ``check`` on run B, then the
-other way round; each ``measure-rooted`` file is predicted with the table
+``python -m benchmarks.model held-out A.json B.json ... [--rooted R.json ...]``:
+the runs (``cluster.json``) grouped by layout (H x L; two layouts);
+``wake.fit_wake`` on one layout's runs (``WAKE``, ``GLOO_WAKE`` and, where
+a run recorded a loaded machine, ``LOAD``), ``check`` on every run of the
+other, then the other way round; each ``measure-rooted`` file is predicted with the table
 fitted on the cluster run of the *other* layout (H x L), so no row is
 predicted from its own layout. The links (alpha, beta per kind) come from
 ``--links`` (the 2-rank sweeps: ``data/quiet/links.json`` for a quiet machine).
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.model import check, rooted, rooted_measure, wake
-from benchmarks.model.links import GLOO_WAKE, WAKE, LinkTable
+from benchmarks.model.links import GLOO_WAKE, LOAD, WAKE, LinkTable
 from benchmarks.sizes import format_bytes
 
 
@@ -31,30 +33,48 @@ def layout(run: dict[str, Any]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Direction:
-    """One way round: fitted on ``fitted_on``, ``checked`` the other run's rows."""
+    """One way round: fitted on the runs of ``fitted_on``, every row of the other
+    layout's runs checked (``per_run``: each run's start and load, its rows)."""
 
     fitted_on: tuple[int, int]
     table: LinkTable
-    checked: list[check.Checked]
-    checked_when: str  # the checked run's start and load (``when``)
+    per_run: list[tuple[str, list[check.Checked]]]
+
+    @property
+    def checked(self) -> list[check.Checked]:
+        return [c for _, rows in self.per_run for c in rows]
+
+    @property
+    def checked_when(self) -> str:
+        """The checked runs' starts and loads (``when``)."""
+        return "; ".join(w for w, _ in self.per_run)
 
 
 def when(run: dict[str, Any]) -> str:
-    """A cluster run's start and 1-minute load average at start and end, from its meta
-    (a run taken while other jobs ran is not a quiet run: the check is for quiet ones)."""
+    """A cluster run's start and 1-minute load average at start and end, from its meta,
+    and the cores other processes took during its timed blocks where it recorded them
+    (``meta.background_cores``)."""
     meta = run.get("meta", {})
     start, end = meta.get("loadavg_start"), meta.get("loadavg_end")
     load = f", load {start[0]:.1f} -> {end[0]:.1f}" if start and end else ""
-    return f"{meta.get('started', 'start not recorded')}{load}"
+    others = meta.get("background_cores")
+    busy = f", other processes {others:.2f} cores" if others is not None else ""
+    return f"{meta.get('started', 'start not recorded')}{load}{busy}"
 
 
-def held_out(first: dict[str, Any], second: dict[str, Any], links: LinkTable) -> list[Direction]:
-    """Fit on each run, check the other."""
+def held_out(runs: Sequence[dict[str, Any]], links: LinkTable) -> list[Direction]:
+    """The runs of two layouts: fit on each layout's runs, check the other's."""
+    by_layout: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        by_layout.setdefault(layout(run), []).append(run)
+    if len(by_layout) != 2:
+        raise ValueError(f"runs of two layouts expected, got {sorted(by_layout)}")
+    first, second = by_layout
     out = []
-    for fit_run, check_run in ((first, second), (second, first)):
-        table = wake.fit_wake([fit_run], links)
-        checked = check.check([check_run], table)
-        out.append(Direction(layout(fit_run), table, checked, when(check_run)))
+    for fit_on, check_on in ((first, second), (second, first)):
+        table = wake.fit_wake(by_layout[fit_on], links)
+        per_run = [(when(r), check.check([r], table)) for r in by_layout[check_on]]
+        out.append(Direction(fit_on, table, per_run))
     return out
 
 
@@ -79,12 +99,15 @@ def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]
     lines = []
     for d in directions:
         h, local = d.fitted_on
+        load = d.table.params.get(LOAD)
+        loaded = f", load {load.alpha * 1e6:.0f} us" if load else ", load not fitted"
         lines.append(
             f"\n## fitted on {h} x {local}: wake {d.table[WAKE].alpha * 1e6:.0f} us, "
-            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us; checked: the run of "
-            f"{d.checked_when}\n"
+            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us{loaded}"
         )
-        lines.append(check.report(d.checked))
+        for started, rows in d.per_run:
+            lines.append(f"\n### checked: the run of {started}\n")
+            lines.append(check.report(rows))
     for run in rooted_runs:
         h, local = layout(run)
         lines.append(f"\n## measure-rooted {h} x {local} (fitted on the other layout)\n")

@@ -30,6 +30,11 @@ WAKE = "wake"
 # gloo's: a hop's wake-up of a sleeping thread (gloo blocks where entrenar
 # spins: costs.Fabric.spins), alpha per hop while ranks outnumber cores.
 GLOO_WAKE = "gloo-wake"
+# Not a link: the load. A spinning rank's hop's wait for another job's thread,
+# alpha at a busy share of 1 (costs.Conditions.load_wait: alpha x the share of the
+# cores other processes took, recorded per row by the cluster harness), fitted
+# from loaded cluster rows (wake.py); gloo blocks and pays none. beta unused.
+LOAD = "load"
 # gloo's kinds (its own software costs over the same wires; its sums are in its betas)
 GLOO_LOOPBACK = "gloo-loopback"
 GLOO_NET = "gloo-net"

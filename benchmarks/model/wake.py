@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.model import check, costs
-from benchmarks.model.links import GLOO_WAKE, WAKE, LinkParams, LinkTable
+from benchmarks.model.links import GLOO_WAKE, LOAD, WAKE, LinkParams, LinkTable
 
 MAX_WAKE_S = 5e-3  # the search's range: 0 .. 5 ms per hop
 _COARSE_S = 10e-6
@@ -56,25 +56,50 @@ def _search(rows: list[tuple[check.Modelled, float]], base: LinkTable, kind: str
     return float(fine[int(np.argmin([error(a) for a in fine]))])
 
 
-def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
-    """``links`` with ``WAKE`` (entrenar's rows) and ``GLOO_WAKE`` (gloo's) fitted from
-    the rows below 1 MiB of ``runs`` (cluster.json) with more ranks than cores."""
-    base = LinkTable(
-        {k: v for k, v in links.params.items() if k not in (WAKE, GLOO_WAKE)}, dict(links.meta)
-    )
-    by_kind: dict[str, list[tuple[check.Modelled, float]]] = {WAKE: [], GLOO_WAKE: []}
+# Rows where other processes took less than this share of the cores fit the wake-ups;
+# rows from it up (a loaded machine: ``costs.Conditions.busy_share``) fit ``LOAD``.
+QUIET_SHARE = 0.25
+
+
+def _fit_rows(
+    runs: Sequence[dict[str, Any]],
+) -> dict[str, list[tuple[check.Modelled, float]]]:
+    """The rows below 1 MiB each kind is fitted on: ``GLOO_WAKE`` gloo's where ranks
+    share cores; ``WAKE`` entrenar's there, the quiet ones (all of them if none is
+    quiet); ``LOAD`` entrenar's loaded ones (any layout: a rank alone on its core
+    still yields to another job)."""
+    gloo, shared, loaded = [], [], []
     for run in runs:
         for row in run["rows"]:
             if int(row["bytes"]) >= check.LARGE_BYTES:
                 continue
             m = check.model_row(row, run.get("meta", {}))
-            if m.where.ranks_per_core <= 1:
+            pair = (m, float(row["median_s"]))
+            if not m.fabric.spins:
+                if m.where.ranks_per_core > 1:
+                    gloo.append(pair)
                 continue
-            by_kind[m.fabric.wake].append((m, float(row["median_s"])))
-    if not any(by_kind.values()):
+            if m.where.ranks_per_core > 1:
+                shared.append(pair)
+            if m.where.busy_share >= QUIET_SHARE:
+                loaded.append(pair)
+    quiet = [p for p in shared if p[0].where.busy_share < QUIET_SHARE]
+    return {GLOO_WAKE: gloo, WAKE: quiet or shared, LOAD: loaded}
+
+
+def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
+    """``links`` with ``GLOO_WAKE`` (gloo's rows), ``WAKE`` (entrenar's, quiet) and, where
+    ``runs`` have loaded rows, ``LOAD`` (entrenar's loaded rows, given ``WAKE``) fitted
+    from the rows below 1 MiB of ``runs`` (cluster.json)."""
+    base = LinkTable(
+        {k: v for k, v in links.params.items() if k not in (WAKE, GLOO_WAKE, LOAD)},
+        dict(links.meta),
+    )
+    by_kind = _fit_rows(runs)
+    if not by_kind[WAKE] and not by_kind[GLOO_WAKE]:
         raise ValueError("no row below 1 MiB with more ranks than cores to fit the wake-up on")
-    for kind, rows in by_kind.items():
-        if rows:
-            base.params[kind] = LinkParams(_search(rows, base, kind), 0.0)
+    for kind in (GLOO_WAKE, WAKE, LOAD):  # LOAD last: its rows also wait WAKE's turns
+        if by_kind[kind]:
+            base.params[kind] = LinkParams(_search(by_kind[kind], base, kind), 0.0)
     base.meta["wake_rows"] = {kind: len(rows) for kind, rows in by_kind.items()}
     return base
