@@ -39,6 +39,7 @@ ROW_KEYS = {
     "xhost_bytes_per_host": float,
     "bound_bytes_per_host": float,
     "sockets_per_rank": float,
+    "background_cores": float,
 }
 
 
@@ -76,6 +77,13 @@ def _rank(rank: int, host: int, local_rank: int, verified: bool = True) -> dict:
         "sockets": {GLOO: 3 + rank, ENTRENAR: 9},
         "links": [],
         "calibration": [],
+        # one block per variant: 0.25 s of this rank's CPU in 1 s; rank 0 read the machine
+        # busy 1.5 s (gloo: 0.5 s beyond the 4 ranks' 1.0 s) and 0.9 s (entrenar: none)
+        "load": [
+            {"variant": v, "bytes": size, "wall_s": 1.0, "cpu_s": 0.25}
+            | ({"busy_s": busy} if rank == 0 else {})
+            for v, busy in ((GLOO, 1.5), (ENTRENAR, 0.9))
+        ],
     }
     if local_rank == 0:
         # two blocks of 5 calls each, each block carrying 100 fence bytes per direction
@@ -101,6 +109,10 @@ def test_combine_max_over_ranks_fences_subtracted_busiest_link() -> None:
     assert rows[ENTRENAR]["xhost_bytes_per_host"] == 2101  # host 1's rx
     assert rows[GLOO]["sockets_per_rank"] == 4.5
     assert rows[GLOO]["busbw_GBps"] == pytest.approx(1000 / 3.0 / 1e9 * 1.5)
+    # the cores other processes took: gloo's block 0.5 of 1 s, entrenar's none (never < 0)
+    assert rows[GLOO]["background_cores"] == pytest.approx(0.5)
+    assert rows[ENTRENAR]["background_cores"] == 0.0
+    assert part["background_cores"] == pytest.approx(0.2)  # (2.4 - 2.0) busy s over 2 s
     ranks[3] = _rank(3, 1, 1, verified=False)
     with pytest.raises(BenchError, match="rank 3: results never checked"):
         combine(cfg, ranks)

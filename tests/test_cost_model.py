@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks import cluster_load, cluster_report
 from benchmarks.model import check, cli, costs, fit, held_out, plan, rooted, rooted_measure, wake
 from benchmarks.model.links import (
     GLOO_LOOPBACK,
     GLOO_NET,
     GLOO_WAKE,
     KINDS,
+    LOAD,
     NET,
     REDUCE,
     SHM,
@@ -500,7 +502,8 @@ def test_fit_wake_recovers_both_wake_up_alphas_from_cluster_rows() -> None:
     fitted = wake.fit_wake([{"meta": meta, "rows": rows}], LINKS)
     assert fitted[WAKE].alpha == pytest.approx(240e-6, rel=0.05)
     assert fitted[GLOO_WAKE].alpha == pytest.approx(800e-6, rel=0.05)
-    assert fitted.meta["wake_rows"] == {WAKE: 3 * 2 * 3, GLOO_WAKE: 2 * 3}
+    assert fitted.meta["wake_rows"] == {WAKE: 3 * 2 * 3, GLOO_WAKE: 2 * 3, LOAD: 0}
+    assert LOAD not in fitted.params  # no loaded row: the load term stays off
     with pytest.raises(ValueError, match="no row below 1 MiB"):
         wake.fit_wake([{"meta": {}, "rows": rows}], LINKS)  # a core per rank: nothing to fit
 
@@ -697,7 +700,7 @@ def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
                 row = {"variant": variant, "hosts": h, "local": local, "bytes": s, "median_s": 1}
                 rows.append({**row, "median_s": check.predict_row(row, meta, truth).predicted_s})
         runs.append({"meta": meta, "rows": rows})
-    first, second = held_out.held_out(runs[0], runs[1], LINKS)
+    first, second = held_out.held_out(runs, LINKS)
     assert first.fitted_on == (2, 2) and second.fitted_on == (4, 2)
     assert first.table[WAKE].alpha == pytest.approx(200e-6, rel=0.02)
     assert second.table[GLOO_WAKE].alpha == pytest.approx(600e-6, rel=0.02)
@@ -742,3 +745,165 @@ def test_held_out_command_on_the_committed_quiet_runs(capsys: pytest.CaptureFixt
     assert first.count("| 4 x 2 |") == 18 and second.count("| 2 x 2 |") == 18
     assert "## measure-rooted 2 x 2" in second and "## measure-rooted 4 x 2" in second
     assert second.count("| barrier | 0 B |") == 2
+
+
+def test_machine_busy_is_user_nice_system_and_steal_in_clock_ticks() -> None:
+    """cluster_load.machine_busy_s: /proc/stat's cpu line, user + nice + system + steal
+    (a hypervisor's other guests take cores too); idle, iowait and the interrupt
+    columns are not another process's."""
+    tick = 1 / cluster_load.os.sysconf("SC_CLK_TCK")
+    stat = "cpu  100 20 30 5000 40 7 9 11 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    assert cluster_load.machine_busy_s(stat) == pytest.approx((100 + 20 + 30 + 11) * tick)
+    assert cluster_load.machine_busy_s() > 0  # this machine's
+    with pytest.raises(ValueError, match="'cpu' line"):
+        cluster_load.machine_busy_s("intr 1 2 3\n")
+
+
+def test_background_cores_are_the_machines_busy_less_the_jobs_own_cpu() -> None:
+    """cluster_load.background_cores: (the machine's busy CPU - every rank's CPU) / wall,
+    summed over the blocks first (ticks are coarse beside a short block), never below
+    0, None where no rank read the machine; BlockClock reads the machine on one rank."""
+    reader = [
+        {"wall_s": 0.5, "cpu_s": 0.4, "busy_s": 1.5},
+        {"wall_s": 1.5, "cpu_s": 0.6, "busy_s": 2.5},
+    ]
+    other = [{"wall_s": 0.5, "cpu_s": 0.5}, {"wall_s": 1.5, "cpu_s": 0.5}]
+    # busy 4.0 s; the job 1.0 + 1.0 s; over 2 s of wall: 1 core to the others
+    assert cluster_load.background_cores([reader, other]) == pytest.approx(1.0)
+    idle = [{**b, "busy_s": 0.5} for b in reader]
+    assert cluster_load.background_cores([idle, other]) == 0.0
+    assert cluster_load.background_cores([other, other]) is None
+    clock = cluster_load.BlockClock(reads_machine=True)
+    start = clock.read()
+    sum(i * i for i in range(20000))  # some CPU of this process
+    block = cluster_load.BlockClock.block(start, clock.read())
+    assert block["wall_s"] > 0 and block["cpu_s"] > 0 and block["busy_s"] >= 0
+    assert "busy_s" not in cluster_load.BlockClock.block(*[(1.0, 1.0, None)] * 2)
+
+
+def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
+    """costs.Conditions.load_wait: a spinning rank's hop waits LOAD's alpha x the share
+    of the cores other processes took (its yields hand the core to their threads);
+    gloo sleeps and its wake-up is placed ahead of them: nothing. On top of the
+    turns of the job's own ranks; with no LOAD fitted, or no load, nothing; the
+    share is capped at 1. By hand (HAND: WAKE 250 us; LOAD 2 ms), 2 per core,
+    half the cores busy: a rooted hop 250 + 1,000 us; a core per rank: 1,000 us."""
+    loaded = LinkTable({**HAND.params, LOAD: LinkParams(2e-3, 0.0)}, {})
+    half = costs.Conditions(ranks_per_core=2.0, busy_share=0.5)
+    assert costs.hop_wait(loaded, half, costs.ENTRENAR) == pytest.approx(1.25e-3)
+    assert costs.hop_wait(loaded, half, costs.GLOO) == pytest.approx(700e-6)  # gloo: unmoved
+    assert costs.hop_wait(HAND, half, costs.ENTRENAR) == pytest.approx(250e-6)  # not fitted
+    alone = costs.Conditions(busy_share=0.5)
+    assert costs.hop_wait(loaded, alone, costs.ENTRENAR) == pytest.approx(1e-3)
+    assert costs.hop_wait(loaded, alone, costs.GLOO) == 0.0
+    assert costs.hop_wait(loaded, costs.Conditions(busy_share=3.0), costs.ENTRENAR) == 2e-3
+    assert costs.hop_wait(loaded, costs.DEDICATED, costs.ENTRENAR) == 0.0
+    # The check reads the row's load (cores) over the run's cores; older runs: none.
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    row = {"variant": "entrenar", "hosts": 2, "local": 2, "bytes": 4 << 10, "median_s": 1.0}
+    assert check.model_row({**row, "background_cores": 1.5}, meta).where.busy_share == 0.75
+    assert check.model_row(row, meta).where.busy_share == 0.0
+    star = costs.star(costs.Shape(2, 2, 4 << 10), costs.ENTRENAR)  # 2 rooted hops
+    busy = check.predict_row({**row, "background_cores": 1.0}, meta, loaded).predicted_s
+    quiet = check.predict_row(row, meta, loaded).predicted_s
+    assert busy - quiet == pytest.approx(2 * 1e-3, rel=1e-6) and len(star) == 1
+
+
+def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones() -> None:
+    """wake.fit_wake on a quiet run and a loaded one of the same layout (made by the
+    model with WAKE 240 us, LOAD 900 us, 3 % noise): WAKE from the rows under a
+    quarter of the cores busy, then LOAD from the loaded rows given it; gloo's rows
+    (no load term) fit GLOO_WAKE from both runs."""
+    rng = np.random.default_rng(6)
+    truth = {WAKE: (240e-6, 0.0), GLOO_WAKE: (800e-6, 0.0), LOAD: (900e-6, 0.0)}
+    want = LinkTable({**LINKS.params, **{k: LinkParams(*v) for k, v in truth.items()}}, {})
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    runs = []
+    for background in (None, 1.2):
+        rows = []
+        for variant in ("gloo", "entrenar-flat", "entrenar-leaders"):
+            for s in (4 << 10, 64 << 10, 256 << 10):
+                row = {"variant": variant, "hosts": 2, "local": 2, "bytes": s}
+                row |= {"median_s": 1.0, "background_cores": background}
+                model = check.predict_row(row, meta, want).predicted_s
+                rows.append({**row, "median_s": model * (1 + 0.03 * rng.standard_normal())})
+        runs.append({"meta": meta, "rows": rows})
+    fitted = wake.fit_wake(runs, LINKS)
+    assert fitted[WAKE].alpha == pytest.approx(240e-6, rel=0.1)
+    assert fitted[LOAD].alpha == pytest.approx(900e-6, rel=0.1)
+    assert fitted[GLOO_WAKE].alpha == pytest.approx(800e-6, rel=0.1)
+    assert fitted.meta["wake_rows"] == {GLOO_WAKE: 6, WAKE: 6, LOAD: 6}
+    # the quiet run alone: no load to fit, the term stays off
+    assert LOAD not in wake.fit_wake(runs[:1], LINKS).params
+
+
+def test_gloo_has_two_modes_where_its_ranks_share_cores_and_the_row_names_its_own() -> None:
+    """check: where gloo's ranks share cores its row gets a second prediction, the fast
+    mode (every wake-up finds its core free: the links alone), and is judged against
+    the mode its median fell into (the nearer by ratio), named in the row; the
+    one (slow-mode) error is kept beside it. Where the wake-ups hide behind the bytes
+    (16 MiB) or a core per rank, one mode; entrenar, one mode."""
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    row = {"variant": "gloo", "hosts": 2, "local": 2, "bytes": 256 << 10, "median_s": 1.0}
+    probe = check.predict_row(row, meta, HAND)
+    assert probe.fast_s is not None and probe.fast_s < probe.predicted_s / (1 + check.TOLERANCE)
+    fast = check.predict_row({**row, "median_s": probe.fast_s * 1.1}, meta, HAND)
+    assert fast.mode == "fast" and not fast.flagged and fast.error > check.TOLERANCE
+    assert fast.mode_error == pytest.approx(1 / 1.1 - 1)
+    slow = check.predict_row({**row, "median_s": probe.predicted_s * 0.9}, meta, HAND)
+    assert slow.mode == "slow" and not slow.flagged
+    between = (probe.fast_s * probe.predicted_s) ** 0.5  # the geometric middle of the band
+    if between / probe.fast_s > 1 + check.TOLERANCE:
+        assert check.predict_row({**row, "median_s": between}, meta, HAND).flagged
+    big = check.predict_row({**row, "bytes": 16 << 20}, meta, HAND)
+    assert big.fast_s is None and big.mode == ""
+    assert check.predict_row(row, {}, HAND).fast_s is None  # a core per rank
+    ours = check.predict_row({**row, "variant": "entrenar"}, meta, HAND)
+    assert ours.fast_s is None and ours.mode == "" and ours.flagged  # 1 s measured
+    ours = check.predict_row(
+        {**row, "variant": "entrenar", "median_s": ours.predicted_s}, meta, HAND
+    )
+    text = check.report([fast, slow, ours])
+    assert "row: fast" in text and "row: slow" in text
+    assert "3 of 3 rows within 25% of the mode" in text and "one (slow-mode) prediction: 2" in text
+
+
+def test_held_out_takes_several_runs_per_layout_and_reports_each_with_its_load() -> None:
+    """held_out: runs grouped by layout; each direction fits on all of one layout's runs
+    and reports every run of the other on its own, with the cores others took; a
+    third layout is refused. The cluster report prints the run's load."""
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    truth = LinkTable(
+        {**LINKS.params, WAKE: LinkParams(2e-4, 0), GLOO_WAKE: LinkParams(8e-4, 0)}, {}
+    )
+    runs = []
+    for h, background in ((2, None), (2, 1.0), (4, None)):
+        rows = []
+        for variant in ("gloo", "entrenar"):
+            row = {"variant": variant, "hosts": h, "local": 2, "bytes": 4 << 10, "median_s": 1}
+            row["median_s"] = check.predict_row(row, meta, truth).predicted_s
+            rows.append({**row, "background_cores": background})
+        others = {} if background is None else {"background_cores": background}
+        runs.append({"meta": {**meta, **others}, "rows": rows})
+    first, second = held_out.held_out(runs, LINKS)
+    assert first.fitted_on == (2, 2) and len(first.per_run) == 1
+    assert second.fitted_on == (4, 2) and len(second.per_run) == 2
+    assert second.per_run[1][0].endswith("other processes 1.00 cores")
+    assert len(second.checked) == 4
+    text = held_out.report([first, second], [])
+    assert text.count("### checked: the run of") == 3
+    with pytest.raises(ValueError, match="two layouts"):
+        held_out.held_out(
+            [*runs, {"meta": meta, "rows": [{**runs[2]["rows"][0], "hosts": 8}]}], LINKS
+        )
+    machine = {"nproc": 2, "cpu": "x"}
+    result = {
+        "meta": {
+            "hosts": 2, "local": 2, "rate": "1gbit", "delay": None, "git": "g", "started": "s",
+            "machine": machine, "loadavg_start": [1.0], "loadavg_end": [2.0], "elapsed_s": 1.0,
+            "notes": [], "background_cores": 0.5,
+        },
+        "rows": [],
+    }  # fmt: skip
+    lines = cluster_report.report_lines(result)
+    assert any("took 0.50 of the 2 cores" in line for line in lines)
