@@ -782,15 +782,19 @@ def test_background_cores_are_the_machines_busy_less_the_jobs_own_cpu() -> None:
 
 
 def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
-    """costs.Conditions.load_wait: a spinning rank's hop waits LOAD's alpha x the share
-    of the cores other processes took (its yields hand the core to their threads);
-    gloo sleeps and its wake-up is placed ahead of them: nothing. On top of the
-    turns of the job's own ranks; with no LOAD fitted, or no load, nothing; the
-    share is capped at 1. By hand (HAND: WAKE 250 us; LOAD 2 ms), 2 per core,
-    half the cores busy: a rooted hop 250 + 1,000 us; a core per rank: 1,000 us."""
+    """costs.Conditions.load_wait: each turn of a spinning rank's hop also waits LOAD's
+    alpha x the share of the cores other processes took (its yields hand the core to
+    their threads), and a rank alone on its core waits one such turn; gloo sleeps and
+    its wake-up is placed ahead of them: nothing. With no LOAD fitted, or no load,
+    nothing; the share is capped at 1. By hand (HAND: WAKE 250 us; LOAD 2 ms), half
+    the cores busy: a turn 250 + 1,000 us; 2 per core, a hop 1 turn; 4 per core, a
+    rooted hop 3 turns, a symmetric one 2; a core per rank, 1 turn of 1,000 us."""
     loaded = LinkTable({**HAND.params, LOAD: LinkParams(2e-3, 0.0)}, {})
     half = costs.Conditions(ranks_per_core=2.0, busy_share=0.5)
     assert costs.hop_wait(loaded, half, costs.ENTRENAR) == pytest.approx(1.25e-3)
+    four = costs.Conditions(ranks_per_core=4.0, busy_share=0.5)
+    assert costs.hop_wait(loaded, four, costs.ENTRENAR) == pytest.approx(3 * 1.25e-3)
+    assert costs.hop_wait(loaded, four, costs.ENTRENAR, symmetric=True) == pytest.approx(2.5e-3)
     assert costs.hop_wait(loaded, half, costs.GLOO) == pytest.approx(700e-6)  # gloo: unmoved
     assert costs.hop_wait(HAND, half, costs.ENTRENAR) == pytest.approx(250e-6)  # not fitted
     alone = costs.Conditions(busy_share=0.5)

@@ -175,8 +175,9 @@ class Conditions:
     turn of its poll (``sched_yield``); where another job's thread is
     runnable there, a yield can hand it the core until the scheduler takes
     it back (at most a tick, 4 ms at this kernel's ``CONFIG_HZ`` 250), and
-    the rank, runnable but not woken, waits: ``LOAD``'s alpha x the share per
-    hop (``load_wait``; the alpha is fitted, and half a tick bounds it). A
+    the rank, runnable but not woken, waits: each turn of a hop (``hop_wait``)
+    grows by ``LOAD``'s alpha x the share (``load_wait``; the alpha is
+    fitted, and half a tick bounds it). A
     blocking rank (gloo) sleeps, and its wake-up is placed ahead of the other
     job's thread (EEVDF's lag): no term. 0: nothing else ran, or not recorded.
     """
@@ -187,8 +188,8 @@ class Conditions:
     busy_share: float = 0.0
 
     def load_wait(self, links: LinkTable, fabric: Fabric) -> float:
-        """Seconds one hop of ``fabric`` waits for other jobs' threads (none if it
-        blocks, nothing else ran, or ``LOAD`` is not fitted)."""
+        """Seconds one turn of a ``fabric`` hop waits for other jobs' threads (none
+        if it blocks, nothing else ran, or ``LOAD`` is not fitted)."""
         if not fabric.spins or self.busy_share <= 0 or LOAD not in links.params:
             return 0.0
         return min(self.busy_share, 1.0) * links[LOAD].alpha
@@ -217,18 +218,19 @@ def hop_wait(links: LinkTable, where: Conditions, fabric: Fabric, symmetric: boo
     goes straight on). At k = 2 both are 1. A blocking fabric (gloo) pays one
     wake-up of a sleeping thread per hop either way.
 
-    Load (``Conditions.load_wait``): a spinning hop also waits ``LOAD``'s
-    alpha x the share of the cores other jobs took; a blocking one nothing
-    more. With a core per rank and nothing else running, no wait.
+    Load (``Conditions.load_wait``): each of a spinning hop's turns is also,
+    in the share of the cores other jobs took, a turn of another job's thread
+    (``LOAD``'s alpha x the share), and a rank alone on its core still waits
+    one such turn; a blocking hop nothing more. With a core per rank and
+    nothing else running, no wait.
     """
-    load = where.load_wait(links, fabric)
     k = where.ranks_per_core
-    if k <= 1 or fabric.wake not in links.params:
-        return load
-    alpha = links[fabric.wake].alpha
+    shared = k > 1 and fabric.wake in links.params
+    alpha = links[fabric.wake].alpha if shared else 0.0
     if not fabric.spins:
         return alpha
-    return alpha * (k / 2 if symmetric else k - 1) + load
+    turn = alpha + where.load_wait(links, fabric)
+    return turn * max(1.0, k / 2 if symmetric else k - 1)
 
 
 def total_time(

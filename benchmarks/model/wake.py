@@ -77,7 +77,7 @@ def _fit_rows(
             pair = (m, float(row["median_s"]))
             if not m.fabric.spins:
                 if m.where.ranks_per_core > 1:
-                    gloo.append(pair)
+                    gloo.append(pair)  # no load term: a loaded row fits the wake-up too
                 continue
             if m.where.ranks_per_core > 1:
                 shared.append(pair)
