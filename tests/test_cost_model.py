@@ -816,8 +816,9 @@ def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
 def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones() -> None:
     """wake.fit_wake on a quiet run and a loaded one of the same layout (made by the
     model with WAKE 240 us, LOAD 900 us, 3 % noise): WAKE from the rows under a
-    quarter of the cores busy, then LOAD from the loaded rows given it; gloo's rows
-    (no load term) fit GLOO_WAKE from both runs."""
+    quarter of the cores busy, then LOAD from the loaded rows given it; GLOO_WAKE from
+    gloo's quiet rows (it has no load term: its loaded rows here run 1.5x slower, and
+    a fit that took them would move)."""
     rng = np.random.default_rng(6)
     truth = {WAKE: (240e-6, 0.0), GLOO_WAKE: (800e-6, 0.0), LOAD: (900e-6, 0.0)}
     want = LinkTable({**LINKS.params, **{k: LinkParams(*v) for k, v in truth.items()}}, {})
@@ -830,13 +831,15 @@ def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones()
                 row = {"variant": variant, "hosts": 2, "local": 2, "bytes": s}
                 row |= {"median_s": 1.0, "background_cores": background}
                 model = check.predict_row(row, meta, want).predicted_s
+                if variant == "gloo" and background:
+                    model *= 1.5
                 rows.append({**row, "median_s": model * (1 + 0.03 * rng.standard_normal())})
         runs.append({"meta": meta, "rows": rows})
     fitted = wake.fit_wake(runs, LINKS)
     assert fitted[WAKE].alpha == pytest.approx(240e-6, rel=0.1)
     assert fitted[LOAD].alpha == pytest.approx(900e-6, rel=0.1)
     assert fitted[GLOO_WAKE].alpha == pytest.approx(800e-6, rel=0.1)
-    assert fitted.meta["wake_rows"] == {GLOO_WAKE: 6, WAKE: 6, LOAD: 6}
+    assert fitted.meta["wake_rows"] == {GLOO_WAKE: 3, WAKE: 6, LOAD: 6}
     # the quiet run alone: no load to fit, the term stays off
     assert LOAD not in wake.fit_wake(runs[:1], LINKS).params
 
@@ -896,6 +899,9 @@ def test_held_out_takes_several_runs_per_layout_and_reports_each_with_its_load()
     assert len(second.checked) == 4
     text = held_out.report([first, second], [])
     assert text.count("### checked: the run of") == 3
+    plain = held_out.held_out(runs, LINKS, use_load=False)[1]
+    assert all(c.background_cores is None for c in plain.checked)
+    assert plain.per_run[1][0].endswith("other processes 1.00 cores")  # the run's, still said
     with pytest.raises(ValueError, match="two layouts"):
         held_out.held_out(
             [*runs, {"meta": meta, "rows": [{**runs[2]["rows"][0], "hosts": 8}]}], LINKS

@@ -116,7 +116,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_held_out(args: argparse.Namespace) -> None:
-    directions = held_out.held_out([held_out.load(p) for p in args.cluster], _links(args.links))
+    runs = [held_out.load(p) for p in args.cluster]
+    directions = held_out.held_out(runs, _links(args.links), use_load=not args.no_load)
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
 
 
@@ -216,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument("cluster", nargs="+", help="cluster.json files of two layouts (H x L)")
     ho.add_argument("--rooted", nargs="*", default=[], help="measure-rooted JSON files")
     ho.add_argument("--links", help="the links (default: the committed table)")
+    ho.add_argument(
+        "--no-load", action="store_true", help="ignore the runs' recorded load (no load term)"
+    )
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")
     pr.add_argument("--hosts", type=int, required=True)
     pr.add_argument("--local", type=int, required=True)

@@ -62,10 +62,19 @@ def when(run: dict[str, Any]) -> str:
     return f"{meta.get('started', 'start not recorded')}{load}{busy}"
 
 
-def held_out(runs: Sequence[dict[str, Any]], links: LinkTable) -> list[Direction]:
-    """The runs of two layouts: fit on each layout's runs, check the other's."""
+def without_load(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` as if it had not recorded the load (the rows' ``background_cores``)."""
+    rows = [{k: v for k, v in r.items() if k != "background_cores"} for r in run["rows"]]
+    return {**run, "rows": rows}
+
+
+def held_out(
+    runs: Sequence[dict[str, Any]], links: LinkTable, use_load: bool = True
+) -> list[Direction]:
+    """The runs of two layouts: fit on each layout's runs, check the other's
+    (``use_load`` False: every row as if no load was recorded, no load term)."""
     by_layout: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for run in runs:
+    for run in runs if use_load else [without_load(r) for r in runs]:
         by_layout.setdefault(layout(run), []).append(run)
     if len(by_layout) != 2:
         raise ValueError(f"runs of two layouts expected, got {sorted(by_layout)}")

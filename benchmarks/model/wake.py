@@ -65,9 +65,10 @@ def _fit_rows(
     runs: Sequence[dict[str, Any]],
 ) -> dict[str, list[tuple[check.Modelled, float]]]:
     """The rows below 1 MiB each kind is fitted on: ``GLOO_WAKE`` gloo's where ranks
-    share cores; ``WAKE`` entrenar's there, the quiet ones (all of them if none is
-    quiet); ``LOAD`` entrenar's loaded ones (any layout: a rank alone on its core
-    still yields to another job)."""
+    share cores, ``WAKE`` entrenar's there, each the quiet ones (all of them if none
+    is quiet: gloo has no load term, and its loaded rows moved either way, +-30 %);
+    ``LOAD`` entrenar's loaded ones (any layout: a rank alone on its core still
+    yields to another job)."""
     gloo, shared, loaded = [], [], []
     for run in runs:
         for row in run["rows"]:
@@ -77,14 +78,17 @@ def _fit_rows(
             pair = (m, float(row["median_s"]))
             if not m.fabric.spins:
                 if m.where.ranks_per_core > 1:
-                    gloo.append(pair)  # no load term: a loaded row fits the wake-up too
+                    gloo.append(pair)
                 continue
             if m.where.ranks_per_core > 1:
                 shared.append(pair)
             if m.where.busy_share >= QUIET_SHARE:
                 loaded.append(pair)
-    quiet = [p for p in shared if p[0].where.busy_share < QUIET_SHARE]
-    return {GLOO_WAKE: gloo, WAKE: quiet or shared, LOAD: loaded}
+
+    def quiet(rows: list[tuple[check.Modelled, float]]) -> list[tuple[check.Modelled, float]]:
+        return [p for p in rows if p[0].where.busy_share < QUIET_SHARE] or rows
+
+    return {GLOO_WAKE: quiet(gloo), WAKE: quiet(shared), LOAD: loaded}
 
 
 def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
