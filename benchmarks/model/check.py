@@ -80,10 +80,14 @@ class Checked:
         return "fast" if abs(math.log(self.fast_s / self.measured_s)) < slow_off else "slow"
 
     @property
+    def mode_predicted_s(self) -> float:
+        """The prediction of the mode the row fell into."""
+        return self.fast_s if self.mode == "fast" and self.fast_s else self.predicted_s
+
+    @property
     def mode_error(self) -> float:
         """(predicted - measured) / measured against the mode the row fell into."""
-        predicted = self.fast_s if self.mode == "fast" and self.fast_s else self.predicted_s
-        return (predicted - self.measured_s) / self.measured_s
+        return (self.mode_predicted_s - self.measured_s) / self.measured_s
 
     @property
     def flagged(self) -> bool:
@@ -289,8 +293,16 @@ def summary(checked: Sequence[Checked]) -> list[str]:
     return out
 
 
-def plot(checked: Sequence[Checked], path: Path) -> None:
-    """Measured (median, bar down to the fastest sample) against predicted, one panel per H x L."""
+PLOT_TITLE = "Cost model against emulated clusters (1 Gbit/s host links, loaded 2-core machine)"
+
+
+def plot(
+    checked: Sequence[Checked],
+    path: Path,
+    title: str = PLOT_TITLE,
+) -> None:
+    """Measured (median, bar down to the fastest sample) against predicted (of the mode
+    the row fell into), one panel per H x L."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,8 +313,8 @@ def plot(checked: Sequence[Checked], path: Path) -> None:
     markers = dict(zip(sorted({c.variant for c in checked}), "osD^v<>", strict=False))
     for ax, (h, local) in zip(axes[0], shapes, strict=True):
         rows = [c for c in checked if (c.hosts, c.local) == (h, local)]
-        lo = min(min(c.predicted_s, c.fastest_s) for c in rows) / 2
-        hi = max(max(c.predicted_s, c.measured_s) for c in rows) * 2
+        lo = min(min(c.mode_predicted_s, c.fastest_s) for c in rows) / 2
+        hi = max(max(c.mode_predicted_s, c.measured_s) for c in rows) * 2
         ax.loglog([lo, hi], [lo, hi], "k-", linewidth=0.8)
         ax.fill_between(
             [lo, hi],
@@ -316,7 +328,7 @@ def plot(checked: Sequence[Checked], path: Path) -> None:
             mine = [c for c in rows if c.variant == variant]
             if not mine:
                 continue
-            xs = [c.predicted_s for c in mine]
+            xs = [c.mode_predicted_s for c in mine]
             ys = [c.measured_s for c in mine]
             below = [c.measured_s - min(c.fastest_s, c.measured_s) for c in mine]
             ax.errorbar(
@@ -329,9 +341,7 @@ def plot(checked: Sequence[Checked], path: Path) -> None:
         ax.set_title(f"{h} hosts x {local} ranks, {span}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(
-        "Cost model against emulated clusters (1 Gbit/s host links, loaded 2-core machine)"
-    )
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

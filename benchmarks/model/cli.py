@@ -59,6 +59,7 @@ IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 DEFAULT_PLOT = IMG / "cost_model.png"
 THRESHOLD_PLOT = "cost_model_threshold.png"  # beside --plot
 CHECK_PLOT = IMG / "cost_model_check.png"
+HELD_OUT_PLOT = IMG / "cost_model_held_out.png"
 
 
 def _links(path: str | None) -> LinkTable:
@@ -119,6 +120,14 @@ def cmd_held_out(args: argparse.Namespace) -> None:
     runs = [held_out.load(p) for p in args.cluster]
     directions = held_out.held_out(runs, _links(args.links), use_load=not args.no_load)
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
+    if args.plot:
+        rows = [c for d in directions for c in d.checked]
+        check.plot(
+            rows,
+            Path(args.plot),
+            "Cost model, held out: each layout predicted from the other's runs",
+        )
+        print(f"\nplot: {args.plot}")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -220,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument(
         "--no-load", action="store_true", help="ignore the runs' recorded load (no load term)"
     )
+    ho.add_argument("--plot", default="", help=f"PNG path (e.g. {HELD_OUT_PLOT})")
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")
     pr.add_argument("--hosts", type=int, required=True)
     pr.add_argument("--local", type=int, required=True)

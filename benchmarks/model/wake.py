@@ -51,9 +51,18 @@ def _search(rows: list[tuple[check.Modelled, float]], base: LinkTable, kind: str
         return _relative_error(rows, LinkTable(params, base.meta))
 
     coarse = np.arange(0.0, MAX_WAKE_S + _COARSE_S, _COARSE_S)
-    best = float(coarse[int(np.argmin([error(a) for a in coarse]))])
+    best = _middle_of_minimum(coarse, [error(a) for a in coarse])
     fine = np.arange(max(0.0, best - _COARSE_S), best + _COARSE_S, _FINE_S)
-    return float(fine[int(np.argmin([error(a) for a in fine]))])
+    return _middle_of_minimum(fine, [error(a) for a in fine])
+
+
+def _middle_of_minimum(grid: np.ndarray, errors: list[float]) -> float:
+    """The middle of the grid points where ``errors`` is least. An absolute error is
+    flat between two rows (a median of an even count): the middle of the flat part,
+    not its first point, which the rows' summation order would pick by rounding."""
+    rounded = np.round(np.asarray(errors), 9)
+    best = np.flatnonzero(rounded == rounded.min())
+    return float(grid[best[len(best) // 2]])
 
 
 # Rows where other processes took less than this share of the cores fit the wake-ups;
@@ -75,7 +84,7 @@ def _fit_rows(
             if int(row["bytes"]) >= check.LARGE_BYTES:
                 continue
             m = check.model_row(row, run.get("meta", {}))
-            pair = (m, float(row["median_s"]))
+            pair = (m, float(row["median_s"]))  # (sums are order-free: _middle_of_minimum)
             if not m.fabric.spins:
                 if m.where.ranks_per_core > 1:
                     gloo.append(pair)
