@@ -917,3 +917,21 @@ def test_held_out_takes_several_runs_per_layout_and_reports_each_with_its_load()
     }  # fmt: skip
     lines = cluster_report.report_lines(result)
     assert any("took 0.50 of the 2 cores" in line for line in lines)
+
+
+def test_fit_wake_takes_the_middle_of_a_flat_minimum_whatever_the_rows_order() -> None:
+    """Two gloo rows of one shape, measured at the model's time for GLOO_WAKE 400 and
+    800 us: the absolute log error is flat in between, and wake.fit_wake takes the
+    middle of the flat part (~600 us) in either order of the rows (it took the first
+    point, 400 us, so the files' order on the command line could move an alpha)."""
+    meta = {"rate": "1gbit", "machine": {"nproc": 2}}
+    row = {"variant": "gloo", "hosts": 2, "local": 2, "bytes": 4 << 10, "median_s": 1.0}
+    rows = []
+    for alpha in (400e-6, 800e-6):
+        truth = LinkTable({**LINKS.params, GLOO_WAKE: LinkParams(alpha, 0.0)}, {})
+        rows.append({**row, "median_s": check.predict_row(row, meta, truth).predicted_s})
+    fits = [
+        wake.fit_wake([{"meta": meta, "rows": order}], LINKS)[GLOO_WAKE].alpha
+        for order in (rows, rows[::-1])
+    ]
+    assert fits[0] == fits[1] == pytest.approx(600e-6, rel=0.02)
