@@ -177,9 +177,9 @@ class Conditions:
     it back (at most a tick, 4 ms at this kernel's ``CONFIG_HZ`` 250), and
     the rank, runnable but not woken, waits: each turn of a hop (``hop_wait``)
     grows by ``LOAD``'s alpha x the share (``load_wait``; the alpha is
-    fitted, and half a tick bounds it). A
-    blocking rank (gloo) sleeps, and its wake-up is placed ahead of the other
-    job's thread (EEVDF's lag): no term. 0: nothing else ran, or not recorded.
+    fitted, and half a tick bounds it). A blocking rank (gloo) sleeps, and
+    its wake-up is placed ahead of the other job's thread (EEVDF's lag): no
+    term. 0: nothing else ran, or not recorded.
     """
 
     ranks_per_core: float = 1.0

@@ -9,8 +9,12 @@ at 4 x 2, 4 KiB: 14 steps, 17 ms measured quiet against 5 ms of link time).
 entrenar spins, so ``WAKE``'s alpha per turn of the others on the core (k - 1
 turns per rooted hop, k/2 per symmetric round: ``costs.hop_wait``); gloo
 blocks, so ``GLOO_WAKE``'s alpha per hop, after its own message arrived
-(``costs.Phase.time``). This module fits each alpha from its own rows
-below ``check.LARGE_BYTES`` (entrenar's variants, gloo's), minimising the
+(``costs.Phase.time``). Where the run recorded other jobs' load
+(``costs.Conditions.busy_share``), each of entrenar's turns also waits
+``LOAD``'s alpha x the share. This module fits each alpha from its own rows
+below ``check.LARGE_BYTES`` (``WAKE`` and ``GLOO_WAKE`` from the quiet rows of
+entrenar's variants and gloo's, then ``LOAD`` from entrenar's loaded rows:
+``_fit_rows``), minimising the
 absolute log ratio (robust to a row in the other mode); with the overlap the
 time is not linear in the alpha, so by a search over a grid, refined. Fit on
 one set of runs, check on another (``held_out``, docs/benchmarks.md).
