@@ -815,8 +815,9 @@ def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
 
 def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones() -> None:
     """wake.fit_wake on a quiet run and a loaded one of the same layout (made by the
-    model with WAKE 240 us, LOAD 900 us, 3 % noise): WAKE from the rows under a
-    quarter of the cores busy, then LOAD from the loaded rows given it; GLOO_WAKE from
+    model with WAKE 240 us, LOAD 900 us, 3 % noise): WAKE from the run whose others
+    took under a quarter of the cores, then LOAD from the loaded run's rows given
+    it; GLOO_WAKE from
     gloo's quiet rows (it has no load term: its loaded rows here run 1.5x slower, and
     a fit that took them would move)."""
     rng = np.random.default_rng(6)
@@ -834,7 +835,8 @@ def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones()
                 if variant == "gloo" and background:
                     model *= 1.5
                 rows.append({**row, "median_s": model * (1 + 0.03 * rng.standard_normal())})
-        runs.append({"meta": meta, "rows": rows})
+        recorded = {} if background is None else {"background_cores": background}
+        runs.append({"meta": {**meta, **recorded}, "rows": rows})
     fitted = wake.fit_wake(runs, LINKS)
     assert fitted[WAKE].alpha == pytest.approx(240e-6, rel=0.1)
     assert fitted[LOAD].alpha == pytest.approx(900e-6, rel=0.1)
@@ -842,6 +844,10 @@ def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones()
     assert fitted.meta["wake_rows"] == {GLOO_WAKE: 3, WAKE: 6, LOAD: 6}
     # the quiet run alone: no load to fit, the term stays off
     assert LOAD not in wake.fit_wake(runs[:1], LINKS).params
+    # quiet or loaded is the run's figure: a loaded run's rows that read low are its
+    low = {**runs[1], "rows": [{**r, "background_cores": 0.1} for r in runs[1]["rows"]]}
+    assert not wake.is_quiet(low) and wake.is_quiet(runs[0])
+    assert wake.fit_wake([runs[0], low], LINKS).meta["wake_rows"][WAKE] == 6
 
 
 def test_gloo_has_two_modes_where_its_ranks_share_cores_and_the_row_names_its_own() -> None:

@@ -63,9 +63,11 @@ def when(run: dict[str, Any]) -> str:
 
 
 def without_load(run: dict[str, Any]) -> dict[str, Any]:
-    """``run`` as if it had not recorded the load (the rows' ``background_cores``)."""
+    """``run`` as if it had not recorded the load (``background_cores``, its rows' and
+    its own)."""
     rows = [{k: v for k, v in r.items() if k != "background_cores"} for r in run["rows"]]
-    return {**run, "rows": rows}
+    meta = {k: v for k, v in run.get("meta", {}).items() if k != "background_cores"}
+    return {**run, "meta": meta, "rows": rows}
 
 
 def held_out(
@@ -73,16 +75,17 @@ def held_out(
 ) -> list[Direction]:
     """The runs of two layouts: fit on each layout's runs, check the other's
     (``use_load`` False: every row as if no load was recorded, no load term)."""
-    by_layout: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for run in runs if use_load else [without_load(r) for r in runs]:
-        by_layout.setdefault(layout(run), []).append(run)
+    by_layout: dict[tuple[int, int], list[tuple[str, dict[str, Any]]]] = {}
+    for run in runs:  # each run's heading says its load, even where the model ignores it
+        used = run if use_load else without_load(run)
+        by_layout.setdefault(layout(run), []).append((when(run), used))
     if len(by_layout) != 2:
         raise ValueError(f"runs of two layouts expected, got {sorted(by_layout)}")
     first, second = by_layout
     out = []
     for fit_on, check_on in ((first, second), (second, first)):
-        table = wake.fit_wake(by_layout[fit_on], links)
-        per_run = [(when(r), check.check([r], table)) for r in by_layout[check_on]]
+        table = wake.fit_wake([r for _, r in by_layout[fit_on]], links)
+        per_run = [(w, check.check([r], table)) for w, r in by_layout[check_on]]
         out.append(Direction(fit_on, table, per_run))
     return out
 

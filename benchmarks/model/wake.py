@@ -69,21 +69,37 @@ def _middle_of_minimum(grid: np.ndarray, errors: list[float]) -> float:
     return float(grid[best[len(best) // 2]])
 
 
-# Rows where other processes took less than this share of the cores fit the wake-ups;
-# rows from it up (a loaded machine: ``costs.Conditions.busy_share``) fit ``LOAD``.
+# A run whose other processes took less than this share of the cores (over all its
+# timed blocks: ``meta.background_cores``; a run that did not record it counts as
+# quiet) fits the wake-ups; a loaded run's entrenar rows fit ``LOAD``.
 QUIET_SHARE = 0.25
 
+Pairs = list[tuple[check.Modelled, float]]
 
-def _fit_rows(
-    runs: Sequence[dict[str, Any]],
-) -> dict[str, list[tuple[check.Modelled, float]]]:
+
+def is_quiet(run: dict[str, Any]) -> bool:
+    """Whether other processes took less than ``QUIET_SHARE`` of the cores during ``run``.
+
+    Judged per run, not per row: a row's own figure is a few blocks' (the
+    ticks are coarse), and a loaded run's rows that read low still ran among
+    the others' threads."""
+    meta = run.get("meta", {})
+    background, machine = meta.get("background_cores"), meta.get("machine")
+    cores = machine.get("nproc") if isinstance(machine, dict) else None
+    return background is None or not cores or background / int(cores) < QUIET_SHARE
+
+
+def _fit_rows(runs: Sequence[dict[str, Any]]) -> dict[str, Pairs]:
     """The rows below 1 MiB each kind is fitted on: ``GLOO_WAKE`` gloo's where ranks
-    share cores, ``WAKE`` entrenar's there, each the quiet ones (all of them if none
-    is quiet: gloo has no load term, and its loaded rows moved either way, +-30 %);
-    ``LOAD`` entrenar's loaded ones (any layout: a rank alone on its core still
-    yields to another job)."""
-    gloo, shared, loaded = [], [], []
+    share cores, ``WAKE`` entrenar's there, each from the quiet runs (all runs if
+    none is quiet: gloo has no load term, and its loaded rows moved either way,
+    +-30 %); ``LOAD`` entrenar's rows of the loaded runs (any layout: a rank alone
+    on its core still yields to another job)."""
+    gloo: dict[bool, Pairs] = {True: [], False: []}
+    shared: dict[bool, Pairs] = {True: [], False: []}
+    loaded: Pairs = []
     for run in runs:
+        quiet = is_quiet(run)
         for row in run["rows"]:
             if int(row["bytes"]) >= check.LARGE_BYTES:
                 continue
@@ -91,17 +107,17 @@ def _fit_rows(
             pair = (m, float(row["median_s"]))  # (sums are order-free: _middle_of_minimum)
             if not m.fabric.spins:
                 if m.where.ranks_per_core > 1:
-                    gloo.append(pair)
+                    gloo[quiet].append(pair)
                 continue
             if m.where.ranks_per_core > 1:
-                shared.append(pair)
-            if m.where.busy_share >= QUIET_SHARE:
+                shared[quiet].append(pair)
+            if not quiet and m.where.busy_share > 0:
                 loaded.append(pair)
-
-    def quiet(rows: list[tuple[check.Modelled, float]]) -> list[tuple[check.Modelled, float]]:
-        return [p for p in rows if p[0].where.busy_share < QUIET_SHARE] or rows
-
-    return {GLOO_WAKE: quiet(gloo), WAKE: quiet(shared), LOAD: loaded}
+    return {
+        GLOO_WAKE: gloo[True] or gloo[False],
+        WAKE: shared[True] or shared[False],
+        LOAD: loaded,
+    }
 
 
 def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
