@@ -824,13 +824,8 @@ def test_four_ranks_on_two_cores_stay_fast() -> None:
     assert max(medians) < 5e-3, f"median per 4 KiB allreduce: {medians}"
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_two_ranks_put_on_one_core_move_apart() -> None:
-    """Both ranks' affinity narrowed to one CPU for 200 calls, then given back:
-    Linux leaves them there (100% of 2000 calls on one CPU before
-    ``placement.py``, at load 20-50), each call ~40 us instead of ~8. Rank
-    1 moves off (rank 0 never does), and they end apart."""
+def _apart_once() -> dict[int, tuple[int, list[int]]]:
+    """One ``apart`` job: per rank, its placement moves and its CPU after each call."""
     procs = _start(2, "apart", ENTRENAR_TRANSPORT="shm", ITERS="2000")
     rows = {}
     try:
@@ -842,10 +837,36 @@ def test_two_ranks_put_on_one_core_move_apart() -> None:
             rows[int(rank)] = (int(moves), [int(c) for c in cpus.split(",")])
     finally:
         _kill_all(procs)
-    assert rows[0][0] == 0 and rows[1][0] >= 1, {r: m for r, (m, _) in rows.items()}
-    last = list(zip(rows[0][1], rows[1][1], strict=True))[-500:]
-    shared = sum(a == b for a, b in last) / len(last)
-    assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
+    return rows
+
+
+APART_TRIES = 3  # jobs where the scheduler itself parted the ranks at once prove nothing of ours
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_two_ranks_put_on_one_core_move_apart() -> None:
+    """Both ranks' affinity narrowed to one CPU for 200 calls, then given back:
+    Linux leaves them there (100% of 2000 calls on one CPU before
+    ``placement.py``, at load 20-50), each call ~40 us instead of ~8. Rank
+    1 moves off (rank 0 never does), and they end apart.
+
+    On a busy machine the scheduler sometimes parts them itself before the
+    first call after the release (then rank 1 has no reason to move: seen
+    in a loaded suite run): such a job is run again, up to ``APART_TRIES``
+    times, and the moves are judged on a job that did start together. In
+    every job they must end apart (if no job started together, that is all
+    this test shows; the move itself is then shown only by the next test's
+    injected CPUs)."""
+    for _ in range(APART_TRIES):
+        rows = _apart_once()
+        pairs = list(zip(rows[0][1], rows[1][1], strict=True))
+        shared = sum(a == b for a, b in pairs[-500:]) / 500
+        assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
+        assert rows[0][0] == 0, {r: m for r, (m, _) in rows.items()}  # rank 0 never moves
+        if any(a == b for a, b in pairs[:20]):  # together after the release: placement's case
+            assert rows[1][0] >= 1, {r: m for r, (m, _) in rows.items()}
+            return
 
 
 def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room(
