@@ -449,6 +449,32 @@ def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_per_call_timeout_bounds_a_thin_call(transport: str) -> None:
+    """A call's own timeout (torch's option), not the group's, bounds a thin
+    call whose peer never comes: the two-rank shm sum reads it only when its
+    wait comes to sleep (``thin._PairSum``), the other routes at the call."""
+    groups = make_groups(2, Options(transport=transport))
+    try:
+        pg = groups[0]
+        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
+        pg.set_timeout(timedelta(seconds=60))
+        paths = Paths(pg)
+        seq = pg._runtime.seq
+        start = time.monotonic()
+        work = pg.allreduce([torch.ones(4)], blocking(timeout=timedelta(seconds=0.4)))
+        took = time.monotonic() - start
+        assert paths.long == 0 and type(work) is EntrenarWork  # thin; it failed
+        with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}"):
+            work.wait()
+        assert 0.3 < took < 5.0, took
+    finally:
+        for g in groups:
+            g.abort()
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_mismatch_on_the_thin_path_is_caught_on_both_ranks() -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> Any:
         dist.all_reduce(torch.ones(256), group=pg)  # learnt, plans cached

@@ -28,6 +28,10 @@ from ..errors import EntrenarError, group_destroyed
 from .state import GroupState, Phase
 
 log = logging.getLogger(__name__)
+# Module names for the claim's hot path: ``Phase.RUNNING`` looks the member
+# up on its class (~0.1 us in 3.11), ``threading.get_ident`` on the module.
+_RUNNING = Phase.RUNNING
+_get_ident = threading.get_ident
 
 
 @dataclass(slots=True)
@@ -57,12 +61,18 @@ class Stats:
         self._rows: dict[str, list[float]] = {}
 
     def record(self, kind: str, nbytes: int, seconds: float) -> None:
-        row = self._rows.get(kind)
-        if row is None:
-            row = self._rows[kind] = [0, 0, 0.0]
+        row = self.row(kind)
         row[0] += 1
         row[1] += nbytes
         row[2] += seconds
+
+    def row(self, kind: str) -> list[float]:
+        """``kind``'s counters, [calls, bytes, seconds] (made at its first job):
+        a caller that counts its jobs itself adds to them in place."""
+        row = self._rows.get(kind)
+        if row is None:
+            row = self._rows[kind] = [0, 0, 0.0]
+        return row
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -115,11 +125,11 @@ class Engine:
             if (
                 self._queue
                 or self._owner is not None
-                or state.phase is not Phase.RUNNING
+                or state.phase is not _RUNNING
                 or state.error is not None
             ):
                 return False
-            self._owner = threading.get_ident()
+            self._owner = _get_ident()
             return True
 
     def run_claimed(self, job: Job) -> None:
