@@ -232,9 +232,10 @@ def allreduce_shm_pair(
     raw, mine = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
     own[:] = raw  # memcpy
     # ``_meet`` for two ranks: one call where the peer is already there
-    # (``publish_pair``'s first look and failure check), then the header
-    # compare; else the rest of ``_meet`` as it is.
-    if not area.publish_pair(phase, packed):
+    # (``publish_pair``'s first look and failure check), two where it comes
+    # within ``arrived_pair``'s looks, then the header compare; else the rest
+    # of ``_meet`` as it is.
+    if not area.publish_pair(phase, packed) and not area.arrived_pair(phase):
         _met(call, area, phase, packed, op, began, pace or call)
     elif packed != peer_header:  # bytearray first: a memcmp (``_meet``)
         _check_headers(area, call, phase & 1, packed)

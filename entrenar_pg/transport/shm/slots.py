@@ -234,6 +234,20 @@ class SlotArea:
                 return True
         return False
 
+    def arrived_pair(self, phase: int) -> bool:
+        """``arrived`` where there are two ranks, then ``failed_peer``'s look:
+        True once the peer published ``phase`` (looking up to ``_looks`` times
+        at its one word, a tighter loop than ``arrived``'s) and its group has
+        not failed; else False (the caller waits and checks as after
+        ``publish``). The rank that came first waits here, and the call
+        ends with its own work right after: each look is a third of
+        ``arrived``'s, and nothing more is called once the peer is there."""
+        ctl = self._pair_ctl
+        for _ in range(self._looks):
+            if ctl[_ARRIVED] >= phase:
+                return not ctl[_FAILED]
+        return False
+
     def failed_peer(self) -> int | None:
         """A peer whose group failed (``mark_failed``), or None. One that
         published its part of this call and then failed: the call did not
