@@ -1,7 +1,7 @@
 """Per-call times of our shm allreduce and DeepSpeed's, with where each rank ran.
 
 ``python -m benchmarks.shm_dist [--size 64K[,1M...]] [--blocks 6] [--per 100] [--pin]
-[--tree DIR] [--baseline-tree DIR]``
+[--tree DIR] [--transport shm|tcp] [--baseline-tree DIR]``
 
 The bench reports medians; this shows what makes them. Two processes get
 torchrun's environment, a gloo default group, an entrenar ``shm`` group and
@@ -20,8 +20,9 @@ alternating blocks of each, every call on both ranks, and read
 ``--pin`` puts rank r on CPU r (a core each, whatever the scheduler would do).
 ``--tree DIR``: the ranks import ``DIR/entrenar_pg`` (a copy, as the bench's
 ``--baseline-tree``) instead of this checkout's, to see another tree's calls.
-``--baseline-tree DIR``: a third contestant in the same processes,
-``entrenar-shm@baseline``: ``DIR/entrenar_pg`` copied as the package
+``--transport tcp``: our groups over TCP (``entrenar-tcp``), DeepSpeed's still
+its SHM. ``--baseline-tree DIR``: a third contestant in the same processes,
+``entrenar-<transport>@baseline``: ``DIR/entrenar_pg`` copied as the package
 ``entrenar_baseline`` (the package imports itself relatively) and registered
 as backend ``entrenar_baseline``, its own group beside ours. DeepSpeed's time
 sits at one of two levels for a whole job (8 or 19-20 us at 64 KiB here,
@@ -55,9 +56,15 @@ from benchmarks.deepspeed_peer import DeepSpeedShm, deepspeed_available, remove_
 from benchmarks.sizes import format_bytes, parse_sizes
 from benchmarks.workers import torchrun_env
 
-CONTESTANTS = ("entrenar-shm", "deepspeed-shm")
-BASELINE = "entrenar-shm@baseline"
+DEEPSPEED = "deepspeed-shm"
 BASELINE_PACKAGE = "entrenar_baseline"  # the baseline tree's copy, imported under this name
+
+
+def contestants(transport: str, baseline: bool) -> tuple[str, ...]:
+    """The contestants' names, ours first: ``entrenar-<transport>``, DeepSpeed,
+    and with a baseline tree ``entrenar-<transport>@baseline``."""
+    ours = f"entrenar-{transport}"
+    return (ours, DEEPSPEED, f"{ours}@baseline") if baseline else (ours, DEEPSPEED)
 
 
 def _baseline_group(env: dict[str, str]) -> Any:
@@ -86,14 +93,14 @@ def _rank(rank: int, port: int, args: dict[str, Any], queue: Any) -> None:
         world_size=2,
         timeout=timedelta(seconds=60),
     )
-    env = dict(os.environ, ENTRENAR_TRANSPORT="shm")
+    env = dict(os.environ, ENTRENAR_TRANSPORT=args["transport"])
+    names = contestants(args["transport"], args["baseline"])
     groups = {
-        "entrenar-shm": dist.new_group([0, 1], backend="entrenar", pg_options=Options.from_env(env))
+        names[0]: dist.new_group([0, 1], backend="entrenar", pg_options=Options.from_env(env))
     }
     if args["baseline"]:
-        groups[BASELINE] = _baseline_group(env)
+        groups[names[2]] = _baseline_group(env)
     ds = DeepSpeedShm(rank)
-    names = (*CONTESTANTS, BASELINE) if args["baseline"] else CONTESTANTS
     getcpu = ctypes.CDLL(None).sched_getcpu
     clock = time.perf_counter
     out: dict[int, tuple[dict[str, list[float]], dict[str, list[int]]]] = {}
@@ -102,7 +109,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], queue: Any) -> None:
         calls: dict[str, Callable[[], Any]] = {
             name: partial(dist.all_reduce, t, group=group) for name, group in groups.items()
         }
-        calls["deepspeed-shm"] = partial(ds.all_reduce, t)
+        calls[DEEPSPEED] = partial(ds.all_reduce, t)
         times: dict[str, list[float]] = {k: [] for k in names}
         cpus: dict[str, list[int]] = {k: [] for k in names}
         for block in range(args["blocks"]):
@@ -161,10 +168,12 @@ def _report(size: int, names: tuple[str, ...], got: dict[int, Any]) -> None:
             f"{medians[name]:7.2f} {_q(per, 0.75):7.2f} {_q(per, 0.9):8.2f}  {slow:6.0%}  "
             f"{sum(same) / len(same):7.0%} {med_there} {med_apart}"
         )
-    ratios = [f"ours/DeepSpeed {medians['entrenar-shm'] / medians['deepspeed-shm']:.2f}x"]
-    if BASELINE in medians:
-        ratios.append(f"ours/baseline {medians['entrenar-shm'] / medians[BASELINE]:.2f}x")
-        ratios.append(f"baseline/DeepSpeed {medians[BASELINE] / medians['deepspeed-shm']:.2f}x")
+    ours, ds = medians[names[0]], medians[DEEPSPEED]
+    ratios = [f"ours/DeepSpeed {ours / ds:.2f}x"]
+    if len(names) > 2:
+        base = medians[names[2]]
+        ratios.append(f"ours/baseline {ours / base:.2f}x")
+        ratios.append(f"baseline/DeepSpeed {base / ds:.2f}x")
     print(f"{pad} median ratios: {', '.join(ratios)}")
 
 
@@ -174,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, default=6, help="alternating blocks per size")
     p.add_argument("--per", type=int, default=100, help="timed calls per block")
     p.add_argument("--pin", action="store_true", help="rank r on CPU r")
+    p.add_argument("--transport", default="shm", choices=("shm", "tcp"), help="our groups'")
     p.add_argument("--tree", default="", help="a directory holding entrenar_pg/ to measure")
     p.add_argument(
         "--baseline-tree", default="", help="a directory holding entrenar_pg/: a third contestant"
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         "per": a.per,
         "pin": a.pin,
         "baseline": bool(a.baseline_tree),
+        "transport": a.transport,
     }
     copy = tempfile.mkdtemp(prefix="shm_dist_")
     # spawned ranks start with this process's sys.path: the copies first
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.join(60)
         remove_segments(port, 2)
         shutil.rmtree(copy, ignore_errors=True)
-    names = (*CONTESTANTS, BASELINE) if args["baseline"] else CONTESTANTS
+    names = contestants(a.transport, args["baseline"])
     end = os.getloadavg()
     print(
         f"N=2, load (1/5 min) {load[0]:.1f}/{load[1]:.1f} -> {end[0]:.1f}/{end[1]:.1f} on "
