@@ -81,7 +81,7 @@ from torch.autograd import profiler as _profiler
 from ..call.work import EntrenarWork
 from ..collectives import Call
 from ..collectives import shm_allreduce as shm
-from ..config import GroupTimeout, timeout_seconds
+from ..config import timeout_seconds
 from ..reduce_ops import Kind, Reduction, resolve
 from ..wire import Algo, OpCode
 from .context import JobContext
@@ -167,18 +167,18 @@ class _PairSum:
 
     shape: shm.PairShape
     spin_s: float
-    group: GroupTimeout  # the group's (``set_timeout`` changes it for later calls)
     opts: Any = None  # this call's AllreduceOptions
+    group_s: float = 0.0  # the group's timeout when the call was issued (``set_timeout``)
 
     @property
     def timeout_s(self) -> float:
-        return _timeout_s(self.opts.timeout, self.group)
+        return _timeout_s(self.opts.timeout, self.group_s)
 
 
-def _timeout_s(per_call: timedelta, group: GroupTimeout) -> float:
+def _timeout_s(per_call: timedelta, group_s: float) -> float:
     """A call's timeout: its own (torch's per-call option), else the group's
     (torch's unset one is -1 ms, as in ``Runtime.submit``)."""
-    return timeout_seconds(per_call) if per_call > _UNSET else group.seconds
+    return timeout_seconds(per_call) if per_call > _UNSET else group_s
 
 
 class ThinPath:
@@ -252,10 +252,11 @@ class ThinPath:
             pair = route.pair
             if pair is not None:  # two ranks' shm sum: the caller's buffer, in place
                 pair.opts = opts  # its timeout, read if the wait sleeps
+                pair.group_s = rt.timeout.seconds
                 start = _clock()
                 shm.allreduce_shm_pair(call, t, pair.shape, _ALLREDUCE_OP, start, pair)
             else:
-                call.timeout_s = _timeout_s(opts.timeout, rt.timeout)  # the job's pace
+                call.timeout_s = _timeout_s(opts.timeout, rt.timeout.seconds)  # the job's pace
                 start = _clock()
                 flat = t.detach() if t.requires_grad else t  # as Staging.load
                 if flat.dim() != 1:
@@ -364,7 +365,7 @@ class ThinPath:
         if self.pair_sums and call.choice.algo is Algo.SHM:
             shape = shm.shm_pair_shape(call, t.detach().view(-1), red)
             if shape is not None:
-                pair = _PairSum(shape, call.spin_s, self._rt.timeout)
+                pair = _PairSum(shape, call.spin_s)
         route = _Route(red, call, pair)
         if len(self._routes) >= _MAX_CACHED:
             self._routes.clear()
