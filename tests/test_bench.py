@@ -296,3 +296,19 @@ def test_transport_variant_refuses_an_entrenar_without_the_option(
     (shm,) = with_transports([SWEEP_VARIANTS["auto"]], ("shm",))
     with pytest.raises(RuntimeError, match=r"entrenar-auto\[shm\]: .*no Options.transport"):
         workers._new_group(shm, 2)
+
+
+@pytest.mark.timeout(60)
+def test_shm_cpu_times_both_trees_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks.shm_cpu`` against this tree as its own baseline: a row per
+    part and size, each with both trees' times and a ratio near 1."""
+    from benchmarks import shm_cpu
+
+    root = str(Path(__file__).resolve().parents[1])
+    shm_cpu.main(["--baseline-tree", root, "--size", "4K", "--rounds", "2", "--calls", "200"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:3] for r in rows] == [["core", "4", "KiB"], ["thin", "4", "KiB"]], rows
+    for r in rows:
+        new, base, ratio = float(r[3]), float(r[6]), float(r[-1])
+        assert 0 < new < 1000 and 0 < base < 1000, r  # microseconds per call
+        assert 0.2 < ratio < 5, r  # the same code on both sides

@@ -43,6 +43,7 @@ from entrenar_pg import (
     CollectiveMismatchError,
     EntrenarProcessGroup,
     Options,
+    PeerConnectionError,
 )
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
@@ -1084,3 +1085,53 @@ def test_placement_option_reaches_the_slot_area() -> None:
         finally:
             for g in groups:
                 g.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["peer", "us"])
+def test_a_pair_sum_whose_peer_failed_after_publishing_raises(first: str) -> None:
+    """Two ranks summing over shared memory, the peer's group marked failed
+    (its area's failed word, as an abort sets it after its frames): whether
+    the peer published first (``publish_pair``'s one look: a check that
+    forgot the failed word fails here) or came while this rank waited (the
+    general wait), the call raises instead of completing, and this rank's
+    buffer is untouched."""
+    groups = make_groups(2, Options(transport="shm"))
+    try:
+        pg0, pg1 = groups
+        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(1024), group=g), groups=groups)
+        area1 = pg1._runtime.mesh.slots
+        assert area1 is not None
+        area1.mark_failed()  # rank 1's group "failed"; its calls still publish
+        start = area1.phase
+        t0, t1 = torch.ones(1024), torch.ones(1024)
+        peer = threading.Thread(target=lambda: dist.all_reduce(t1, group=pg1), daemon=True)
+        ours: list[BaseException] = []
+
+        def call_ours() -> None:
+            try:
+                dist.all_reduce(t0, group=pg0)
+            except BaseException as e:  # judged below
+                ours.append(e)
+
+        mine = threading.Thread(target=call_ours, daemon=True)
+        if first == "peer":
+            peer.start()
+            deadline = time.monotonic() + 10
+            while area1.phase == start and time.monotonic() < deadline:
+                time.sleep(0.001)  # until rank 1 published its part
+            assert area1.phase == start + 1
+            mine.start()
+        else:
+            mine.start()
+            time.sleep(0.05)  # rank 0 waits for rank 1
+            peer.start()
+        mine.join(20)
+        peer.join(20)
+        assert not mine.is_alive() and not peer.is_alive()
+        assert len(ours) == 1 and isinstance(ours[0], PeerConnectionError), ours
+        assert torch.equal(t0, torch.ones(1024))  # not summed
+    finally:
+        for g in groups:
+            g.abort()
+            g.shutdown()

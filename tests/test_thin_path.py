@@ -449,6 +449,68 @@ def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_per_call_timeout_bounds_a_thin_call(transport: str) -> None:
+    """A call's own timeout (torch's option), not the group's, bounds a thin
+    call whose peer never comes: the two-rank shm sum reads it only when its
+    wait comes to sleep (``thin._PairSum``), the other routes at the call."""
+    groups = make_groups(2, Options(transport=transport))
+    try:
+        pg = groups[0]
+        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
+        pg.set_timeout(timedelta(seconds=60))
+        paths = Paths(pg)
+        seq = pg._runtime.seq
+        start = time.monotonic()
+        work = pg.allreduce([torch.ones(4)], blocking(timeout=timedelta(seconds=0.4)))
+        took = time.monotonic() - start
+        assert paths.long == 0 and type(work) is EntrenarWork  # thin; it failed
+        with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}"):
+            work.wait()
+        assert 0.3 < took < 5.0, took
+    finally:
+        for g in groups:
+            g.abort()
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_call_queued_behind_a_callers_own_job_runs_when_it_is_done(transport: str) -> None:
+    """A thread runs its own blocking call (it holds the engine's token, its
+    peer not there yet); another thread's call on the same group is queued
+    behind it. When the first is done, its release (``Engine._release``, no
+    mutex where nothing is queued) must wake the comm thread for the queued
+    call: both complete, in issue order, with the right sums."""
+    groups = make_groups(2, Options(transport=transport))
+    try:
+        pg0, pg1 = groups
+        engine = pg0._runtime.engine
+        first, second = torch.ones(1024), torch.full((1024,), 2.0)
+        own = threading.Thread(target=lambda: pg0.allreduce([first], blocking()).wait())
+        own.start()
+        deadline = time.monotonic() + 10
+        while engine._owner is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine._owner == own.ident  # the caller's own job holds the token
+        queued = pg0.allreduce([second])  # async: behind the token
+        assert not queued.is_completed()
+        pg1.allreduce([torch.ones(1024)], blocking()).wait()  # the peer comes
+        pg1.allreduce([torch.full((1024,), 3.0)], blocking()).wait()
+        own.join(10)
+        waited = threading.Thread(target=queued.wait, daemon=True)
+        waited.start()
+        waited.join(10)
+        assert not own.is_alive() and not waited.is_alive(), "the queued call never ran"
+        assert torch.equal(first, torch.full((1024,), 2.0))
+        assert torch.equal(second, torch.full((1024,), 5.0))
+    finally:
+        for g in groups:
+            g.abort()
+            g.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_mismatch_on_the_thin_path_is_caught_on_both_ranks() -> None:
     def fn(rank: int, pg: EntrenarProcessGroup) -> Any:
         dist.all_reduce(torch.ones(256), group=pg)  # learnt, plans cached

@@ -61,7 +61,7 @@ import ctypes
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
 from ..transport.shm.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
 from .common import Call, ScratchPool, chunk_bounds
+
+if TYPE_CHECKING:
+    from ..transport.loop import Pace
 
 # Up to this size every rank reduces the whole message in one phase; above,
 # each rank reduces a slice of each chunk (N-fold less reduction work, one
@@ -209,31 +212,33 @@ def allreduce_shm_pair(
     shape: PairShape,
     op: OpCode = OpCode.ALLREDUCE,
     began: float | None = None,
+    pace: Pace | None = None,
 ) -> None:
     """The one phase of two ranks summing with numpy (``_Pair``): ``_small``'s
     steps, for a shape with a pair and a contiguous ``buf`` of its size (the
     thin path calls it for a ``shm_pair_shape``; AVG's division is the caller's).
-    ``began``: ``time.perf_counter()`` just before the call, if the caller has it."""
+    ``began``: ``time.perf_counter()`` just before the call, if the caller has it;
+    ``pace``: the wait's pace, if not ``call``'s (the thin path's reads its
+    timeout only when a wait comes to sleep)."""
     if began is None:
         began = time.perf_counter()
-    area = call.mesh.slots
     pair = shape.pair
-    assert area is not None and pair is not None, "internal: not a pair shape"
+    assert pair is not None, "internal: not a pair shape"
+    area = pair.area
     packed = shape.packed
     stamp_seq(packed, call.seq)
     phase = area.phase + 1
-    parity = phase & 1
-    host = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
-    pair.own[parity][:] = host[0]  # memcpy
-    # ``_meet``, inline: a call is ~1% of a 64 KiB call here (as ``_sliced_pair``'s)
-    area.publish(phase, packed)
-    if not area.arrived(phase):
-        _wait(area, phase, call, op, packed, _spin_for(began))
-    for raw in area.peer_headers[parity]:
-        if packed != raw:
-            _check_headers(area, call, parity, packed)
-    if area.failed_peer() is not None:
-        _raise_failed(area, call, op)
+    own, peer, peer_header = pair.slots[phase & 1]
+    raw, mine = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
+    own[:] = raw  # memcpy
+    # ``_meet`` for two ranks: one call where the peer is already there
+    # (``publish_pair``'s first look and failure check), two where it comes
+    # within ``arrived_pair``'s looks, then the header compare; else the rest
+    # of ``_meet`` as it is.
+    if not area.publish_pair(phase, packed) and not area.arrived_pair(phase):
+        _met(call, area, phase, packed, op, began, pace or call)
+    elif packed != peer_header:  # bytearray first: a memcmp (``_meet``)
+        _check_headers(area, call, phase & 1, packed)
     # The peer's slot added into the caller's buffer in place, in rank
     # order (both ranks get the same bits, NaN payloads too: numpy's
     # loops take them alike whichever operand is the output, from two
@@ -241,7 +246,6 @@ def allreduce_shm_pair(
     # keyword parsing costs ~0.35 us a call, as much as the 4 KiB add.
     # In place, numpy streams two arrays, not three: ~30% less time than
     # summing the two slots into the buffer from 32 KiB on.
-    mine, peer = host[1], pair.peer[parity]
     if pair.first:
         np.add(mine, peer, mine)
     else:
@@ -255,8 +259,22 @@ def _meet(
     for every peer's (spinning for a multiple of the work since ``began``),
     compare every peer's header with ours, and stop if a peer failed."""
     area.publish(phase, packed)
+    _met(call, area, phase, packed, op, began, call)
+
+
+def _met(
+    call: Call,
+    area: SlotArea,
+    phase: int,
+    packed: bytearray,
+    op: OpCode,
+    began: float,
+    pace: Pace,
+) -> None:
+    """``_meet`` after its publish: the wait (at ``pace``), the header compare,
+    the failure check."""
     if not area.arrived(phase):
-        _wait(area, phase, call, op, packed, _spin_for(began))
+        _wait(area, phase, call, op, packed, _spin_for(began), pace)
     for raw in area.peer_headers[phase & 1]:
         if packed != raw:  # bytearray first: its compare is a memcmp, memoryview's is not
             _check_headers(area, call, phase & 1, packed)
@@ -300,9 +318,11 @@ PairShape = _Shape  # the thin path's name for a ``shm_pair_shape``
 class _Pair:
     """The two-rank SUM small path's views of the slots, and of callers' buffers."""
 
+    area: SlotArea  # the group's (two ranks)
     raw: list[list[memoryview]]  # [parity][rank]: the slot data, as bytes
-    own: list[memoryview]  # [parity]: this rank's slot data, as bytes
-    peer: list[np.ndarray]  # [parity]: the peer's slot data
+    # [parity]: this rank's slot data as bytes, the peer's as an array, and
+    # the peer's wire header in its slot (one index per call for the three)
+    slots: list[tuple[memoryview, np.ndarray, memoryview]]
     first: bool  # this rank is rank 0: its input is the sum's left operand
     dtype: type  # numpy's
     nbytes: int
@@ -323,8 +343,11 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=_QUIET_MODULE)
     r = area.rank
     raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
-    peer: list[np.ndarray] = [np.frombuffer(raw[p][1 - r], dtype=np_dtype) for p in (0, 1)]
-    return _Pair(raw, [raw[p][r] for p in (0, 1)], peer, r == 0, np_dtype, nbytes, {})
+    slots: list[tuple[memoryview, np.ndarray, memoryview]] = [
+        (raw[p][r], np.frombuffer(raw[p][1 - r], dtype=np_dtype), area.peer_headers[p][0])
+        for p in (0, 1)
+    ]
+    return _Pair(area, raw, slots, r == 0, np_dtype, nbytes, {})
 
 
 def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]:
@@ -501,12 +524,19 @@ def _spin_for(began: float) -> float:
 
 
 def _wait(
-    area: SlotArea, phase: int, call: Call, op: OpCode, packed: bytearray, spin_s: float = 0.0
+    area: SlotArea,
+    phase: int,
+    call: Call,
+    op: OpCode,
+    packed: bytearray,
+    spin_s: float = 0.0,
+    pace: Pace | None = None,
 ) -> None:
-    """``area.wait``; a peer found running another collective (its plan's
-    header in its ring to us) is a mismatch naming both calls."""
+    """``area.wait`` (at ``pace``, else ``call``'s); a peer found running
+    another collective (its plan's header in its ring to us) is a mismatch
+    naming both calls."""
     try:
-        area.wait(phase, call.mesh.progress, call.what(op), call, spin_s)
+        area.wait(phase, call.mesh.progress, call.what(op), pace or call, spin_s)
     except ForeignTraffic as e:
         error = _mismatch(call.rank, e.peer, packed, e.raw) or CollectiveMismatchError(
             f"rank {call.rank}: {call.what(op)}: rank {e.peer} runs another collective"

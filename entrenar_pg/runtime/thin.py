@@ -96,6 +96,7 @@ _TENSOR = torch.Tensor
 _STRIDED = torch.strided
 _UNSET = timedelta(0)  # torch's unset per-call timeout is -1 ms (as in Runtime.submit)
 _ALLREDUCE_OP = OpCode.ALLREDUCE
+_clock = time.perf_counter  # a module name for the hot path: one lookup, not two
 _KIND = "allreduce"  # the stats' kind and the Work's label, as op_name(ALLREDUCE)
 _CHECK_KIND = "check"  # likewise for the checker's job, as op_name(CHECK)
 # The last DoneWork is returned again when nothing else holds it (torch's
@@ -152,8 +153,32 @@ class _Route:
     """What every thin call of one (op, dtype, size) reuses."""
 
     red: Reduction
-    call: Call  # its seq and timeout are rewritten per call
-    pair: shm.PairShape | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
+    call: Call  # its seq, and but for a pair sum (its own pace) its timeout, rewritten per call
+    pair: _PairSum | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
+
+
+@dataclass(slots=True)
+class _PairSum:
+    """A two-rank shm sum's shape, and its wait's pace (``transport.loop.Pace``):
+    the caller's spin, and the call's timeout read from torch's options only
+    when the wait comes to sleep. Reading ``opts.timeout`` costs ~0.2 us (a
+    pybind property making a timedelta), ~3% of a 64 KiB call, and a call
+    whose peer is already there never needs it."""
+
+    shape: shm.PairShape
+    spin_s: float
+    opts: Any = None  # this call's AllreduceOptions
+    group_s: float = 0.0  # the group's timeout when the call was issued (``set_timeout``)
+
+    @property
+    def timeout_s(self) -> float:
+        return _timeout_s(self.opts.timeout, self.group_s)
+
+
+def _timeout_s(per_call: timedelta, group_s: float) -> float:
+    """A call's timeout: its own (torch's per-call option), else the group's
+    (torch's unset one is -1 ms, as in ``Runtime.submit``)."""
+    return timeout_seconds(per_call) if per_call > _UNSET else group_s
 
 
 class ThinPath:
@@ -165,6 +190,9 @@ class ThinPath:
         self._engine = runtime.engine
         self._state = runtime.state
         self._stats = runtime.engine.stats
+        # The allreduce counters (``Stats.row``), taken at the first thin call:
+        # three additions in place cost half a ``Stats.record`` call.
+        self._row: list[float] | None = None
         # The caller's busy-poll (a thread that gets the token here is never
         # the comm thread), as Runtime.run picks it for its job context.
         self._spin_s = runtime.options.caller_spin_us / 1e6
@@ -208,8 +236,6 @@ class ThinPath:
         route = self._routes.get(key)
         if route is None and not self._knows(key, opts.reduceOp):
             return None  # this time the long path (it checks the op itself)
-        per_call = opts.timeout
-        timeout_s = timeout_seconds(per_call) if per_call > _UNSET else rt.timeout.seconds
         engine = self._engine
         with rt._lock:  # as in Runtime.submit: seq order == issue order
             if not engine.try_claim():
@@ -223,18 +249,25 @@ class ThinPath:
                 route = self._route(key, seq, t)
             call = route.call
             call.seq = seq
-            call.timeout_s = timeout_s  # the job's pace travels in its Call
-            start = time.perf_counter()
-            if route.pair is not None:  # two ranks' shm sum: the caller's buffer, in place
-                shm.allreduce_shm_pair(call, t, route.pair, _ALLREDUCE_OP, start)
+            pair = route.pair
+            if pair is not None:  # two ranks' shm sum: the caller's buffer, in place
+                pair.opts = opts  # its timeout, read if the wait sleeps
+                pair.group_s = rt.timeout.seconds
+                start = _clock()
+                shm.allreduce_shm_pair(call, t, pair.shape, _ALLREDUCE_OP, start, pair)
             else:
+                call.timeout_s = _timeout_s(opts.timeout, rt.timeout.seconds)  # the job's pace
+                start = _clock()
                 flat = t.detach() if t.requires_grad else t  # as Staging.load
                 if flat.dim() != 1:
                     flat = flat.view(-1)
                 algo = _ALLREDUCE.get(call.choice.algo)  # None: Algo.NONE, nothing to do
                 if algo is not None:
                     algo(call, flat, route.red)
-            self._stats.record(_KIND, nbytes, time.perf_counter() - start)
+            row = self._row or self._counters()
+            row[0] += 1
+            row[1] += nbytes
+            row[2] += _clock() - start
         except BaseException as e:
             return self._failed(seq, nbytes, e)
         finally:
@@ -285,6 +318,11 @@ class ThinPath:
 
     # ------------------------------------------------------------ first calls, failures
 
+    def _counters(self) -> list[float]:
+        """The engine's allreduce counters, kept for every later thin call."""
+        self._row = self._stats.row(_KIND)
+        return self._row
+
     def _knows(self, key: tuple[int, torch.dtype, int], op: Any) -> bool:
         """Whether the (op, dtype) of a route ``key`` not made yet was learnt
         (its route is made in the call); if not, learn it now (the long path
@@ -325,7 +363,9 @@ class ThinPath:
             self._calls[nbytes] = call
         pair = None
         if self.pair_sums and call.choice.algo is Algo.SHM:
-            pair = shm.shm_pair_shape(call, t.detach().view(-1), red)
+            shape = shm.shm_pair_shape(call, t.detach().view(-1), red)
+            if shape is not None:
+                pair = _PairSum(shape, call.spin_s)
         route = _Route(red, call, pair)
         if len(self._routes) >= _MAX_CACHED:
             self._routes.clear()

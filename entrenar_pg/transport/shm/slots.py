@@ -113,6 +113,8 @@ class SlotArea:
         self._own = self._ctl[rank]
         self._peers = [q for q in range(self.world) if q != rank]
         self._peer_ctl = [(q, self._ctl[q]) for q in self._peers]
+        # Two ranks: the peer's words (``publish_pair``); else unused.
+        self._pair_ctl = self._ctl[self._peers[0]] if self.world == 2 else self._own
         self._socks = {q: links[q].sock for q in self._peers}
         self._links = [links[q] for q in self._peers]
         self._watched = list(self._peers)  # data sockets not known to have hung up
@@ -178,21 +180,45 @@ class SlotArea:
         goes into the slot's header now): say so, waking sleeping peers."""
         if header is not None:  # a wire header: _HEADER_BYTES
             self._own_headers[phase & 1][:] = header
-        lock = self._lock
-        lock.acquire()  # fence: the slot's bytes (even non-temporal ones) before the word
-        lock.release()
-        self._own[_ARRIVED] = phase
-        self.phase = phase
-        lock.acquire()  # fence, Dekker: our word before their flags (see ``wait``)
-        lock.release()
+        self._say(phase)
         for q, ctl in self._peer_ctl:
             if ctl[_SLEEPS]:
-                try:
-                    self._socks[q].send(b"w")
-                except (BlockingIOError, InterruptedError):
-                    pass  # a socket full of wake-ups wakes it anyway
-                except OSError:
-                    pass  # gone: our own wait hears its hang-up
+                self._wake(q)
+
+    def publish_pair(self, phase: int, header: bytearray) -> bool:
+        """``publish(phase, header)`` where there are two ranks, then the first
+        of ``arrived``'s looks and ``failed_peer``'s: True when the peer has
+        published ``phase`` and its group has not failed (the caller then
+        only compares headers), else False (it waits and checks as after
+        ``publish``). One call for the whole meeting when the peer is there."""
+        self._own_headers[phase & 1][:] = header
+        self._say(phase)
+        ctl = self._pair_ctl
+        if ctl[_SLEEPS]:
+            self._wake(self._peers[0])
+        return ctl[_ARRIVED] >= phase and not ctl[_FAILED]
+
+    def _say(self, phase: int) -> None:
+        """Store ``phase`` in this rank's ``ARRIVED`` word between two fences:
+        the slot's bytes (even a large memcpy's non-temporal stores) before
+        the word, and (Dekker) the word before our look at the peers'
+        ``SLEEPS`` flags (see ``wait``). The lock's acquire and its release
+        are each a locked instruction, a full barrier on x86-64 (``fence.py``):
+        one round trip split around the store is both fences."""
+        lock = self._lock
+        lock.acquire()
+        self._own[_ARRIVED] = phase
+        self.phase = phase
+        lock.release()
+
+    def _wake(self, q: int) -> None:
+        """Peer q sleeps on its data socket: one wake-up byte."""
+        try:
+            self._socks[q].send(b"w")
+        except (BlockingIOError, InterruptedError):
+            pass  # a socket full of wake-ups wakes it anyway
+        except OSError:
+            pass  # gone: our own wait hears its hang-up
 
     def arrived(self, phase: int) -> bool:
         """Every peer published ``phase``, looking up to ``_looks`` times (no
@@ -206,6 +232,20 @@ class SlotArea:
                     break
             else:
                 return True
+        return False
+
+    def arrived_pair(self, phase: int) -> bool:
+        """``arrived`` where there are two ranks, then ``failed_peer``'s look:
+        True once the peer published ``phase`` (looking up to ``_looks`` times
+        at its one word, a tighter loop than ``arrived``'s) and its group has
+        not failed; else False (the caller waits and checks as after
+        ``publish``). The rank that came first waits here, and the call
+        ends with its own work right after: each look is a third of
+        ``arrived``'s, and nothing more is called once the peer is there."""
+        ctl = self._pair_ctl
+        for _ in range(self._looks):
+            if ctl[_ARRIVED] >= phase:
+                return not ctl[_FAILED]
         return False
 
     def failed_peer(self) -> int | None:
