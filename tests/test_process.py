@@ -74,7 +74,7 @@ def test_allreduce_against_gloo() -> None:
 @pytest.mark.timeout(400)
 def test_256mib_allreduce_completes() -> None:
     """At N = 4 (the job's group), 3 and 2 (groups of its first ranks): one job."""
-    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", 4, timeout_s=300))
+    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", 4, timeout_s=300, forked=True))
     # ranks share one stdout pipe, so lines may run together: match tokens, not lines
     checks = re.findall(r"CHECK (\d+) (\d+) (ok|bad)", out)
     expected = [(str(n), str(r), "ok") for n in (2, 3, 4) for r in range(n)]
@@ -128,7 +128,9 @@ def test_different_collectives_raise_mismatch_on_both() -> None:
 @pytest.mark.timeout(240)
 def test_torchrun_restart_forms_a_fresh_group() -> None:
     """torchrun reuses one store across restart attempts; entrenar namespaces its keys."""
-    proc = torchrun(SCRIPTS / "restart_probe.py", 2, timeout_s=180, extra=["--max-restarts=1"])
+    proc = torchrun(
+        SCRIPTS / "restart_probe.py", 2, timeout_s=180, extra=["--max-restarts=1"], forked=True
+    )
     out = _ok(proc)
     done = sorted(re.findall(r"DONE (\d+) (\d+)", out))
     assert done == [("1", "0"), ("1", "1")], out + proc.stderr[-3000:]

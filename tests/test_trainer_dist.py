@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from conftest import GLOO_EXIT_ABORT, run_session
 from preloaded import start_script
 
@@ -50,12 +51,17 @@ def torchrun(
     backend: str = BACKEND,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
+    # entrenar's workers forked with torch imported (conftest.torchrun's ``forked``;
+    # not gloo's: its teardown can deadlock there)
+    forked = backend == "entrenar"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.2", *train_command(args, backend)[1:],
+        "--monitor-interval=0.2", *([str(zygote.STAND_IN)] if forked else []),
+        *train_command(args, backend)[1:],
     ]  # fmt: skip
-    return run_session(cmd, timeout=timeout, check=check, env=TRAIN_ENV)
+    env = {**TRAIN_ENV, **zygote.job_env()} if forked else TRAIN_ENV
+    return run_session(cmd, timeout=timeout, check=check, env=env)
 
 
 def train_command(args: list[str], backend: str = BACKEND) -> list[str]:
