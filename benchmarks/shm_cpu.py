@@ -103,8 +103,22 @@ def core(package: str, nbytes: int) -> Callable[[], None]:
     return run
 
 
-def thin(package: str, nbytes: int) -> tuple[Callable[[], None], list[Any]]:
-    """One thin-path call of ``package``'s group (rank 0), the sum itself a no-op."""
+@dataclass(frozen=True)
+class _Patched:
+    """A module attribute replaced for the timing, and what to put back."""
+
+    module: Any
+    name: str
+    original: Any
+
+    def undo(self) -> None:
+        setattr(self.module, self.name, self.original)
+
+
+def thin(package: str, nbytes: int) -> tuple[Callable[[], None], list[Any], _Patched]:
+    """One thin-path call of ``package``'s group (rank 0), the sum itself a no-op
+    until the returned patch is undone (the module is the process's: every
+    pair sum of ``package`` does nothing meanwhile)."""
     pg_module = importlib.import_module(f"{package}.api.process_group")
     options = importlib.import_module(package).Options(transport="shm")
     store = dist.HashStore()
@@ -121,13 +135,15 @@ def thin(package: str, nbytes: int) -> tuple[Callable[[], None], list[Any]]:
     opts.asyncOp = False
     _on_both(lambda r: groups[r].allreduce([tensors[r]], opts).wait())  # the route, learnt
     _on_both(lambda r: groups[r].allreduce([tensors[r]], opts).wait())
-    importlib.import_module(f"{package}.runtime.thin").shm.allreduce_shm_pair = _nothing
+    shm = importlib.import_module(f"{package}.runtime.thin").shm
+    patch = _Patched(shm, "allreduce_shm_pair", shm.allreduce_shm_pair)
+    shm.allreduce_shm_pair = _nothing
     group, t = groups[0], tensors[0]
 
     def run() -> None:
         group.allreduce([t], opts)
 
-    return run, groups
+    return run, groups, patch
 
 
 def _nothing(*args: Any) -> None:
@@ -152,23 +168,32 @@ def main(argv: list[str] | None = None) -> None:
     copy = tempfile.mkdtemp(prefix="shm_cpu_")
     shutil.copytree(Path(a.baseline_tree) / "entrenar_pg", Path(copy) / BASELINE_PACKAGE)
     sys.path.insert(0, copy)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     trees = {"new": "entrenar_pg", "baseline": BASELINE_PACKAGE}
     print("thread CPU time per call, us (best / median of rounds); the trees alternate")
     print(f"{'part':>5} {'size':>7} {'new':>13} {'baseline':>13} {'new/base':>9}")
+    groups: list[Any] = []
+    patches: list[_Patched] = []
     try:
         for nbytes in parse_sizes(a.size):
             runs = {name: core(pkg, nbytes) for name, pkg in trees.items()}
             _report("core", nbytes, runs, a.rounds, a.calls)
-        groups: list[Any] = []
         runs = {}
         for name, pkg in trees.items():
-            runs[name], made = thin(pkg, 4096)
+            runs[name], made, patch = thin(pkg, 4096)
             groups += made
+            patches.append(patch)
         _report("thin", 4096, runs, a.rounds, a.calls)
+    finally:
+        # The process may go on (a test calls main): no-op sums, groups, the
+        # copy's path and one thread must not outlive the timing.
+        for patch in patches:
+            patch.undo()
         for g in groups:
             g.shutdown()
-    finally:
+        sys.path.remove(copy)
+        torch.set_num_threads(threads)
         shutil.rmtree(copy, ignore_errors=True)
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_session
+import torch
+import torch.distributed as dist
+from conftest import make_groups, run_ranks, run_session
 
 from benchmarks import bench, deepspeed_peer
 from benchmarks.baseline import add_baseline_ratios, mark_baseline, merge_runs
@@ -26,6 +28,7 @@ from benchmarks.machine import entrenar_available
 from benchmarks.report import report_lines
 from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
 from benchmarks.sizes import parse_sizes, plan_for, rotated
+from entrenar_pg import Options
 
 
 def test_parse_sizes_ranges_and_lists() -> None:
@@ -312,3 +315,20 @@ def test_shm_cpu_times_both_trees_parts(capsys: pytest.CaptureFixture[str]) -> N
         new, base, ratio = float(r[3]), float(r[6]), float(r[-1])
         assert 0 < new < 1000 and 0 < base < 1000, r  # microseconds per call
         assert 0.2 < ratio < 5, r  # the same code on both sides
+    # The timing's no-op sum is undone: two ranks' shm sum in this process sums
+    # again (it stayed a no-op once, and later tests of the worker got wrong sums).
+    groups = make_groups(2, Options(transport="shm"))
+    try:
+        sums = run_ranks(2, _sum_of_ones, groups=groups, timeout_s=30)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert sums == [2.0, 2.0]
+
+
+def _sum_of_ones(rank: int, pg: Any) -> float:
+    t = torch.ones(1024)
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    pg.allreduce([t], opts).wait()
+    return float(t[0])
