@@ -21,16 +21,17 @@ pytestmark = pytest.mark.timeout(60)
 SCRIPT = """
 import os, signal, sys, time
 import torch
+mode = sys.argv[1]
+if mode == "wait":  # the handler before the pid line, which the test acts on
+    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(7)))
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("ZYGOTE_TEST"))
 print("pid", os.getpid(), "imported before", "torch" in sys.modules, flush=True)
 print("to stderr", file=sys.stderr, flush=True)
-mode = sys.argv[1]
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "raise":
     raise ValueError("from the script")
 if mode == "wait":
-    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(7)))
     time.sleep(30)
 """
 
