@@ -416,6 +416,18 @@ def test_destroyed_and_aborted_groups_refuse_alike() -> None:
             pg.shutdown()
 
 
+def _unanswered(pg: EntrenarProcessGroup, opts: Any) -> tuple[Any, float, int]:
+    """Rank 0's thin allreduce that rank 1 never joins: its Work (failed, in the
+    caller's thread: no long path taken), how long the call took, the seq before it."""
+    paths = Paths(pg)
+    seq = pg._runtime.seq
+    start = time.monotonic()
+    work = pg.allreduce([torch.ones(4)], opts)
+    took = time.monotonic() - start
+    assert paths.long == 0 and type(work) is EntrenarWork  # thin; it failed
+    return work, took, seq
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str) -> None:
@@ -427,12 +439,7 @@ def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str)
         pg = groups[0]
         run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
         pg.set_timeout(timedelta(seconds=0.4))
-        paths = Paths(pg)
-        seq = pg._runtime.seq
-        start = time.monotonic()
-        work = pg.allreduce([torch.ones(4)], blocking())  # rank 1 never comes
-        took = time.monotonic() - start
-        assert paths.long == 0 and type(work) is EntrenarWork  # thin; it failed
+        work, took, seq = _unanswered(pg, blocking())
         assert work.is_completed()
         with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}") as info:
             work.wait()
@@ -459,12 +466,7 @@ def test_a_per_call_timeout_bounds_a_thin_call(transport: str) -> None:
         pg = groups[0]
         run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
         pg.set_timeout(timedelta(seconds=60))
-        paths = Paths(pg)
-        seq = pg._runtime.seq
-        start = time.monotonic()
-        work = pg.allreduce([torch.ones(4)], blocking(timeout=timedelta(seconds=0.4)))
-        took = time.monotonic() - start
-        assert paths.long == 0 and type(work) is EntrenarWork  # thin; it failed
+        work, took, seq = _unanswered(pg, blocking(timeout=timedelta(seconds=0.4)))
         with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}"):
             work.wait()
         assert 0.3 < took < 5.0, took
