@@ -9,6 +9,7 @@ ours (counted as ``python -m benchmarks.calls`` counts them).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -416,6 +417,20 @@ def test_destroyed_and_aborted_groups_refuse_alike() -> None:
             pg.shutdown()
 
 
+@contextlib.contextmanager
+def _warm_pair(transport: str) -> Iterator[EntrenarProcessGroup]:
+    """Rank 0 of two groups that have made one allreduce together (its route
+    is learnt); both groups aborted and shut down at the end."""
+    groups = make_groups(2, Options(transport=transport))
+    try:
+        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
+        yield groups[0]
+    finally:
+        for g in groups:
+            g.abort()
+            g.shutdown()
+
+
 def _unanswered(pg: EntrenarProcessGroup, opts: Any) -> tuple[Any, float, int]:
     """Rank 0's thin allreduce that rank 1 never joins: its Work (failed, in the
     caller's thread: no long path taken), how long the call took, the seq before it."""
@@ -434,10 +449,7 @@ def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str)
     """The group's timeout (set_timeout, read per call) bounds a thin call
     whose peer never comes; the error is in the Work, the group is broken,
     and the next call is refused with the same class naming the first."""
-    groups = make_groups(2, Options(transport=transport))
-    try:
-        pg = groups[0]
-        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
+    with _warm_pair(transport) as pg:
         pg.set_timeout(timedelta(seconds=0.4))
         work, took, seq = _unanswered(pg, blocking())
         assert work.is_completed()
@@ -449,10 +461,6 @@ def test_a_stall_times_out_on_the_thin_path_and_breaks_the_group(transport: str)
         with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}"):
             pg.allreduce([torch.ones(4)], blocking())
         assert type(info.value) is type(pg.errored())
-    finally:
-        for g in groups:
-            g.abort()
-            g.shutdown()
 
 
 @pytest.mark.timeout(60)
@@ -461,19 +469,12 @@ def test_a_per_call_timeout_bounds_a_thin_call(transport: str) -> None:
     """A call's own timeout (torch's option), not the group's, bounds a thin
     call whose peer never comes: the two-rank shm sum reads it only when its
     wait comes to sleep (``thin._PairSum``), the other routes at the call."""
-    groups = make_groups(2, Options(transport=transport))
-    try:
-        pg = groups[0]
-        run_ranks(2, lambda r, g: dist.all_reduce(torch.ones(4), group=g), groups=groups)
+    with _warm_pair(transport) as pg:
         pg.set_timeout(timedelta(seconds=60))
         work, took, seq = _unanswered(pg, blocking(timeout=timedelta(seconds=0.4)))
         with pytest.raises(PeerConnectionError, match=f"allreduce#{seq + 1}"):
             work.wait()
         assert 0.3 < took < 5.0, took
-    finally:
-        for g in groups:
-            g.abort()
-            g.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -190,12 +190,12 @@ def _fork_worker(conn: socket.socket, listener: socket.socket) -> int | None:
         return None
     (size,) = _STATUS.unpack(head[: _STATUS.size])
     body = head[_STATUS.size :]
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            break
-        body += chunk
-    request = json.loads(body)
+    try:
+        request = json.loads(body + _recv_exactly(conn, size - len(body)))
+    except (ConnectionError, ValueError):  # the stand-in went away mid-request
+        for fd in fds:
+            os.close(fd)
+        return None
     pid = os.fork()
     if pid == 0:
         listener.close()
@@ -203,7 +203,10 @@ def _fork_worker(conn: socket.socket, listener: socket.socket) -> int | None:
         _become_worker(request, fds)  # never returns
     for fd in fds:
         os.close(fd)
-    conn.sendall(_STATUS.pack(pid))
+    try:
+        conn.sendall(_STATUS.pack(pid))
+    except OSError:  # the stand-in is gone: the loop sees its connection close, kills the worker
+        pass
     return pid
 
 
