@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -825,23 +826,41 @@ def test_four_ranks_on_two_cores_stay_fast() -> None:
     assert max(medians) < 5e-3, f"median per 4 KiB allreduce: {medians}"
 
 
-def _apart_once() -> dict[int, tuple[int, list[int]]]:
-    """One ``apart`` job: per rank, its placement moves and its CPU after each call."""
+@dataclass(frozen=True)
+class ApartJob:
+    """One ``apart`` job: per rank its placement moves and its CPU after each call,
+    and the cores the rest of the machine took meanwhile."""
+
+    moves: dict[int, int]
+    cpus: dict[int, list[int]]
+    background: float  # cores: the machine's busy CPU less both ranks', per second
+
+
+def _apart_once() -> ApartJob:
     procs = _start(2, "apart", ENTRENAR_TRANSPORT="shm", ITERS="2000")
-    rows = {}
+    moves, cpus, walls, busy, own = {}, {}, [], [], 0.0
     try:
         for p in procs:
             out, err = p.communicate(timeout=100)
             lines = [ln.split() for ln in out.splitlines() if ln.startswith("CPUS")]
             assert lines and p.returncode == 0, out[-2000:] + err[-3000:]
-            _, rank, moves, cpus = lines[0]
-            rows[int(rank)] = (int(moves), [int(c) for c in cpus.split(",")])
+            _, rank, moved, on, wall, cpu, machine = lines[0]
+            moves[int(rank)], cpus[int(rank)] = int(moved), [int(c) for c in on.split(",")]
+            walls.append(float(wall))
+            busy.append(float(machine))
+            own += float(cpu)
     finally:
         _kill_all(procs)
-    return rows
+    # Both ranks' free phases overlap but for their start-up skew: the mean
+    # of their views of the machine, less the job's own CPU.
+    return ApartJob(moves, cpus, max(0.0, (sum(busy) - 2 * own) / sum(walls)))
 
 
 APART_TRIES = 3  # jobs where the scheduler itself parted the ranks at once prove nothing of ours
+# Cores the rest of the machine may take while the ranks must end apart: with
+# two CPUs, a busy process beside the job leaves no free core to move to
+# (seen: two busy loops, the ranks sharing a CPU after 65 % of the calls).
+APART_BACKGROUND_MAX = 0.5
 
 
 @pytest.mark.timeout(300)
@@ -855,19 +874,30 @@ def test_two_ranks_put_on_one_core_move_apart() -> None:
     On a busy machine the scheduler sometimes parts them itself before the
     first call after the release (then rank 1 has no reason to move: seen
     in a loaded suite run): such a job is run again, up to ``APART_TRIES``
-    times, and the moves are judged on a job that did start together. In
-    every job they must end apart (if no job started together, that is all
-    this test shows; the move itself is then shown only by the next test's
-    injected CPUs)."""
+    times, and the moves are judged on a job that did start together. They
+    must end apart in every job where the rest of the machine left a core
+    free (``APART_BACKGROUND_MAX``, measured from ``/proc/stat`` less the
+    ranks' own CPU); a job without one is run again, and if none had one the
+    test is skipped, saying so (if no job started together, the move itself
+    is shown only by the next test's injected CPUs)."""
+    busy = []
     for _ in range(APART_TRIES):
-        rows = _apart_once()
-        pairs = list(zip(rows[0][1], rows[1][1], strict=True))
+        job = _apart_once()
+        assert job.moves[0] == 0, job.moves  # rank 0 never moves
+        if job.background > APART_BACKGROUND_MAX:
+            busy.append(round(job.background, 2))
+            continue
+        pairs = list(zip(job.cpus[0], job.cpus[1], strict=True))
         shared = sum(a == b for a, b in pairs[-500:]) / 500
-        assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
-        assert rows[0][0] == 0, {r: m for r, (m, _) in rows.items()}  # rank 0 never moves
+        assert shared < 0.5, (
+            f"the ranks shared a CPU after {shared:.0%} of the last 500 calls "
+            f"(the rest of the machine took {job.background:.2f} cores)"
+        )
         if any(a == b for a, b in pairs[:20]):  # together after the release: placement's case
-            assert rows[1][0] >= 1, {r: m for r, (m, _) in rows.items()}
+            assert job.moves[1] >= 1, job.moves
             return
+    if len(busy) == APART_TRIES:
+        pytest.skip(f"no core free beside the job: others took {busy} cores")
 
 
 def test_placement_moves_the_higher_rank_once_per_interval_and_only_with_room(

@@ -9,8 +9,9 @@ killed (the test kills every rank).
 (median over blocks of 20 calls) and ``OK <rank>``.
 ``apart``: 64 KiB allreduces with both ranks' affinity narrowed to one CPU,
 then ``ITERS`` more with each rank's own mask back; print ``CPUS <rank>
-<moves> <cpu after each of those calls, comma-separated>`` (``moves``: the
-slot area's placement moves, -1 where it has none).
+<moves> <cpu after each of those calls, comma-separated> <wall> <process
+CPU> <machine busy CPU>`` (``moves``: the slot area's placement moves, -1
+where it has none; the last three in seconds over those calls).
 """
 
 import ctypes
@@ -23,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from short_timeout import SET_UP_TIMEOUT
+
+from benchmarks.cluster_load import machine_busy_s
 
 mode = sys.argv[1]
 # Set-up under a generous timeout (on a loaded machine the ranks start seconds
@@ -69,10 +72,15 @@ elif mode == "apart":
         dist.all_reduce(t)
     os.sched_setaffinity(0, allowed)  # free again: the scheduler may leave them there
     cpus = []
+    start = (time.monotonic(), time.process_time(), machine_busy_s())
     for _ in range(int(os.environ.get("ITERS", "2000"))):
         dist.all_reduce(t)
         cpus.append(getcpu())
+    end = (time.monotonic(), time.process_time(), machine_busy_s())
     moves = getattr(getattr(mesh.slots, "placement", None), "moves", -1)
-    sys.stdout.write(f"CPUS {rank} {moves} {','.join(map(str, cpus))}\n")
+    # The free phase's wall, this process's CPU and the machine's busy CPU
+    # (the test subtracts both ranks' CPU: what the rest of the machine took).
+    spent = " ".join(f"{b - a:.4f}" for a, b in zip(start, end, strict=True))
+    sys.stdout.write(f"CPUS {rank} {moves} {','.join(map(str, cpus))} {spent}\n")
     sys.stdout.flush()
 dist.destroy_process_group()
