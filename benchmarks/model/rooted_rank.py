@@ -7,9 +7,11 @@ backend (entrenar with its default ``Options``, gloo), checks one broadcast
 per size (every element must be the root's), then for ``rounds`` rounds,
 backends in rotated order: per op (the barrier, a broadcast from rank 0 of
 each size) a control barrier, then the op timed on this rank's monotonic
-clock (system-wide: every namespace shares it). ``DIR/rank<R>.json`` holds
-the (start, end) pairs; the driver takes a call's time as the last rank's
-end minus the last rank's start (from when everyone has arrived).
+clock (system-wide: every namespace shares it), and the CPU the rank's
+process spent in it (``time.process_time``: every thread, the backend's own
+included). ``DIR/rank<R>.json`` holds the (start, end, cpu) triples; the
+driver takes a call's time as the last rank's end minus the last rank's start
+(from when everyone has arrived).
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
             pg = groups[backend]
             for name in op_names(sizes):
                 dist.barrier(group=ctrl)
+                c0 = time.process_time()
                 t0 = time.monotonic()
                 if name == "barrier":
                     dist.barrier(group=pg)
                 else:
                     dist.broadcast(bufs[int(name.split()[1])], ROOT, group=pg)
                 t1 = time.monotonic()
-                times[backend].setdefault(name, []).append([t0, t1])
+                cpu = time.process_time() - c0
+                times[backend].setdefault(name, []).append([t0, t1, cpu])
     dist.barrier(group=ctrl)
     write_record(out_dir, rank, {"rank": rank, "times": times})
     dist.destroy_process_group()
