@@ -645,7 +645,9 @@ def test_measure_rooted_takes_the_last_arrival_and_the_cpu_per_rank() -> None:
     ]
     got = rooted_measure.call_stats(per_rank)
     # the rounds' calls: 3 - 1, 12 - 10.5, 25 - 21; CPU per rank: 0.3, 0.3, 0.4
-    assert got == pytest.approx({"median_s": 2.0, "min_s": 1.5, "cpu_s": 0.3})
+    assert got == pytest.approx(
+        {"median_s": 2.0, "min_s": 1.5, "cpu_s": 0.3, "calls_s": [2.0, 1.5, 4.0]}
+    )
     rows = [
         {"backend": b, "op": "barrier", "bytes": 0, "hosts": 2, "local": 2, **stats}
         for b, stats in (

@@ -53,8 +53,9 @@ def measure(
 
 
 def call_stats(per_rank: list[list[list[float]]]) -> dict[str, float]:
-    """One op's figures from every rank's (start, end, cpu) per round: the median
-    and fastest call (last rank's end - last rank's start) and ``cpu_s``, the
+    """One op's figures from every rank's (start, end, cpu) per round: every call
+    (last rank's end - last rank's start, in round order: ``calls_s``), the median
+    and the fastest, and ``cpu_s``, the
     median over rounds of the CPU a rank's process spent in the call (the mean
     over ranks). On ranks sharing cores the CPU is what the other ranks wait
     for, where wall times of sub-millisecond calls are mostly the scheduler's."""
@@ -65,6 +66,7 @@ def call_stats(per_rank: list[list[list[float]]]) -> dict[str, float]:
         "median_s": statistics.median(calls),
         "min_s": min(calls),
         "cpu_s": statistics.median(cpu),
+        "calls_s": calls,
     }
 
 
