@@ -52,7 +52,7 @@ def measure(
     return rows
 
 
-def call_stats(per_rank: list[list[list[float]]]) -> dict[str, float]:
+def call_stats(per_rank: list[list[list[float]]]) -> dict[str, Any]:
     """One op's figures from every rank's (start, end, cpu) per round: every call
     (last rank's end - last rank's start, in round order: ``calls_s``), the median
     and the fastest, and ``cpu_s``, the
