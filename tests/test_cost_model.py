@@ -844,6 +844,21 @@ def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
     assert busy - quiet == pytest.approx(2 * 1e-3, rel=1e-6) and len(star) == 1
 
 
+def test_measure_rooted_rows_carry_the_run_s_load_into_the_prediction() -> None:
+    """A measure-rooted row's ``background_cores`` (the cores other processes took over
+    the run's timed rounds) reaches its prediction as a cluster row's does: the
+    dissemination barrier at 2 x 2 (2 ranks per core, 2 rounds of symmetric hops, 1
+    turn each) waits LOAD's alpha x the share more per round; a run that did not record
+    it predicts as before."""
+    loaded = LinkTable({**HAND.params, LOAD: LinkParams(2e-3, 0.0)}, {})
+    links = rooted.with_frame(loaded, 0.0)
+    row = {"backend": "entrenar", "op": "barrier", "bytes": 0, "hosts": 2, "local": 2}
+    quiet = rooted_measure.predicted(row, links, "1gbit", 2)
+    assert rooted_measure.predicted({**row, "background_cores": None}, links, "1gbit", 2) == quiet
+    busy = rooted_measure.predicted({**row, "background_cores": 1.0}, links, "1gbit", 2)
+    assert busy - quiet == pytest.approx(2 * 0.5 * 2e-3, rel=1e-6)
+
+
 def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones() -> None:
     """wake.fit_wake on a quiet run and a loaded one of the same layout (made by the
     model with WAKE 240 us, LOAD 900 us, 3 % noise): WAKE from the run whose others

@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks import netns_job
 from benchmarks.cluster_config import ClusterConfig
+from benchmarks.cluster_load import background_cores
 from benchmarks.model import check, costs, rooted
 from benchmarks.model.links import LinkTable
 from benchmarks.model.rooted_rank import op_names
@@ -37,6 +38,8 @@ def measure(
     spec = {"sizes": sizes, "rounds": rounds, "backends": backends}
     prefix = f"enrr{os.getpid() % 100000}"
     per_rank = netns_job.run_ranks(cfg, "benchmarks.model.rooted_rank", spec, prefix)
+    # The cores other processes took over the timed rounds (the model's load term).
+    others = background_cores([[rec["load"]] for rec in per_rank])
     rows = []
     for backend in backends:
         for name in op_names(sizes):
@@ -46,6 +49,7 @@ def measure(
                 "bytes": int(name.split()[1]) if " " in name else 0,
                 "hosts": hosts,
                 "local": local,
+                "background_cores": others,
             }
             row.update(call_stats([rec["times"][backend][name] for rec in per_rank]))
             rows.append(row)
@@ -73,9 +77,12 @@ def call_stats(per_rank: list[list[list[float]]]) -> dict[str, Any]:
 def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
     """entrenar's flat algorithm for ``row`` under the emulated run's conditions: the
     broadcast the policy picks with the run's topology, each call timed alone
-    (``rooted_rank``: a control barrier before each, so tbf's bucket is full)."""
+    (``rooted_rank``: a control barrier before each, so tbf's bucket is full), and
+    the load the run recorded (``background_cores``: ``LOAD``'s term, where the
+    table has it; none for runs that did not record it)."""
     shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
-    where = check.conditions_of({"rate": rate, "machine": {"nproc": cores}}, shape)
+    meta = {"rate": rate, "machine": {"nproc": cores}}
+    where = check.conditions_of(meta, shape, row.get("background_cores"))
     where = dataclasses.replace(where, back_to_back=False)
     if row["op"] == "broadcast":
         phases = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))

@@ -11,7 +11,9 @@ clock (system-wide: every namespace shares it), and the CPU the rank's
 process spent in it (``time.process_time``: every thread, the backend's own
 included). ``DIR/rank<R>.json`` holds the (start, end, cpu) triples; the
 driver takes a call's time as the last rank's end minus the last rank's start
-(from when everyone has arrived).
+(from when everyone has arrived). ``load``: the rank's CPU and wall over the
+timed rounds, and on rank 0 the machine's (``cluster_load.BlockClock``), from
+which the driver takes the cores other processes took meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.cluster_load import BlockClock
 from benchmarks.config import FLOAT32_BYTES
 from benchmarks.netns_job import write_record
 from benchmarks.sizes import rotated
@@ -54,6 +57,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
                 raise RuntimeError(f"rank {rank}: {backend} broadcast of {s} B is wrong")
         dist.barrier(group=pg)
     times: dict[str, dict[str, list[list[float]]]] = {b: {} for b in groups}
+    clock = BlockClock(reads_machine=rank == 0)  # the others' load over the timed rounds
+    start = clock.read()
     for r in range(int(spec["rounds"])):
         for backend in rotated(list(groups), r):
             pg = groups[backend]
@@ -68,8 +73,9 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
                 t1 = time.monotonic()
                 cpu = time.process_time() - c0
                 times[backend].setdefault(name, []).append([t0, t1, cpu])
+    load = BlockClock.block(start, clock.read())
     dist.barrier(group=ctrl)
-    write_record(out_dir, rank, {"rank": rank, "times": times})
+    write_record(out_dir, rank, {"rank": rank, "times": times, "load": load})
     dist.destroy_process_group()
 
 
