@@ -635,6 +635,37 @@ def test_rooted_command_prints_both_tables(capsys: pytest.CaptureFixture[str]) -
     assert "| H x L (frame 0 µs / 5 µs / 20 µs) |" in out
 
 
+def test_measure_rooted_takes_the_last_arrival_and_the_cpu_per_rank() -> None:
+    """A call's time is the last rank's end minus the last rank's start, and its CPU
+    the mean over ranks; each is the median over rounds. The report puts the CPU
+    per rank beside gloo's, and rows measured before the CPU was recorded say so."""
+    per_rank = [
+        [[0.0, 3.0, 0.2], [10.0, 11.0, 0.4], [20.0, 25.0, 0.6]],  # rank 0
+        [[1.0, 2.0, 0.4], [10.5, 12.0, 0.2], [21.0, 22.0, 0.2]],  # rank 1
+    ]
+    got = rooted_measure.call_stats(per_rank)
+    # the rounds' calls: 3 - 1, 12 - 10.5, 25 - 21; CPU per rank: 0.3, 0.3, 0.4
+    assert got == pytest.approx(
+        {"median_s": 2.0, "min_s": 1.5, "cpu_s": 0.3, "calls_s": [2.0, 1.5, 4.0]}
+    )
+    rows = [
+        {"backend": b, "op": "barrier", "bytes": 0, "hosts": 2, "local": 2, **stats}
+        for b, stats in (
+            ("entrenar", {"median_s": 1e-3, "min_s": 1e-3, "cpu_s": 300e-6}),
+            ("gloo", {"median_s": 2e-3, "min_s": 2e-3, "cpu_s": 150e-6}),
+        )
+    ]
+    line = next(
+        x for x in rooted_measure.report(rows, LINKS, "1gbit", 2).splitlines() if "2 x 2" in x
+    )
+    assert "| 0.50 | 300 / 150 µs |" in line
+    del rows[1]["cpu_s"]
+    line = next(
+        x for x in rooted_measure.report(rows, LINKS, "1gbit", 2).splitlines() if "2 x 2" in x
+    )
+    assert "| 0.50 | - |" in line
+
+
 def test_measure_rooted_report_sets_each_row_beside_gloo_and_the_model() -> None:
     """The report of measured rows (no processes): entrenar / gloo per op, and the
     prediction of the flat algorithm under the emulated run's conditions (ranks per
@@ -811,6 +842,21 @@ def test_load_makes_a_spinning_hop_wait_and_a_blocking_one_not() -> None:
     busy = check.predict_row({**row, "background_cores": 1.0}, meta, loaded).predicted_s
     quiet = check.predict_row(row, meta, loaded).predicted_s
     assert busy - quiet == pytest.approx(2 * 1e-3, rel=1e-6) and len(star) == 1
+
+
+def test_measure_rooted_rows_carry_the_run_s_load_into_the_prediction() -> None:
+    """A measure-rooted row's ``background_cores`` (the cores other processes took over
+    the run's timed rounds) reaches its prediction as a cluster row's does: the
+    dissemination barrier at 2 x 2 (2 ranks per core, 2 rounds of symmetric hops, 1
+    turn each) waits LOAD's alpha x the share more per round; a run that did not record
+    it predicts as before."""
+    loaded = LinkTable({**HAND.params, LOAD: LinkParams(2e-3, 0.0)}, {})
+    links = rooted.with_frame(loaded, 0.0)
+    row = {"backend": "entrenar", "op": "barrier", "bytes": 0, "hosts": 2, "local": 2}
+    quiet = rooted_measure.predicted(row, links, "1gbit", 2)
+    assert rooted_measure.predicted({**row, "background_cores": None}, links, "1gbit", 2) == quiet
+    busy = rooted_measure.predicted({**row, "background_cores": 1.0}, links, "1gbit", 2)
+    assert busy - quiet == pytest.approx(2 * 0.5 * 2e-3, rel=1e-6)
 
 
 def test_fit_wake_takes_the_load_from_loaded_rows_and_the_wake_from_quiet_ones() -> None:

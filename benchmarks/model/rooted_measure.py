@@ -3,7 +3,8 @@
 ``python -m benchmarks.model measure-rooted [--hosts 2 --local 2 --rate 1gbit]``:
 H namespaces x L ranks (``netns_job.run_ranks``, links shaped as the
 cluster bench shapes them), ranks ``rooted_rank.py``; per op and backend the
-median over rounds of (last rank's end - last rank's start), and entrenar's
+median over rounds of (last rank's end - last rank's start), the median
+CPU a rank's process spent per call (``call_stats``), and entrenar's
 prediction (``rooted.barrier_dissemination`` / ``rooted.broadcast_flat`` under the
 run's ``Conditions``: ranks per core and tbf's burst, as ``check`` does) at
 the assumed frame cost and at none. Prints a Markdown table; ``--out`` keeps
@@ -19,6 +20,7 @@ from typing import Any
 
 from benchmarks import netns_job
 from benchmarks.cluster_config import ClusterConfig
+from benchmarks.cluster_load import background_cores
 from benchmarks.model import check, costs, rooted
 from benchmarks.model.links import LinkTable
 from benchmarks.model.rooted_rank import op_names
@@ -36,33 +38,51 @@ def measure(
     spec = {"sizes": sizes, "rounds": rounds, "backends": backends}
     prefix = f"enrr{os.getpid() % 100000}"
     per_rank = netns_job.run_ranks(cfg, "benchmarks.model.rooted_rank", spec, prefix)
+    # The cores other processes took over the timed rounds (the model's load term).
+    others = background_cores([[rec["load"]] for rec in per_rank])
     rows = []
     for backend in backends:
         for name in op_names(sizes):
-            pairs = [rec["times"][backend][name] for rec in per_rank]
-            calls = [
-                max(p[i][1] for p in pairs) - max(p[i][0] for p in pairs) for i in range(rounds)
-            ]
-            rows.append(
-                {
-                    "backend": backend,
-                    "op": name.split()[0],
-                    "bytes": int(name.split()[1]) if " " in name else 0,
-                    "hosts": hosts,
-                    "local": local,
-                    "median_s": statistics.median(calls),
-                    "min_s": min(calls),
-                }
-            )
+            row: dict[str, Any] = {
+                "backend": backend,
+                "op": name.split()[0],
+                "bytes": int(name.split()[1]) if " " in name else 0,
+                "hosts": hosts,
+                "local": local,
+                "background_cores": others,
+            }
+            row.update(call_stats([rec["times"][backend][name] for rec in per_rank]))
+            rows.append(row)
     return rows
+
+
+def call_stats(per_rank: list[list[list[float]]]) -> dict[str, Any]:
+    """One op's figures from every rank's (start, end, cpu) per round: every call
+    (last rank's end - last rank's start, in round order: ``calls_s``), the median
+    and the fastest, and ``cpu_s``, the
+    median over rounds of the CPU a rank's process spent in the call (the mean
+    over ranks). On ranks sharing cores the CPU is what the other ranks wait
+    for, where wall times of sub-millisecond calls are mostly the scheduler's."""
+    rounds = len(per_rank[0])
+    calls = [max(r[i][1] for r in per_rank) - max(r[i][0] for r in per_rank) for i in range(rounds)]
+    cpu = [statistics.fmean(r[i][2] for r in per_rank) for i in range(rounds)]
+    return {
+        "median_s": statistics.median(calls),
+        "min_s": min(calls),
+        "cpu_s": statistics.median(cpu),
+        "calls_s": calls,
+    }
 
 
 def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
     """entrenar's flat algorithm for ``row`` under the emulated run's conditions: the
     broadcast the policy picks with the run's topology, each call timed alone
-    (``rooted_rank``: a control barrier before each, so tbf's bucket is full)."""
+    (``rooted_rank``: a control barrier before each, so tbf's bucket is full), and
+    the load the run recorded (``background_cores``: ``LOAD``'s term, where the
+    table has it; none for runs that did not record it)."""
     shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
-    where = check.conditions_of({"rate": rate, "machine": {"nproc": cores}}, shape)
+    meta = {"rate": rate, "machine": {"nproc": cores}}
+    where = check.conditions_of(meta, shape, row.get("background_cores"))
     where = dataclasses.replace(where, back_to_back=False)
     if row["op"] == "broadcast":
         phases = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
@@ -75,14 +95,17 @@ def report(rows: list[dict[str, Any]], links: LinkTable, rate: str, cores: int) 
     frames = rooted.FRAME_CASES
     head = " | ".join(f"predicted (frame {f * 1e6:.0f} µs)" for f in frames)
     lines = [
-        f"| H x L | op | size | gloo | entrenar | entrenar / gloo | {head} |",
-        "|---" * (6 + len(frames)) + "|",
+        f"| H x L | op | size | gloo | entrenar | entrenar / gloo | CPU per rank: entrenar / gloo "
+        f"| {head} |",
+        "|---" * (7 + len(frames)) + "|",
     ]
-    gloo = {(r["op"], r["bytes"]): r["median_s"] for r in rows if r["backend"] == "gloo"}
+    gloo_rows = {(r["op"], r["bytes"]): r for r in rows if r["backend"] == "gloo"}
     for r in rows:
         if r["backend"] != "entrenar":
             continue
-        g = gloo[(r["op"], r["bytes"])]
+        g = gloo_rows[(r["op"], r["bytes"])]["median_s"]
+        g_cpu = gloo_rows[(r["op"], r["bytes"])].get("cpu_s")
+        cpu = f"{r['cpu_s'] * 1e6:.0f} / {g_cpu * 1e6:.0f} µs" if "cpu_s" in r and g_cpu else "-"
         preds = []
         for f in frames:
             p = predicted(r, rooted.with_frame(links, f), rate, cores)
@@ -90,6 +113,6 @@ def report(rows: list[dict[str, Any]], links: LinkTable, rate: str, cores: int) 
         lines.append(
             f"| {r['hosts']} x {r['local']} | {r['op']} | {format_bytes(r['bytes'])} "
             f"| {check.duration(g)} | {check.duration(r['median_s'])} "
-            f"| {r['median_s'] / g:.2f} | " + " | ".join(preds) + " |"
+            f"| {r['median_s'] / g:.2f} | {cpu} | " + " | ".join(preds) + " |"
         )
     return "\n".join(lines)

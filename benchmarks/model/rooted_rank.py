@@ -7,9 +7,13 @@ backend (entrenar with its default ``Options``, gloo), checks one broadcast
 per size (every element must be the root's), then for ``rounds`` rounds,
 backends in rotated order: per op (the barrier, a broadcast from rank 0 of
 each size) a control barrier, then the op timed on this rank's monotonic
-clock (system-wide: every namespace shares it). ``DIR/rank<R>.json`` holds
-the (start, end) pairs; the driver takes a call's time as the last rank's
-end minus the last rank's start (from when everyone has arrived).
+clock (system-wide: every namespace shares it), and the CPU the rank's
+process spent in it (``time.process_time``: every thread, the backend's own
+included). ``DIR/rank<R>.json`` holds the (start, end, cpu) triples; the
+driver takes a call's time as the last rank's end minus the last rank's start
+(from when everyone has arrived). ``load``: the rank's CPU and wall over the
+timed rounds, and on rank 0 the machine's (``cluster_load.BlockClock``), from
+which the driver takes the cores other processes took meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.cluster_load import BlockClock
 from benchmarks.config import FLOAT32_BYTES
 from benchmarks.netns_job import write_record
 from benchmarks.sizes import rotated
@@ -52,20 +57,25 @@ def run(spec: dict[str, Any], out_dir: Path) -> None:
                 raise RuntimeError(f"rank {rank}: {backend} broadcast of {s} B is wrong")
         dist.barrier(group=pg)
     times: dict[str, dict[str, list[list[float]]]] = {b: {} for b in groups}
+    clock = BlockClock(reads_machine=rank == 0)  # the others' load over the timed rounds
+    start = clock.read()
     for r in range(int(spec["rounds"])):
         for backend in rotated(list(groups), r):
             pg = groups[backend]
             for name in op_names(sizes):
                 dist.barrier(group=ctrl)
+                c0 = time.process_time()
                 t0 = time.monotonic()
                 if name == "barrier":
                     dist.barrier(group=pg)
                 else:
                     dist.broadcast(bufs[int(name.split()[1])], ROOT, group=pg)
                 t1 = time.monotonic()
-                times[backend].setdefault(name, []).append([t0, t1])
+                cpu = time.process_time() - c0
+                times[backend].setdefault(name, []).append([t0, t1, cpu])
+    load = BlockClock.block(start, clock.read())
     dist.barrier(group=ctrl)
-    write_record(out_dir, rank, {"rank": rank, "times": times})
+    write_record(out_dir, rank, {"rank": rank, "times": times, "load": load})
     dist.destroy_process_group()
 
 
