@@ -108,3 +108,6 @@ def test_only_another_collective_in_the_same_call_is_a_mismatch() -> None:
     assert not other_call("allreduce#4", "gather#3")  # still in an earlier call
     assert not other_call("allreduce#4", None)  # in no call yet
     assert not other_call("allreduce#4", "p2p link to rank 0")  # not a collective
+    # The contract checker's exchange follows its collective with the same seq.
+    assert not other_call("check#4", "allreduce#4")
+    assert not other_call("allreduce#4", "check#4")

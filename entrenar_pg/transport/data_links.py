@@ -46,6 +46,7 @@ import threading
 import time
 
 from ..errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
+from ..wire import OpCode
 from .control import Causes
 from .loop import Progress
 from .rendezvous import DATA, Rendezvous
@@ -61,16 +62,23 @@ ASK_AFTER_S = 0.5
 _ANSWER_S = 0.25
 
 
+# The contract checker's exchange runs in its collective's job, with the
+# collective's sequence number (checker.after): a rank in it beside one still
+# in the collective is in step.
+_SHARES_SEQ = OpCode.CHECK.name.lower()
+
+
 def other_call(mine: str, theirs: str | None) -> bool:
     """Whether ``theirs`` (the call a peer says it is in, ``Call.what``'s
     ``<collective>#<seq>``; None: none) is another collective in the call
     ``mine``: the same sequence number, another collective. Every phase of
-    one call carries the call's collective, so ranks in step never differ."""
+    one call carries the call's collective, so ranks in step never differ
+    (but for the checker's exchange)."""
     if theirs is None:
         return False
     op, _, seq = mine.rpartition("#")
     their_op, sep, their_seq = theirs.rpartition("#")
-    return bool(sep) and their_seq == seq and their_op != op
+    return bool(sep) and their_seq == seq and their_op != op and _SHARES_SEQ not in (op, their_op)
 
 
 class DataLinks:
