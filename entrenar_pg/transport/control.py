@@ -452,6 +452,15 @@ class Causes:
         """The first abort heard of, from any rank (``ControlChannel.first_abort``)."""
         return None if self.control is None else self.control.first_abort()
 
+    def calls(self, peers: list[int], answer_s: float) -> dict[int, str | None]:
+        """The call each of ``peers`` says it is in (``Call.what``), asked over
+        the control channel (a QUERY); None: in none, ended, or no answer
+        within ``answer_s``."""
+        if self.control is None:
+            return {}
+        answers = self.control.ask(peers, answer_s)
+        return {p: None if s is None else s.what for p, s in answers.items()}
+
     def peer_closed(
         self, peer: int, what: str, ended: AbortRecord | str | None = None
     ) -> EntrenarError:

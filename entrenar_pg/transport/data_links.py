@@ -20,6 +20,22 @@ from its control link (its abort, goodbye or death); a connect or a wait
 that sees nothing within the call's timeout is a stall, and the wait-for
 walk names whom (``control.Causes``). While it waits a rank answers the
 control channel's queries as one waiting in a collective.
+
+A mismatch can break the symmetry: ranks that issued different collectives
+in one call (a user's bug) run different plans, and a rank may wait for a
+lower rank's connect that the lower rank's plan never makes (a star leaf
+waits for rank 0, whose gather connects only to the gather's root and its
+ring neighbours). No header ever meets, so nothing would name the mismatch
+before the call's timeout (torch's default: 30 minutes). So a wait that has
+lasted ``ASK_AFTER_S`` asks the ranks it waits for which call they are in
+(the control channel's QUERY, the stall walk's question; again every
+``ASK_AFTER_S``): one in this call (the same sequence number) but in another
+collective raises ``CollectiveMismatchError`` naming both calls, and this
+rank's abort carries it to every rank in that call. One in an earlier call,
+in none, in this same collective or silent is waited for as before (its
+connect may still come; a silent one is the stall walk's at the timeout).
+A wait this long is rare (a rank that reaches the call late), so the
+questions cost nothing on the common path.
 """
 
 from __future__ import annotations
@@ -29,7 +45,8 @@ import socket
 import threading
 import time
 
-from ..errors import EntrenarError, PeerConnectionError
+from ..errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
+from ..wire import OpCode
 from .control import Causes
 from .loop import Progress
 from .rendezvous import DATA, Rendezvous
@@ -39,6 +56,29 @@ log = logging.getLogger(__name__)
 # A rank waiting for a lower rank's connection looks for it this often (and
 # answers control queries in between); only a pair's first collective waits.
 _ARRIVAL_POLL_S = 0.002
+# A wait for a lower rank's connect this long asks that rank which call it
+# is in (module docstring); its answer is awaited this long (no answer: wait on).
+ASK_AFTER_S = 0.5
+_ANSWER_S = 0.25
+
+
+# The contract checker's exchange runs in its collective's job, with the
+# collective's sequence number (checker.after): a rank in it beside one still
+# in the collective is in step.
+_SHARES_SEQ = OpCode.CHECK.name.lower()
+
+
+def other_call(mine: str, theirs: str | None) -> bool:
+    """Whether ``theirs`` (the call a peer says it is in, ``Call.what``'s
+    ``<collective>#<seq>``; None: none) is another collective in the call
+    ``mine``: the same sequence number, another collective. Every phase of
+    one call carries the call's collective, so ranks in step never differ
+    (but for the checker's exchange)."""
+    if theirs is None:
+        return False
+    op, _, seq = mine.rpartition("#")
+    their_op, sep, their_seq = theirs.rpartition("#")
+    return bool(sep) and their_seq == seq and their_op != op and _SHARES_SEQ not in (op, their_op)
 
 
 class DataLinks:
@@ -114,7 +154,8 @@ class DataLinks:
         the loop; a peer that ends meanwhile is named; nothing within
         ``timeout_s`` is a stall (on whichever have not connected)."""
         waiting = sorted(lower)
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline, ask_at = now + timeout_s, now + ASK_AFTER_S
         progress = self._progress
         try:
             while True:
@@ -125,8 +166,12 @@ class DataLinks:
                 waiting = [p for p in waiting if p not in got]
                 if not waiting:
                     return
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise self._causes.stalled(what, waiting, [], timeout_s)
+                if now >= ask_at:
+                    self._ask(waiting, what)
+                    ask_at = time.monotonic() + ASK_AFTER_S
                 progress.watch_control(what, waiting, _ARRIVAL_POLL_S)
                 for peer in waiting:
                     ended = self._causes.how_ended(peer, 0.0)
@@ -134,6 +179,20 @@ class DataLinks:
                         raise self._causes.peer_closed(peer, what, ended)
         finally:
             progress.done_sleeping()
+
+    def _ask(self, waiting: list[int], what: str) -> None:
+        """Ask the ranks still awaited which call they are in; raise
+        CollectiveMismatchError if one is in another collective of this call
+        (module docstring)."""
+        calls = self._causes.calls(waiting, _ANSWER_S)
+        for peer in waiting:
+            theirs = calls.get(peer)
+            if other_call(what, theirs):
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: collective mismatch with rank {peer}: this rank "
+                    f"called {what}, rank {peer} called {theirs} (found waiting for rank "
+                    f"{peer}'s first connection, which its plan does not make)"
+                )
 
     def close(self) -> None:
         """No more sockets are taken; the caller closes ``socks``."""
