@@ -75,7 +75,7 @@ def merge_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def run_world_vs_baseline(
     world: int, cfg: BenchConfig, baseline_root: str
-) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, float]]]:
+) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, list[float]]]]:
     """``cfg.baseline_rounds`` rounds, each two fresh jobs alive at once and
     taking turns block by block (this checkout's, the baseline's:
     ``turns.py``), merged.
@@ -83,12 +83,12 @@ def run_world_vs_baseline(
     Returns each rank's merged result, the ``entrenar_pg`` file each side's
     rank 0 imported, checked (the baseline's must be the copy under
     ``baseline_root``, the other's must not), and per round the new/baseline
-    ratio of median times of every entrenar key (``job_ratios``).
+    block ratios of every entrenar key (``job_ratios``).
     """
     root = Path(baseline_root).resolve()
     merged: list[dict[str, Any]] = []
     files: dict[str, str] = {}
-    per_round: list[dict[str, float]] = []
+    per_round: list[dict[str, list[float]]] = []
     for r in range(cfg.baseline_rounds):
         log.info(
             "world size %d: round %d, new and baseline entrenar_pg taking turns ...", world, r + 1
@@ -114,14 +114,14 @@ def run_world_vs_baseline(
 
 def job_ratios(
     new: list[dict[str, Any]], base: list[dict[str, Any]], cfg: BenchConfig
-) -> dict[str, float]:
-    """One round's new/baseline ratio per entrenar key (``"<variant>|<size>"``
-    of the sweep, ``"ddp|<variant>"`` of the DDP step): the median over the
-    round's blocks of the ratio of block k's median time on each side (max
-    over ranks per iteration, as the rows). Block k of the two sides ran one
-    right after the other (``turns.py``), so whatever else the machine did
-    then hit both; a whole-job median would compare moments seconds apart."""
-    out: dict[str, float] = {}
+) -> dict[str, list[float]]:
+    """One round's new/baseline ratios per entrenar key (``"<variant>|<size>"``
+    of the sweep, ``"ddp|<variant>"`` of the DDP step): for each block k, the
+    ratio of block k's median time on each side (max over ranks per
+    iteration, as the rows). Block k of the two sides ran one right after
+    the other (``turns.py``), so whatever else the machine did then hit
+    both; a whole-job median would compare moments seconds apart."""
+    out: dict[str, list[float]] = {}
     for section, prefix in (("allreduce", ""), ("ddp", "ddp|")):
         for key in new[0][section]:
             name, _, size = key.partition("|")
@@ -131,8 +131,7 @@ def job_ratios(
             per_block = plan_for(int(size), cfg).per_block if size else ddp_per_block(cfg)
             mine = _block_medians(combine_ranks([x[section][key] for x in new]), per_block)
             theirs = _block_medians(combine_ranks([x[section][twin] for x in base]), per_block)
-            ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
-            out[prefix + key] = statistics.median(ratios)
+            out[prefix + key] = [a / b for a, b in zip(mine, theirs, strict=True)]
     return out
 
 
@@ -147,19 +146,20 @@ def _block_medians(samples: list[float], per_block: int) -> list[float]:
 def add_baseline_ratios(
     rows: list[dict[str, Any]],
     key: tuple[str, ...],
-    per_round: list[dict[str, float]] | None = None,
+    per_round: list[dict[str, list[float]]] | None = None,
     job_key: Callable[[dict[str, Any]], str] | None = None,
 ) -> None:
-    """On X's rows, against X@baseline's (same ``key`` fields): ``time_vs_baseline_pooled``,
-    the ratio of the median times of all rounds' samples pooled; with ``per_round``
-    (``job_ratios`` of each round) and ``job_key`` (a row's key there),
-    ``time_vs_baseline_rounds``, every round's ratio. ``time_vs_baseline`` is the
-    median of the rounds' ratios where there are rounds, else the pooled ratio.
+    """On X's rows, against X@baseline's (same ``key`` fields):
+    ``time_vs_baseline_pooled``, the ratio of the median times of all
+    rounds' samples pooled. With ``per_round`` (``job_ratios`` of each
+    round) and ``job_key`` (a row's key there): ``time_vs_baseline_blocks``,
+    how many block pairs, and ``time_vs_baseline_rounds``, each round's
+    median block ratio. ``time_vs_baseline`` is the median of every round's
+    block ratios where there are rounds, else the pooled ratio.
 
-    The median of rounds is the one to read: a round's two jobs ran at once,
-    taking turns block by block, and its ratio pairs each block with the
-    other side's next to it in time (``job_ratios``); pooling compares
-    moments seconds apart, on a machine whose other work comes and goes."""
+    The block ratios are the ones to read: each pairs two blocks that ran
+    one right after the other; pooling compares moments seconds apart, on a
+    machine whose other work comes and goes."""
     by_key = {(r["variant"], *(r[k] for k in key)): r for r in rows}
     for r in rows:
         base = by_key.get((r["variant"] + BASELINE, *(r[k] for k in key)))
@@ -170,10 +170,12 @@ def add_baseline_ratios(
         r["time_vs_baseline"] = pooled
         if per_round and job_key is not None:
             name = job_key(r)
-            ratios = [x[name] for x in per_round if name in x]
-            if ratios:
-                r["time_vs_baseline_rounds"] = ratios
-                r["time_vs_baseline"] = statistics.median(ratios)
+            rounds = [x[name] for x in per_round if x.get(name)]
+            if rounds:
+                every = [ratio for one in rounds for ratio in one]
+                r["time_vs_baseline"] = statistics.median(every)
+                r["time_vs_baseline_blocks"] = len(every)
+                r["time_vs_baseline_rounds"] = [statistics.median(one) for one in rounds]
 
 
 def sweep_key(row: dict[str, Any]) -> str:

@@ -330,6 +330,13 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         help="with --baseline-tree: rounds per world size, each two jobs at once taking turns"
         " block by block, A B B A ... (default 2)",
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r's process to the r-th allowed CPU (modulo their number): the"
+        " scheduler then neither puts two ranks on one core nor moves them, so a"
+        " --baseline-tree comparison measures the code under one fixed placement",
+    )
     p.add_argument("--out", default="bench_out", help="output directory")
     a = p.parse_args(argv)
     # --quick leaves DeepSpeed out: its spinning collapses on a loaded machine
@@ -370,6 +377,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         quick=q,
         baseline_tree=a.baseline_tree,
         baseline_rounds=a.baseline_rounds,
+        pin=a.pin,
         out=a.out,
     )
     if any(w < 2 for w in cfg.world_sizes):

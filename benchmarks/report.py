@@ -146,6 +146,7 @@ def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
         "new",
         "baseline",
         "new/baseline",
+        "blocks",
         "rounds (min-max)",
         "pooled",
         "new/gloo",
@@ -168,6 +169,7 @@ def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
                 _fmt_time(r["median_s"]),
                 _fmt_time(base["median_s"]),
                 f"{r['time_vs_baseline']:.3f}",
+                str(r.get("time_vs_baseline_blocks", "-")),
                 _fmt_spread(r.get("time_vs_baseline_rounds")),
                 f"{r.get('time_vs_baseline_pooled', r['time_vs_baseline']):.3f}",
                 _fmt_ratio(r.get(gloo_key)),
@@ -322,8 +324,10 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
             f"this checkout (git {meta.get('git') or '?'}) vs baseline {b['tree']} "
             f"(git {b['git'] or '?'}): median time, new/baseline below 1 = new is faster; "
             f"{meta['config']['baseline_rounds']} rounds, each two fresh jobs at once taking "
-            "turns block by block (A B B A ...); new/baseline: the median of the rounds' "
-            "ratios; pooled: of all rounds' samples",
+            "turns block by block (A B B A ...); new/baseline: the median over every "
+            "round of block k's median time over the other side's block k (blocks: how "
+            "many such pairs); rounds: each round's median; pooled: of all samples"
+            + ("; ranks pinned to a CPU each (--pin)" if meta["config"].get("pin") else ""),
             "",
         ]
         lines += baseline_table(result, markdown)

@@ -391,6 +391,11 @@ def rank_main(
 
     ``turns``: this job takes turns with another one, block by block (``turns.py``)."""
     cfg = BenchConfig.from_json(cfg_json)
+    if cfg.pin:
+        # Before any thread starts (they inherit the mask): the scheduler
+        # cannot put two ranks on one core, nor move them (``--pin``).
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
     variants = with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
@@ -444,6 +449,7 @@ def rank_main(
             "ddp_info": ddp_info,
             "entrenar_pg_file": entrenar_file,
             "block_spans": blocks.spans,
+            "affinity": sorted(os.sched_getaffinity(0)),
             "unavailable": unavailable,
         }
         tmp_path = out_path + ".tmp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
@@ -98,10 +99,12 @@ def test_baseline_runs_are_renamed_merged_and_compared() -> None:
     assert rows[0]["time_vs_baseline"] == rows[0]["time_vs_baseline_pooled"] == 0.25
     assert "time_vs_baseline" not in rows[1] and "time_vs_baseline" not in rows[2]
     # With rounds: the median of the rounds' ratios; the pooled ratio is kept beside it.
-    rounds = [{"entrenar-auto|4096": x} for x in (0.9, 1.5, 1.0)] + [{}]
+    # With rounds: the median of every round's block ratios, each round's median beside it.
+    blocks = ([0.9, 0.8, 1.0], [1.5, 1.6], [1.0])
+    rounds = [{"entrenar-auto|4096": x} for x in blocks] + [{}]
     add_baseline_ratios(rows, ("world_size", "size_bytes"), rounds, sweep_key)
-    assert rows[0]["time_vs_baseline"] == 1.0
-    assert rows[0]["time_vs_baseline_rounds"] == [0.9, 1.5, 1.0]
+    assert rows[0]["time_vs_baseline"] == 1.0 and rows[0]["time_vs_baseline_blocks"] == 6
+    assert rows[0]["time_vs_baseline_rounds"] == [0.9, 1.55, 1.0]
     assert rows[0]["time_vs_baseline_pooled"] == 0.25
     result = {
         "meta": {
@@ -113,14 +116,14 @@ def test_baseline_runs_are_renamed_merged_and_compared() -> None:
         "ddp": [],
     }
     table = "\n".join(baseline_table(result))
-    assert "0.90-1.50 (3)" in table and "1.000" in table and "0.250" in table, table
+    assert "0.90-1.55 (3)" in table and "1.000" in table and "0.250" in table, table
 
 
 def test_a_rounds_ratio_pairs_each_block_with_the_other_sides_block_beside_it() -> None:
     """Blocks of 2 samples: the new side was slow in its third block, the
     baseline in its second and third (the machine was busy then, or the
     baseline job's ranks shared a core): pooled medians would read 1/5, the
-    blocks beside each other 1, 1/5, 1: median 1."""
+    blocks beside each other 1, 1/5, 1."""
     cfg = BenchConfig(sizes=(4096,), repeats=6, min_repeats=6, rounds=3, ddp=False)
     assert plan_for(4096, cfg).per_block == 2
 
@@ -130,12 +133,12 @@ def test_a_rounds_ratio_pairs_each_block_with_the_other_sides_block_beside_it() 
 
     new = ranks("entrenar-auto", [1.0, 1.0, 5.0])
     base = ranks("entrenar-auto@baseline", [1.0, 5.0, 5.0])
-    assert job_ratios(new, base, cfg) == {"entrenar-auto|4096": 1.0}
+    assert job_ratios(new, base, cfg) == {"entrenar-auto|4096": [1.0, 0.2, 1.0]}
     # The DDP step's blocks (ddp_steps over ddp_rounds), keyed ddp|<variant>.
     cfg = BenchConfig(ddp_steps=4, ddp_rounds=2)
     new = [{"allreduce": {}, "ddp": {"entrenar": [2.0, 2.0, 9.0, 9.0]}}]
     base = [{"allreduce": {}, "ddp": {"entrenar@baseline": [1.0, 1.0, 9.0, 9.0]}}]
-    assert job_ratios(new, base, cfg) == {"ddp|entrenar": 1.5}
+    assert job_ratios(new, base, cfg) == {"ddp|entrenar": [2.0, 1.0]}
 
 
 @pytest.mark.timeout(30)
@@ -174,10 +177,11 @@ def test_turns_alternate_a_b_b_a_and_a_finished_side_holds_nobody() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
-    """This tree against a copy of itself (an A/A run): both jobs alive at
-    once, each importing its own entrenar_pg, their timed blocks never
-    overlapping and alternating A B B A; a round's ratio for every entrenar
-    key, the DDP step's included."""
+    """This tree against a copy of itself (an A/A run), ``--pin``ned: both
+    jobs alive at once, each importing its own entrenar_pg, their ranks on
+    the same CPUs, their timed blocks never overlapping and alternating
+    A B B A; a round's block ratios for every entrenar key, the DDP step's
+    included."""
     root = copy_baseline_package(str(Path(__file__).resolve().parents[1]), str(tmp_path))
     cfg = BenchConfig(
         world_sizes=(2,),
@@ -194,8 +198,12 @@ def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
         ddp_rounds=1,
         timeout_s=150.0,
         op_timeout_s=60.0,
+        pin=True,
     )
     new, base = run_jobs(2, cfg, [None, root])
+    cpus = sorted(os.sched_getaffinity(0))
+    for job in (new, base):  # --pin: rank r on the r-th CPU, in both jobs
+        assert [x["affinity"] for x in job] == [[cpus[r % len(cpus)]] for r in range(2)]
     assert not Path(new[0]["entrenar_pg_file"]).resolve().is_relative_to(tmp_path)
     assert Path(base[0]["entrenar_pg_file"]).resolve().is_relative_to(tmp_path)
     spans = sorted(
@@ -209,7 +217,8 @@ def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
     assert "".join(x for _, _, x in spans) == "ABBAABBAAB"
     ratios = job_ratios(new, [mark_baseline(x) for x in base], cfg)
     assert set(ratios) == {"entrenar-auto[tcp]|4096", "ddp|entrenar[tcp]"}, ratios
-    assert all(math.isfinite(x) and x > 0 for x in ratios.values())
+    assert [len(x) for x in ratios.values()] == [2, 1]  # a ratio per block
+    assert all(math.isfinite(x) and x > 0 for one in ratios.values() for x in one)
 
 
 def test_transports_and_ddp_variants_parse() -> None:
@@ -218,6 +227,7 @@ def test_transports_and_ddp_variants_parse() -> None:
     assert cfg.ddp_variants == ("gloo", "entrenar")
     assert BenchConfig.from_json(cfg.to_json()) == cfg  # what the workers receive
     assert bench.parse_args([]).transports == ()  # default: the environment's transport
+    assert bench.parse_args(["--pin"]).pin and not bench.parse_args([]).pin
     for bad in (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
