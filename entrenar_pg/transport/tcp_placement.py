@@ -27,7 +27,9 @@ scheduler free again). The lower rank stays, so a pair never swaps cores.
 
 Bounded as the slot areas' placement is: one move per ``MOVE_EVERY_S`` at
 most; none where the host's ranks outnumber the thread's CPUs (sharing is
-then the plan); nothing where ``sched_getcpu`` or ``SO_INCOMING_CPU`` is
+then the plan); none while more threads are runnable than the thread has
+CPUs (``/proc/loadavg``: no core is free, and a core shared with a busy
+thread is worse than the peer's); nothing where ``sched_getcpu`` or ``SO_INCOMING_CPU`` is
 missing, or once changing the affinity failed (a cpuset that forbids it).
 Links to other hosts are never looked at (their segments' CPU is this
 host's network card's). ``Options.tcp_placement=False``
@@ -59,6 +61,16 @@ def libc_getcpu() -> Callable[[], int] | None:
     return fn  # type: ignore[no-any-return]
 
 
+def runnable_now() -> int:
+    """Threads runnable on this machine at this instant (``/proc/loadavg``'s
+    ``running/total``); 0 if unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def incoming_cpu(sock: socket.socket) -> int:
     """The CPU that processed ``sock``'s last incoming segment; -1 if unknown."""
     if _INCOMING_CPU is None:
@@ -85,8 +97,10 @@ class TcpPlacement:
         host_ranks: int,
         getcpu: Callable[[], int] | None = None,
         enabled: bool = True,
+        runnable: Callable[[], int] = runnable_now,
     ) -> None:
         self._lower = list(lower)
+        self.runnable = runnable  # how many threads are runnable now (tests inject it)
         self._local = list(local)
         self._host_ranks = host_ranks
         self._getcpu = getcpu if getcpu is not None else libc_getcpu()
@@ -129,6 +143,12 @@ class TcpPlacement:
             return
         if len(allowed) < self._host_ranks:
             return  # more ranks than CPUs now: sharing is the plan
+        if self.runnable() > len(allowed):
+            # No core is free for the move: it would trade the peer for
+            # another busy thread, whose turns on the core then last a slice
+            # each (4 KiB calls of 200-450 us, against ~100 on the peer's core,
+            # at load 6-7 here).
+            return
         named = {incoming_cpu(s) for s in self._local}
         free = sorted(allowed - named - {cpu})
         if not free:
