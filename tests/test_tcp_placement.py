@@ -78,6 +78,13 @@ def test_a_rank_moves_off_the_cpu_its_lower_peer_sent_from(monkeypatch: pytest.M
         busy = TcpPlacement([b], [b], 2, getcpu=lambda: cpu, runnable=lambda: len(allowed) + 1)
         busy.shared_core()
         assert busy.moves == 0
+        busy.runnable = idle  # a core came free: looked at again only after BUSY_RETRY_S
+        now[0] += placement_module.MOVE_EVERY_S
+        busy.shared_core()
+        assert busy.moves == 0
+        now[0] += placement_module.BUSY_RETRY_S
+        busy.shared_core()
+        assert busy.moves == 1
         # No lower peer on this host (rank 0, or only higher ones): never moves.
         lowest = TcpPlacement([], [b], 2, getcpu=lambda: cpu)
         assert not lowest.active
