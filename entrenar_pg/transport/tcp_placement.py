@@ -27,13 +27,14 @@ scheduler free again). The lower rank stays, so a pair never swaps cores.
 
 Bounded as the slot areas' placement is: one move per ``MOVE_EVERY_S`` at
 most; none where the host's ranks outnumber the thread's CPUs (sharing is
-then the plan); none while more threads are runnable than the thread has
-CPUs (``/proc/loadavg``: no core is free, and a core shared with a busy
-thread is worse than the peer's; the next look after ``BUSY_RETRY_S``);
-nothing where ``sched_getcpu`` or ``SO_INCOMING_CPU`` is missing, or once
-changing the affinity failed (a cpuset that forbids it). Links to other
-hosts are never looked at (their segments' CPU is this host's network
-card's). ``Options.tcp_placement=False``
+then the plan); nothing where ``sched_getcpu`` or ``SO_INCOMING_CPU`` is
+missing, or once changing the affinity failed (a cpuset that forbids it).
+Links to other hosts are never looked at (their segments' CPU is this
+host's network card's). A machine busy with other work is no reason to
+stay: two ranks apart, each beside other work, took 25-31 us a 4 KiB call
+against 175-220 us on one core (load 4.5 here; a rule that stayed while
+more threads were runnable than CPUs kept them together).
+``Options.tcp_placement=False``
 (``ENTRENAR_TCP_PLACEMENT=0``) turns it off.
 """
 
@@ -46,7 +47,6 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 
 MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
-BUSY_RETRY_S = 0.05  # after finding no free core, the next look (each costs ~20 us)
 # A yield that took longer gave the core to another thread (an idle core's: < 1 us).
 GAVE_AWAY_S = 5e-6
 _INCOMING_CPU = getattr(socket, "SO_INCOMING_CPU", None)  # Linux >= 3.19, Python >= 3.11
@@ -61,16 +61,6 @@ def libc_getcpu() -> Callable[[], int] | None:
     fn.restype = ctypes.c_int
     fn.argtypes = []
     return fn  # type: ignore[no-any-return]
-
-
-def runnable_now() -> int:
-    """Threads runnable on this machine at this instant (``/proc/loadavg``'s
-    ``running/total``); 0 if unknown."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def incoming_cpu(sock: socket.socket) -> int:
@@ -99,10 +89,8 @@ class TcpPlacement:
         host_ranks: int,
         getcpu: Callable[[], int] | None = None,
         enabled: bool = True,
-        runnable: Callable[[], int] = runnable_now,
     ) -> None:
         self._lower = list(lower)
-        self.runnable = runnable  # how many threads are runnable now (tests inject it)
         self._local = list(local)
         self._host_ranks = host_ranks
         self._getcpu = getcpu if getcpu is not None else libc_getcpu()
@@ -133,34 +121,27 @@ class TcpPlacement:
         cpu = getcpu()
         if cpu < 0 or not any(incoming_cpu(s) == cpu for s in self._lower):
             return
-        self._next_move = now + (MOVE_EVERY_S if self._move_off(cpu) else BUSY_RETRY_S)
+        self._next_move = now + MOVE_EVERY_S
+        self._move_off(cpu)
 
-    def _move_off(self, cpu: int) -> bool:
-        """Move this thread to an allowed CPU no peer on this host last sent
-        from; False where no core was free (look again only after a while)."""
+    def _move_off(self, cpu: int) -> None:
+        """Move this thread to an allowed CPU no peer on this host last sent from."""
         try:
             allowed = os.sched_getaffinity(0)
         except OSError:
             self._getcpu = None
-            return True
+            return
         if len(allowed) < self._host_ranks:
-            return True  # more ranks than CPUs now: sharing is the plan
-        if self.runnable() > len(allowed):
-            # No core is free for the move: it would trade the peer for
-            # another busy thread, whose turns on the core then last a slice
-            # each (4 KiB calls of 200-450 us, against ~100 on the peer's core,
-            # at load 6-7 here).
-            return False
+            return  # more ranks than CPUs now: sharing is the plan
         named = {incoming_cpu(s) for s in self._local}
         free = sorted(allowed - named - {cpu})
         if not free:
-            return False
+            return
         try:
             os.sched_setaffinity(0, {free[0]})  # the kernel migrates this thread now
         except OSError:
             self._getcpu = None  # not allowed here (a cpuset): never again
-            return True
+            return
         finally:
             os.sched_setaffinity(0, allowed)  # the thread's own mask again
         self.moves += 1
-        return True

@@ -4,8 +4,7 @@ Sets up the default entrenar group over TCP, narrows both ranks' affinity to
 one CPU for 200 4 KiB allreduces, gives each rank its own mask back, then
 runs ``ITERS`` more and prints ``CPUS <rank> <moves> <cpu after each call,
 comma-separated>`` (``moves``: the mesh's TCP placement moves; -1 where the
-tree has none). The placement is told no other thread is runnable: the
-job shows the move, not the machine's load at the time.
+tree has none).
 """
 
 import ctypes
@@ -20,11 +19,6 @@ dist.init_process_group("entrenar", timeout=SET_UP_TIMEOUT)
 dist.barrier()
 backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 mesh = backend._runtime.mesh  # type: ignore[union-attr]
-placement = getattr(mesh, "placement", None)
-if placement is not None and hasattr(placement, "runnable"):
-    # The move itself is what this job shows; whether the machine had a free
-    # core then (the rest of the suite runs beside it) is the unit test's.
-    placement.runnable = lambda: 0
 rank = dist.get_rank()
 getcpu = ctypes.CDLL(None).sched_getcpu
 allowed = os.sched_getaffinity(0)
@@ -37,7 +31,7 @@ cpus = []
 for _ in range(int(os.environ.get("ITERS", "2000"))):
     dist.all_reduce(t)
     cpus.append(getcpu())
-moves = getattr(placement, "moves", -1)
+moves = getattr(getattr(mesh, "placement", None), "moves", -1)
 # One write per line (print writes the newline apart: interleaves under PYTHONUNBUFFERED).
 sys.stdout.write(f"CPUS {rank} {moves} {','.join(map(str, cpus))}\n")
 sys.stdout.flush()
