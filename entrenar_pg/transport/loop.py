@@ -40,12 +40,14 @@ from ..config import SHM_SLEEP_CAP_S
 from ..errors import peer_gone
 from .control import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
-from .tcp_placement import GAVE_AWAY_S
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
+# A spin's yield that took longer gave the core to another thread (an idle
+# core's takes under a microsecond): the ``CoreWatch`` is told.
+GAVE_AWAY_S = 5e-6
 
 
 class Pace(Protocol):

@@ -17,7 +17,7 @@ last segment (``SO_INCOMING_CPU``). On a link between ranks of one host,
 that is where the peer last sent from.
 
 So when a spin finds the peer's bytes only after a ``sched_yield`` that
-gave this rank's core away (longer than ``GAVE_AWAY_S``; an idle core's
+gave this rank's core away (longer than ``loop.GAVE_AWAY_S``; an idle core's
 takes well under a microsecond), ``Progress.run`` calls ``shared_core``: if
 a lower rank's last segment on this host came from this thread's CPU, the
 thread moves to an allowed CPU that no peer on this host last sent from,
@@ -47,8 +47,6 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 
 MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
-# A yield that took longer gave the core to another thread (an idle core's: < 1 us).
-GAVE_AWAY_S = 5e-6
 _INCOMING_CPU = getattr(socket, "SO_INCOMING_CPU", None)  # Linux >= 3.19, Python >= 3.11
 
 
