@@ -20,14 +20,15 @@ bytes each way). 1 GB = 1e9 bytes.
 Before/after (``--baseline-tree DIR``): every world size runs
 ``--baseline-rounds`` rounds; a round is two fresh jobs alive at once, one
 whose workers import this checkout's ``entrenar_pg`` and one whose workers
-import a copy of ``DIR/entrenar_pg``, taking turns block by block (A B B A
+import a copy of ``DIR/entrenar_pg``, taking turns block by block (A B A B
 ..., ``turns``). The second's entrenar variants are named
 ``<variant>@baseline``; gloo, raw TCP and the floor pool the samples of both.
-The report's ``new / baseline`` is the median over rounds of each round's
-ratio, the median over its blocks of block k's median time on one side over
-block k's on the other (``baseline.job_ratios``: the blocks ran one right
-after the other), beside the rounds' spread and the ratio of the pooled
-medians. Everything else in a worker (the bench's modules,
+The report's ``new / baseline`` is the median, over every round and block
+k, of block k's median time on one side over block k's on the other
+(``baseline.job_ratios``: the two blocks ran one right after the other),
+beside how many such pairs, each round's own median (its spread) and the
+ratio of the pooled medians. ``--pin`` puts rank r on the r-th CPU in both
+jobs. Everything else in a worker (the bench's modules,
 ``trainer.model``, torch) is the same in both. An A/A run (``DIR`` this
 checkout) shows how far identical code reads from 1.
 
@@ -328,7 +329,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         type=int,
         default=2,
         help="with --baseline-tree: rounds per world size, each two jobs at once taking turns"
-        " block by block, A B B A ... (default 2)",
+        " block by block, A B A B ... (default 2)",
     )
     p.add_argument(
         "--pin",

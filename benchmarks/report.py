@@ -324,7 +324,7 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
             f"this checkout (git {meta.get('git') or '?'}) vs baseline {b['tree']} "
             f"(git {b['git'] or '?'}): median time, new/baseline below 1 = new is faster; "
             f"{meta['config']['baseline_rounds']} rounds, each two fresh jobs at once taking "
-            "turns block by block (A B B A ...); new/baseline: the median over every "
+            "turns block by block (A B A B ...); new/baseline: the median over every "
             "round of block k's median time over the other side's block k (blocks: how "
             "many such pairs); rounds: each round's median; pooled: of all samples"
             + ("; ranks pinned to a CPU each (--pin)" if meta["config"].get("pin") else ""),

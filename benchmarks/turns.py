@@ -7,10 +7,15 @@ on both sides) read 0.23x-1.61x at single sizes that way
 (docs/benchmarks.md, "Before and after"). So both sides' ranks are started
 together and run the same sequence of timed blocks (the sweep's
 size x round x variant blocks, then the DDP step's), taking turns: side A
-runs block 0, then side B runs block 0, B block 1, A block 1, A block 2 ...
-(the first of each pair of turns alternates, so neither side always runs
-right after the other). Only one side runs at a time; the other's ranks
-sleep (rank 0 on the turn, the others in their job's barrier).
+runs block 0, then side B block 0, A block 1, B block 1, ... Every block
+starts right after the other side's, so both start alike (caches and the
+cores just used by the other job). The order A B B A, tried first, let each
+side run two blocks back to back every other turn, and such a block ran
+5-15 % faster than one that followed the other side's (pinned A/A runs:
+the blocks where A followed itself read 0.86-0.99x, where B did
+1.01-1.23x), which moved a run's median by up to 10 %. Only one side runs
+at a time; the other's ranks sleep (rank 0 on the turn, the others in
+their job's barrier).
 
 Rank 0 of each side calls :meth:`Turns.wait` before a block and
 :meth:`Turns.done` after it; the job's own barriers keep its other ranks in
@@ -47,9 +52,8 @@ class Turns:
     block: int = 0
 
     def slot(self, block: int) -> int:
-        """The turn number of this side's ``block`` (A B, B A, A B, ...)."""
-        first = block % 2  # the side that goes first at this block
-        return 2 * block + (0 if self.side == first else 1)
+        """The turn number of this side's ``block`` (A B, A B, ...)."""
+        return 2 * block + self.side
 
     def wait(self) -> None:
         """Sleep until it is this side's turn for its next block."""

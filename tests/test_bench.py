@@ -144,7 +144,7 @@ def test_a_rounds_ratio_pairs_each_block_with_the_other_sides_block_beside_it() 
 @pytest.mark.timeout(30)
 def test_turns_alternate_a_b_b_a_and_a_finished_side_holds_nobody() -> None:
     """Two threads as the two jobs' rank 0 on the real shared turn: blocks
-    run one at a time, in the order A B, B A, A B; once A has finished, B
+    run one at a time, in the order A B, A B, A B; once A has finished, B
     runs its extra blocks alone; a turn never given back times out."""
     ctx = mp.get_context("spawn")
     a, b = new_turns(ctx, timeout_s=10)
@@ -166,10 +166,10 @@ def test_turns_alternate_a_b_b_a_and_a_finished_side_holds_nobody() -> None:
         t.start()
     for t in threads:
         t.join(20)
-    assert order == ["A", "B", "B", "A", "A", "B", "B", "B"]
+    assert order == ["A", "B", "A", "B", "A", "B", "B", "B"]
     lone, _ = new_turns(ctx, timeout_s=0.2)
     lone.wait()
-    lone.done()  # block 0 was A's first turn; block 1 is B's first
+    lone.done()  # A's block 0; its block 1 waits for B's block 0
     with pytest.raises(TurnTimeout):
         lone.wait()
 
@@ -180,7 +180,7 @@ def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
     """This tree against a copy of itself (an A/A run), ``--pin``ned: both
     jobs alive at once, each importing its own entrenar_pg, their ranks on
     the same CPUs, their timed blocks never overlapping and alternating
-    A B B A; a round's block ratios for every entrenar key, the DDP step's
+    A B A B; a round's block ratios for every entrenar key, the DDP step's
     included."""
     root = copy_baseline_package(str(Path(__file__).resolve().parents[1]), str(tmp_path))
     cfg = BenchConfig(
@@ -214,7 +214,7 @@ def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
     assert len(spans) == 2 * blocks
     for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
         assert end <= start, spans  # one job's block at a time
-    assert "".join(x for _, _, x in spans) == "ABBAABBAAB"
+    assert "".join(x for _, _, x in spans) == "AB" * blocks
     ratios = job_ratios(new, [mark_baseline(x) for x in base], cfg)
     assert set(ratios) == {"entrenar-auto[tcp]|4096", "ddp|entrenar[tcp]"}, ratios
     assert [len(x) for x in ratios.values()] == [2, 1]  # a ratio per block
