@@ -11,9 +11,9 @@ runs block 0, then side B block 0, A block 1, B block 1, ... Every block
 starts right after the other side's, so both start alike (caches and the
 cores just used by the other job). The order A B B A, tried first, let each
 side run two blocks back to back every other turn, and such a block ran
-5-15 % faster than one that followed the other side's (pinned A/A runs:
-the blocks where A followed itself read 0.86-0.99x, where B did
-1.01-1.23x), which moved a run's median by up to 10 %. Only one side runs
+5-15 % faster than one that followed the other side's (9 pinned runs:
+the median ratio of the blocks where A followed itself 0.86-1.07x, where
+B did 0.99-1.23x), which moved a run's median by up to 10 %. Only one side runs
 at a time; the other's ranks sleep (rank 0 on the turn, the others in
 their job's barrier).
 
