@@ -5,11 +5,15 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BASELINE, DDP_VARIANTS, SWEEP_VARIANTS, BenchConfig, base_name
-from benchmarks.spawn import BenchError, run_world
+from benchmarks.results import combine_ranks
+from benchmarks.sizes import ddp_per_block, plan_for
+from benchmarks.spawn import BenchError, run_jobs
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +75,26 @@ def merge_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def run_world_vs_baseline(
     world: int, cfg: BenchConfig, baseline_root: str
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """``cfg.baseline_rounds`` pairs of runs (this checkout, baseline; A B B A ...), merged.
+) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, list[float]]]]:
+    """``cfg.baseline_rounds`` rounds, each two fresh jobs alive at once and
+    taking turns block by block (this checkout's, the baseline's:
+    ``turns.py``), merged.
 
-    Returns each rank's merged result and the ``entrenar_pg`` file each side's
-    rank 0 imported, checked: the baseline runs must have imported the copy
-    under ``baseline_root``, the others must not have.
+    Returns each rank's merged result, the ``entrenar_pg`` file each side's
+    rank 0 imported, checked (the baseline's must be the copy under
+    ``baseline_root``, the other's must not), and per round the new/baseline
+    block ratios of every entrenar key (``job_ratios``).
     """
     root = Path(baseline_root).resolve()
     merged: list[dict[str, Any]] = []
     files: dict[str, str] = {}
+    per_round: list[dict[str, list[float]]] = []
     for r in range(cfg.baseline_rounds):
-        for is_base in (False, True) if r % 2 == 0 else (True, False):
-            side = "baseline" if is_base else "new"
-            log.info("world size %d: round %d, %s entrenar_pg ...", world, r + 1, side)
-            ranks = run_world(world, cfg, baseline_root if is_base else None)
+        log.info(
+            "world size %d: round %d, new and baseline entrenar_pg taking turns ...", world, r + 1
+        )
+        new, base = run_jobs(world, cfg, [None, baseline_root])
+        for side, ranks, is_base in (("new", new, False), ("baseline", base, True)):
             for rank, res in enumerate(ranks):
                 got = Path(res["entrenar_pg_file"]).resolve()
                 if got.is_relative_to(root) != is_base:
@@ -94,18 +103,86 @@ def run_world_vs_baseline(
                         f"entrenar_pg from {got} (baseline copy: {root})"
                     )
             files[side] = ranks[0]["entrenar_pg_file"]
-            if is_base:
-                ranks = [mark_baseline(x) for x in ranks]
+        base = [mark_baseline(x) for x in base]
+        per_round.append(job_ratios(new, base, cfg))
+        for ranks in (new, base):
             merged = (
                 [merge_runs(a, b) for a, b in zip(merged, ranks, strict=True)] if merged else ranks
             )
-    return merged, files
+    return merged, files, per_round
 
 
-def add_baseline_ratios(rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
-    """``time_vs_baseline`` (median time of X over X@baseline, same ``key`` fields) on X's rows."""
+def job_ratios(
+    new: list[dict[str, Any]], base: list[dict[str, Any]], cfg: BenchConfig
+) -> dict[str, list[float]]:
+    """One round's new/baseline ratios per entrenar key (``"<variant>|<size>"``
+    of the sweep, ``"ddp|<variant>"`` of the DDP step): for each block k, the
+    ratio of block k's median time on each side (max over ranks per
+    iteration, as the rows). Block k of the two sides ran one right after
+    the other (``turns.py``), so whatever else the machine did then hit
+    both; a whole-job median would compare moments seconds apart."""
+    out: dict[str, list[float]] = {}
+    for section, prefix in (("allreduce", ""), ("ddp", "ddp|")):
+        for key in new[0][section]:
+            name, _, size = key.partition("|")
+            twin = f"{name}{BASELINE}|{size}" if size else name + BASELINE
+            if twin not in base[0][section]:
+                continue
+            per_block = plan_for(int(size), cfg).per_block if size else ddp_per_block(cfg)
+            mine = _block_medians(combine_ranks([x[section][key] for x in new]), per_block)
+            theirs = _block_medians(combine_ranks([x[section][twin] for x in base]), per_block)
+            out[prefix + key] = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return out
+
+
+def _block_medians(samples: list[float], per_block: int) -> list[float]:
+    """The median of each block of ``per_block`` consecutive samples (a job's
+    samples of one key are its blocks', in order)."""
+    return [
+        statistics.median(samples[i : i + per_block]) for i in range(0, len(samples), per_block)
+    ]
+
+
+def add_baseline_ratios(
+    rows: list[dict[str, Any]],
+    key: tuple[str, ...],
+    per_round: list[dict[str, list[float]]] | None = None,
+    job_key: Callable[[dict[str, Any]], str] | None = None,
+) -> None:
+    """On X's rows, against X@baseline's (same ``key`` fields):
+    ``time_vs_baseline_pooled``, the ratio of the median times of all
+    rounds' samples pooled. With ``per_round`` (``job_ratios`` of each
+    round) and ``job_key`` (a row's key there): ``time_vs_baseline_blocks``,
+    how many block pairs, and ``time_vs_baseline_rounds``, each round's
+    median block ratio. ``time_vs_baseline`` is the median of every round's
+    block ratios where there are rounds, else the pooled ratio.
+
+    The block ratios are the ones to read: each pairs two blocks that ran
+    one right after the other; pooling compares moments seconds apart, on a
+    machine whose other work comes and goes."""
     by_key = {(r["variant"], *(r[k] for k in key)): r for r in rows}
     for r in rows:
         base = by_key.get((r["variant"] + BASELINE, *(r[k] for k in key)))
-        if base is not None:
-            r["time_vs_baseline"] = r["median_s"] / base["median_s"]
+        if base is None:
+            continue
+        pooled = r["median_s"] / base["median_s"]
+        r["time_vs_baseline_pooled"] = pooled
+        r["time_vs_baseline"] = pooled
+        if per_round and job_key is not None:
+            name = job_key(r)
+            rounds = [x[name] for x in per_round if x.get(name)]
+            if rounds:
+                every = [ratio for one in rounds for ratio in one]
+                r["time_vs_baseline"] = statistics.median(every)
+                r["time_vs_baseline_blocks"] = len(every)
+                r["time_vs_baseline_rounds"] = [statistics.median(one) for one in rounds]
+
+
+def sweep_key(row: dict[str, Any]) -> str:
+    """A sweep row's key in ``job_ratios``."""
+    return f"{row['variant']}|{row['size_bytes']}"
+
+
+def ddp_key(row: dict[str, Any]) -> str:
+    """A DDP row's key in ``job_ratios``."""
+    return f"ddp|{row['variant']}"

@@ -18,12 +18,19 @@ way (comparable with the busbw of an allreduce at n = 2, which moves the same
 bytes each way). 1 GB = 1e9 bytes.
 
 Before/after (``--baseline-tree DIR``): every world size runs
-``--baseline-rounds`` pairs of runs, one whose workers import this checkout's
-``entrenar_pg`` and one whose workers import a copy of ``DIR/entrenar_pg``
-(A B B A ...); the second's entrenar variants are named ``<variant>@baseline``,
-gloo, raw TCP and the floor pool the samples of both, and the report adds
-``new / baseline`` median-time ratios. Everything else in a worker (the
-bench's modules, ``trainer.model``, torch) is the same in both.
+``--baseline-rounds`` rounds; a round is two fresh jobs alive at once, one
+whose workers import this checkout's ``entrenar_pg`` and one whose workers
+import a copy of ``DIR/entrenar_pg``, taking turns block by block (A B A B
+..., ``turns``). The second's entrenar variants are named
+``<variant>@baseline``; gloo, raw TCP and the floor pool the samples of both.
+The report's ``new / baseline`` is the median, over every round and block
+k, of block k's median time on one side over block k's on the other
+(``baseline.job_ratios``: the two blocks ran one right after the other),
+beside how many such pairs, each round's own median (its spread) and the
+ratio of the pooled medians. ``--pin`` puts rank r on the r-th CPU in both
+jobs. Everything else in a worker (the bench's modules,
+``trainer.model``, torch) is the same in both. An A/A run (``DIR`` this
+checkout) shows how far identical code reads from 1.
 
 Outputs (``--out DIR``): ``bench.json``, ``results.md`` (markdown tables),
 ``allreduce_busbw.png``, ``allreduce_latency.png``; a text table on stdout.
@@ -36,7 +43,8 @@ parsing, per-size plans), ``workers`` (what each spawned rank runs), ``model``
 (what this machine offers), ``report`` (tables, plots, files), ``mpi`` (the MPI
 ranks, run by path), ``floor`` (the backend that moves nothing),
 ``deepspeed_peer`` (DeepSpeed's SHM allreduce, the ``deepspeed`` variant),
-``goals`` (issue 17's PASS/FAIL table), ``calls`` (the Python calls one
+``goals`` (issue 17's PASS/FAIL table), ``turns`` (two jobs taking turns,
+block by block), ``calls`` (the Python calls one
 4 KiB allreduce makes, counted once per run after the timed runs: a separate
 program too) and ``split4k`` (a separate program:
 where a 4 KiB call's time goes).
@@ -56,7 +64,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.baseline import add_baseline_ratios, copy_baseline_package, run_world_vs_baseline
+from benchmarks.baseline import (
+    add_baseline_ratios,
+    copy_baseline_package,
+    ddp_key,
+    run_world_vs_baseline,
+    sweep_key,
+)
 from benchmarks.calls import count_in_subprocess, summary_row
 from benchmarks.config import (
     BASELINE,
@@ -105,8 +119,9 @@ def _measure_worlds(
         if baseline_root is None:
             ranks = run_world(world, cfg)
         else:
-            ranks, files = run_world_vs_baseline(world, cfg, baseline_root)
+            ranks, files, per_round = run_world_vs_baseline(world, cfg, baseline_root)
             result["meta"]["baseline"].setdefault("entrenar_pg_file", {})[world] = files
+            result["meta"]["baseline"].setdefault("round_ratios", {})[world] = per_round
         part = combine_world(world, ranks, order)
         for r in ranks:
             for name, why in r.get("unavailable", {}).items():
@@ -220,8 +235,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             baseline_root = copy_baseline_package(cfg.baseline_tree, tmp)
             _measure_worlds(cfg, result, mpiexec, baseline_root)
             count_python_calls(result, baseline_root)
-        add_baseline_ratios(result["allreduce"], ("world_size", "size_bytes"))
-        add_baseline_ratios(result["ddp"], ("world_size",))
+        rounds = result["meta"]["baseline"].get("round_ratios", {})
+        for rows, key, job_key in (
+            (result["allreduce"], ("world_size", "size_bytes"), sweep_key),
+            (result["ddp"], ("world_size",), ddp_key),
+        ):
+            for world in cfg.world_sizes:
+                mine = [r for r in rows if r["world_size"] == world]
+                add_baseline_ratios(mine, key, rounds.get(world), job_key)
     else:
         _measure_worlds(cfg, result, mpiexec, None)
         if ok:
@@ -307,7 +328,15 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         "--baseline-rounds",
         type=int,
         default=2,
-        help="with --baseline-tree: pairs of runs per world size, order A B B A ... (default 2)",
+        help="with --baseline-tree: rounds per world size, each two jobs at once taking turns"
+        " block by block, A B A B ... (default 2)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r's process to the r-th allowed CPU (modulo their number): the"
+        " scheduler then neither puts two ranks on one core nor moves them, so a"
+        " --baseline-tree comparison measures the code under one fixed placement",
     )
     p.add_argument("--out", default="bench_out", help="output directory")
     a = p.parse_args(argv)
@@ -349,6 +378,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         quick=q,
         baseline_tree=a.baseline_tree,
         baseline_rounds=a.baseline_rounds,
+        pin=a.pin,
         out=a.out,
     )
     if any(w < 2 for w in cfg.world_sizes):

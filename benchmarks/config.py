@@ -124,6 +124,7 @@ class BenchConfig:
     entrenar: bool = True
     baseline_tree: str = ""
     baseline_rounds: int = 2
+    pin: bool = False  # rank r's process on the r-th allowed CPU (modulo their number)
     out: str = "bench_out"
 
     def to_json(self) -> dict[str, Any]:

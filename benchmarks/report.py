@@ -130,9 +130,28 @@ def ddp_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     return _render(header, body, markdown)
 
 
+def _fmt_spread(ratios: list[float] | None) -> str:
+    """``"0.97-1.04 (4)"``: the lowest and highest of the rounds' ratios, and how many."""
+    if not ratios:
+        return "-"
+    return f"{min(ratios):.2f}-{max(ratios):.2f} ({len(ratios)})"
+
+
 def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
     """Every entrenar variant against its ``@baseline`` twin (allreduce sizes, DDP step)."""
-    header = ["N", "what", "variant", "new", "baseline", "new/baseline", "new/gloo", "base/gloo"]
+    header = [
+        "N",
+        "what",
+        "variant",
+        "new",
+        "baseline",
+        "new/baseline",
+        "blocks",
+        "rounds (min-max)",
+        "pooled",
+        "new/gloo",
+        "base/gloo",
+    ]
     body = []
     pairs = [(r, format_bytes(r["size_bytes"])) for r in result["allreduce"]]
     pairs += [(r, "DDP step") for r in result["ddp"]]
@@ -150,6 +169,9 @@ def baseline_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
                 _fmt_time(r["median_s"]),
                 _fmt_time(base["median_s"]),
                 f"{r['time_vs_baseline']:.3f}",
+                str(r.get("time_vs_baseline_blocks", "-")),
+                _fmt_spread(r.get("time_vs_baseline_rounds")),
+                f"{r.get('time_vs_baseline_pooled', r['time_vs_baseline']):.3f}",
                 _fmt_ratio(r.get(gloo_key)),
                 _fmt_ratio(base.get(gloo_key)),
             ]
@@ -301,7 +323,11 @@ def report_lines(result: dict[str, Any], markdown: bool = False) -> list[str]:
             "",
             f"this checkout (git {meta.get('git') or '?'}) vs baseline {b['tree']} "
             f"(git {b['git'] or '?'}): median time, new/baseline below 1 = new is faster; "
-            f"{meta['config']['baseline_rounds']} rounds of paired runs (A B B A ...)",
+            f"{meta['config']['baseline_rounds']} rounds, each two fresh jobs at once taking "
+            "turns block by block (A B A B ...); new/baseline: the median over every "
+            "round of block k's median time over the other side's block k (blocks: how "
+            "many such pairs); rounds: each round's median; pooled: of all samples"
+            + ("; ranks pinned to a CPU each (--pin)" if meta["config"].get("pin") else ""),
             "",
         ]
         lines += baseline_table(result, markdown)

@@ -97,6 +97,12 @@ def plan_for(size: int, cfg: BenchConfig) -> Plan:
     return Plan(rounds=rounds, per_block=per_block, warmup=warmup)
 
 
+def ddp_per_block(cfg: BenchConfig) -> int:
+    """Timed DDP steps per block (``workers._ddp``: ``ddp_steps`` over at most ``ddp_rounds``)."""
+    rounds = max(1, min(cfg.ddp_rounds, cfg.ddp_steps))
+    return -(-cfg.ddp_steps // rounds)
+
+
 def rotated(items: Sequence[str], shift: int) -> list[str]:
     """``items`` rotated left by ``shift`` (the order of round ``shift``)."""
     if not items:

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BenchConfig
 from benchmarks.deepspeed_peer import remove_segments
 from benchmarks.sizes import plan_for
+from benchmarks.turns import Turns, new_turns
 from benchmarks.workers import rank_main
 
 log = logging.getLogger(__name__)
@@ -68,58 +69,92 @@ def run_world(world: int, cfg: BenchConfig, import_root: str | None = None) -> l
 
     ``import_root``: a directory the workers search first for ``entrenar_pg``.
     """
+    return run_jobs(world, cfg, [import_root])[0]
+
+
+def run_jobs(
+    world: int, cfg: BenchConfig, import_roots: Sequence[str | None]
+) -> list[list[dict[str, Any]]]:
+    """One job of ``world`` ranks per entry of ``import_roots`` (a directory
+    its workers search first for ``entrenar_pg``; None: this checkout's),
+    all alive at once; two jobs take turns block by block (``turns.py``).
+    Waits (bounded by ``cfg.timeout_s`` per job); returns each job's ranks' results."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    if len(import_roots) > 2:
+        raise ValueError("at most two jobs take turns")
+    turns: Sequence[Turns | None] = (
+        new_turns(ctx, cfg.timeout_s) if len(import_roots) == 2 else [None]
+    )
+    ports = [free_port() for _ in import_roots]
     with tempfile.TemporaryDirectory(prefix="entrenar_bench_") as tmp:
-        paths = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
+        paths = [
+            [os.path.join(tmp, f"job{j}-rank{r}.json") for r in range(world)]
+            for j in range(len(import_roots))
+        ]
         procs = [
             ctx.Process(
                 target=rank_main,
-                args=(r, world, port, cfg.to_json(), paths[r]),
-                name=f"bench-rank{r}",
+                args=(r, world, ports[j], cfg.to_json(), paths[j][r], turns[j]),
+                name=f"bench-job{j}-rank{r}" if len(import_roots) > 1 else f"bench-rank{r}",
             )
+            for j in range(len(import_roots))
             for r in range(world)
         ]
         try:
-            with _first_on_sys_path(import_root):
-                for p in procs:
-                    p.start()
-            deadline = time.monotonic() + cfg.timeout_s
-            done_at: float | None = None
-            while any(p.exitcode is None for p in procs):
-                failed = [p for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise BenchError(
-                        f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
-                        " (its traceback is above on stderr)"
-                    )
-                now = time.monotonic()
-                if done_at is None and all(os.path.exists(x) for x in paths):
-                    done_at = now  # every rank wrote its result; only teardown is left
-                if done_at is not None and now > done_at + EXIT_GRACE_S:
-                    log.warning("world size %d: ranks hung in teardown; killed them", world)
-                    break
-                if now > deadline:
-                    raise BenchError(f"world size {world}: timed out after {cfg.timeout_s:.0f} s")
-                time.sleep(0.05)
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed:  # every rank exited between two looks, some of them failing
-                raise BenchError(
-                    f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
-                    " (its traceback is above on stderr)"
-                )
-            return [json.loads(Path(path).read_text()) for path in paths]
+            for j, root in enumerate(import_roots):
+                with _first_on_sys_path(root):
+                    for p in procs[j * world : (j + 1) * world]:
+                        p.start()
+            _wait_for(procs, [x for job in paths for x in job], world, cfg, len(import_roots))
+            return [[json.loads(Path(path).read_text()) for path in job] for job in paths]
         finally:
             _kill_all(procs)
             if "deepspeed" in cfg.algos:
-                left = remove_segments(port, world)
-                if left:
-                    log.info(
-                        "world size %d: removed %d segments DeepSpeed left in /dev/shm (%s ...)",
-                        world,
-                        len(left),
-                        left[0],
-                    )
+                for port in ports:
+                    left = remove_segments(port, world)
+                    if left:
+                        log.info(
+                            "world size %d: removed %d segments DeepSpeed left in /dev/shm"
+                            " (%s ...)",
+                            world,
+                            len(left),
+                            left[0],
+                        )
+
+
+def _wait_for(
+    procs: Sequence[mp.process.BaseProcess],
+    paths: Sequence[str],
+    world: int,
+    cfg: BenchConfig,
+    jobs: int,
+) -> None:
+    """Until every rank exited (or wrote its result and hung in teardown);
+    BenchError on a failed rank or past ``cfg.timeout_s`` per job."""
+    deadline = time.monotonic() + cfg.timeout_s * jobs
+    done_at: float | None = None
+    while any(p.exitcode is None for p in procs):
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise BenchError(
+                f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
+                " (its traceback is above on stderr)"
+            )
+        now = time.monotonic()
+        if done_at is None and all(os.path.exists(x) for x in paths):
+            done_at = now  # every rank wrote its result; only teardown is left
+        if done_at is not None and now > done_at + EXIT_GRACE_S:
+            log.warning("world size %d: ranks hung in teardown; killed them", world)
+            return
+        if now > deadline:
+            raise BenchError(f"world size {world}: timed out after {cfg.timeout_s * jobs:.0f} s")
+        time.sleep(0.05)
+    failed = [p for p in procs if p.exitcode not in (None, 0)]
+    if failed:  # every rank exited between two looks, some of them failing
+        raise BenchError(
+            f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
+            " (its traceback is above on stderr)"
+        )
 
 
 def run_mpi(world: int, cfg: BenchConfig, mpiexec: str, tcp: bool) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from benchmarks.config import (
     with_transports,
 )
 from benchmarks.ddp_model import make_model
-from benchmarks.sizes import plan_for, rotated
+from benchmarks.sizes import ddp_per_block, plan_for, rotated
+from benchmarks.turns import Turns
 
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"  # issue 17's transport switch (tcp | shm | auto)
 
@@ -178,11 +179,47 @@ def _time_allreduce(t: torch.Tensor, who: Contestant, warmup: int, n: int) -> li
     return out
 
 
+class Blocks:
+    """Where each timed block starts and ends: the job's barrier and, when two
+    jobs share the machine (``--baseline-tree``), the turn (``turns.py``).
+
+    ``turns`` is the same object on every rank of a job; only rank 0 waits
+    for the turn and passes it on, the barriers keep the others in step.
+    """
+
+    def __init__(self, rank: int, ctrl: dist.ProcessGroup, turns: Turns | None) -> None:
+        self.ctrl = ctrl
+        self.turns = turns
+        self.rank = rank
+        # (start, end) of each block on this rank, time.monotonic (one clock
+        # for every process of the machine: the parent can check the turns).
+        self.spans: list[tuple[float, float]] = []
+        self._start = 0.0
+
+    def enter(self) -> None:
+        if self.turns is not None and self.rank == 0:
+            self.turns.wait()
+        dist.barrier(group=self.ctrl)
+        self._start = time.monotonic()
+
+    def leave(self) -> None:
+        if self.turns is not None:
+            dist.barrier(group=self.ctrl)  # every rank is done before the other job goes
+        self.spans.append((self._start, time.monotonic()))
+        if self.turns is not None and self.rank == 0:
+            self.turns.done()
+
+    def finish(self) -> None:
+        """No more blocks from this job: the other job never waits for it again."""
+        if self.turns is not None and self.rank == 0:
+            self.turns.finish()
+
+
 def _sweep(
     rank: int,
     world: int,
     cfg: BenchConfig,
-    ctrl: dist.ProcessGroup,
+    blocks: Blocks,
     groups: dict[str, Contestant],
     raw: _RawPair | None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -200,7 +237,7 @@ def _sweep(
             recv = memoryview(bytearray(size))
         for r in range(plan.rounds):
             for name in rotated(names, r):
-                dist.barrier(group=ctrl)
+                blocks.enter()
                 if name == RAW:
                     assert raw is not None
                     if raw.sock is not None:
@@ -208,14 +245,15 @@ def _sweep(
                             raw.exchange(send, recv)
                         samples = [raw.exchange(send, recv) for _ in range(plan.per_block)]
                         raw_times.setdefault(str(size), []).extend(samples)
-                    continue
-                who = groups[name]
-                warm = plan.warmup
-                if r == 0:
-                    _verify(t, who, rank, world, name)
-                    warm = max(warm, 1)
-                samples = _time_allreduce(t, who, warm, plan.per_block)
-                times.setdefault(f"{name}|{size}", []).extend(samples)
+                else:
+                    who = groups[name]
+                    warm = plan.warmup
+                    if r == 0:
+                        _verify(t, who, rank, world, name)
+                        warm = max(warm, 1)
+                    samples = _time_allreduce(t, who, warm, plan.per_block)
+                    times.setdefault(f"{name}|{size}", []).extend(samples)
+                blocks.leave()
         del t
         if use_raw:
             del send, recv
@@ -226,7 +264,7 @@ def _ddp(
     rank: int,
     world: int,
     cfg: BenchConfig,
-    ctrl: dist.ProcessGroup,
+    blocks: Blocks,
     variants: Sequence[Variant],
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Interleaved DDP training steps per variant; returns step-time samples and model info."""
@@ -261,16 +299,17 @@ def _ddp(
         optims[name].step()
 
     rounds = max(1, min(cfg.ddp_rounds, cfg.ddp_steps))
-    per_block = -(-cfg.ddp_steps // rounds)
+    per_block = ddp_per_block(cfg)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(rounds):
         for name in rotated([v.name for v in variants], r):
-            dist.barrier(group=ctrl)
+            blocks.enter()
             step(name)  # warm-up (the first one also builds DDP's buckets)
             for _ in range(per_block):
                 t0 = time.perf_counter()
                 step(name)
                 times[name].append(time.perf_counter() - t0)
+            blocks.leave()
     info = {
         "model": spec.name,
         "params": n_params,
@@ -340,9 +379,23 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_path: str) -> None:
-    """One rank of a world-size run: sweep, raw reference, DDP; writes its samples as JSON."""
+def rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    cfg_json: dict[str, Any],
+    out_path: str,
+    turns: Turns | None = None,
+) -> None:
+    """One rank of a world-size run: sweep, raw reference, DDP; writes its samples as JSON.
+
+    ``turns``: this job takes turns with another one, block by block (``turns.py``)."""
     cfg = BenchConfig.from_json(cfg_json)
+    if cfg.pin:
+        # Before any thread starts (they inherit the mask): the scheduler
+        # cannot put two ranks on one core, nor move them (``--pin``).
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     torchrun_env(rank, world, port)
     variants = with_transports([SWEEP_VARIANTS[a] for a in cfg.algos], cfg.transports)
@@ -376,7 +429,8 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
                 unavailable[DEEPSPEED] = why
         if cfg.raw and world >= 2:
             raw = _RawPair(rank, ctrl, cfg.op_timeout_s)
-        times, raw_times = _sweep(rank, world, cfg, ctrl, groups, raw)
+        blocks = Blocks(rank, ctrl, turns)
+        times, raw_times = _sweep(rank, world, cfg, blocks, groups, raw)
         ddp_times: dict[str, list[float]] = {}
         ddp_info: dict[str, Any] = {}
         if cfg.ddp:
@@ -384,7 +438,8 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
             if cfg.ddp_variants:
                 ddp_variants = [v for v in ddp_variants if v.name in cfg.ddp_variants]
             ddp_variants = with_transports(ddp_variants, cfg.transports)
-            ddp_times, ddp_info = _ddp(rank, world, cfg, ctrl, ddp_variants)
+            ddp_times, ddp_info = _ddp(rank, world, cfg, blocks, ddp_variants)
+        blocks.finish()
         dist.barrier(group=ctrl)
         result = {
             "rank": rank,
@@ -393,6 +448,8 @@ def rank_main(rank: int, world: int, port: int, cfg_json: dict[str, Any], out_pa
             "ddp": ddp_times,
             "ddp_info": ddp_info,
             "entrenar_pg_file": entrenar_file,
+            "block_spans": blocks.spans,
+            "affinity": sorted(os.sched_getaffinity(0)),
             "unavailable": unavailable,
         }
         tmp_path = out_path + ".tmp"

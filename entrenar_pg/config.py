@@ -35,6 +35,7 @@ ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
 ENV_HOST_STAR_MAX_BYTES = "ENTRENAR_HOST_STAR_MAX_BYTES"
 ENV_HOST_ID = "ENTRENAR_HOST_ID"
 ENV_SHM_PLACEMENT = "ENTRENAR_SHM_PLACEMENT"
+ENV_TCP_PLACEMENT = "ENTRENAR_TCP_PLACEMENT"
 ENV_MASTER_ADDR = "MASTER_ADDR"  # torch's own; read only to pick the listen address
 # torchrun's; every restart attempt reuses the same store, so our keys carry it.
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -190,6 +191,12 @@ class Options:
             (``transport/shm/placement.py``; never where the ranks outnumber
             the thread's CPUs). False: the threads' placement is left to the
             scheduler alone. Env ``ENTRENAR_SHM_PLACEMENT``.
+        tcp_placement: the same for the ranks of one host that talk over
+            TCP: a rank whose spinning wait gave its core away before a
+            lower local peer's bytes came, and finds that the peer last sent
+            from its own core (``SO_INCOMING_CPU``), moves its thread off it
+            (``transport/tcp_placement.py``; never where the host's ranks
+            outnumber the thread's CPUs). Env ``ENTRENAR_TCP_PLACEMENT``.
         topology: ``"auto"``: the group learns which ranks share a host
             (``transport/topology.py``) and, when every host holds the same
             number of ranks (at least two hosts of at least two ranks),
@@ -258,6 +265,7 @@ class Options:
     inline_max_bytes: int = 0
     transport: str = "auto"
     shm_placement: bool = True
+    tcp_placement: bool = True
     topology: str = "auto"
     host_leaders_max_bytes: int = 64 << 10
     host_star_max_bytes: int = 64 << 10
@@ -331,6 +339,7 @@ class Options:
             (ENV_DETERMINISTIC, "deterministic"),
             (ENV_CHECK, "check"),
             (ENV_SHM_PLACEMENT, "shm_placement"),
+            (ENV_TCP_PLACEMENT, "tcp_placement"),
         ):
             if var in env:
                 kw[name] = _parse_bool(var, env[var])

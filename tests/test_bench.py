@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,14 @@ import torch.distributed as dist
 from conftest import make_groups, run_ranks, run_session
 
 from benchmarks import bench, deepspeed_peer
-from benchmarks.baseline import add_baseline_ratios, mark_baseline, merge_runs
+from benchmarks.baseline import (
+    add_baseline_ratios,
+    copy_baseline_package,
+    job_ratios,
+    mark_baseline,
+    merge_runs,
+    sweep_key,
+)
 from benchmarks.config import (
     DDP_VARIANTS,
     DEEPSPEED,
@@ -25,9 +36,11 @@ from benchmarks.config import (
 )
 from benchmarks.goals import SHM, TCP, issue17_goals
 from benchmarks.machine import entrenar_available
-from benchmarks.report import report_lines
+from benchmarks.report import baseline_table, report_lines
 from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
 from benchmarks.sizes import parse_sizes, plan_for, rotated
+from benchmarks.spawn import run_jobs
+from benchmarks.turns import Turns, TurnTimeout, new_turns
 from entrenar_pg import Options
 
 
@@ -83,8 +96,129 @@ def test_baseline_runs_are_renamed_merged_and_compared() -> None:
         {"variant": "entrenar-auto", "world_size": 2, "size_bytes": 8192, "median_s": 1.0},
     ]
     add_baseline_ratios(rows, ("world_size", "size_bytes"))
-    assert rows[0]["time_vs_baseline"] == 0.25
+    assert rows[0]["time_vs_baseline"] == rows[0]["time_vs_baseline_pooled"] == 0.25
     assert "time_vs_baseline" not in rows[1] and "time_vs_baseline" not in rows[2]
+    # With rounds: the median of the rounds' ratios; the pooled ratio is kept beside it.
+    # With rounds: the median of every round's block ratios, each round's median beside it.
+    blocks = ([0.9, 0.8, 1.0], [1.5, 1.6], [1.0])
+    rounds = [{"entrenar-auto|4096": x} for x in blocks] + [{}]
+    add_baseline_ratios(rows, ("world_size", "size_bytes"), rounds, sweep_key)
+    assert rows[0]["time_vs_baseline"] == 1.0 and rows[0]["time_vs_baseline_blocks"] == 6
+    assert rows[0]["time_vs_baseline_rounds"] == [0.9, 1.55, 1.0]
+    assert rows[0]["time_vs_baseline_pooled"] == 0.25
+    result = {
+        "meta": {
+            "git": "x",
+            "config": {"baseline_rounds": 3},
+            "baseline": {"tree": "t", "git": "y"},
+        },
+        "allreduce": rows,
+        "ddp": [],
+    }
+    table = "\n".join(baseline_table(result))
+    assert "0.90-1.55 (3)" in table and "1.000" in table and "0.250" in table, table
+
+
+def test_a_rounds_ratio_pairs_each_block_with_the_other_sides_block_beside_it() -> None:
+    """Blocks of 2 samples: the new side was slow in its third block, the
+    baseline in its second and third (the machine was busy then, or the
+    baseline job's ranks shared a core): pooled medians would read 1/5, the
+    blocks beside each other 1, 1/5, 1."""
+    cfg = BenchConfig(sizes=(4096,), repeats=6, min_repeats=6, rounds=3, ddp=False)
+    assert plan_for(4096, cfg).per_block == 2
+
+    def ranks(name: str, blocks: list[float]) -> list[dict[str, Any]]:
+        samples = [x for b in blocks for x in (b, b)]
+        return [{"allreduce": {f"{name}|4096": samples}, "ddp": {}} for _ in range(2)]
+
+    new = ranks("entrenar-auto", [1.0, 1.0, 5.0])
+    base = ranks("entrenar-auto@baseline", [1.0, 5.0, 5.0])
+    assert job_ratios(new, base, cfg) == {"entrenar-auto|4096": [1.0, 0.2, 1.0]}
+    # The DDP step's blocks (ddp_steps over ddp_rounds), keyed ddp|<variant>.
+    cfg = BenchConfig(ddp_steps=4, ddp_rounds=2)
+    new = [{"allreduce": {}, "ddp": {"entrenar": [2.0, 2.0, 9.0, 9.0]}}]
+    base = [{"allreduce": {}, "ddp": {"entrenar@baseline": [1.0, 1.0, 9.0, 9.0]}}]
+    assert job_ratios(new, base, cfg) == {"ddp|entrenar": [2.0, 1.0]}
+
+
+@pytest.mark.timeout(30)
+def test_turns_alternate_a_b_b_a_and_a_finished_side_holds_nobody() -> None:
+    """Two threads as the two jobs' rank 0 on the real shared turn: blocks
+    run one at a time, in the order A B, A B, A B; once A has finished, B
+    runs its extra blocks alone; a turn never given back times out."""
+    ctx = mp.get_context("spawn")
+    a, b = new_turns(ctx, timeout_s=10)
+    order: list[str] = []
+
+    def side(turns: Turns, name: str, blocks: int) -> None:
+        for _ in range(blocks):
+            turns.wait()
+            order.append(name)
+            time.sleep(0.002)  # a block
+            turns.done()
+        turns.finish()
+
+    threads = [
+        threading.Thread(target=side, args=(b, "B", 5)),  # started first: still waits for A
+        threading.Thread(target=side, args=(a, "A", 3)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert order == ["A", "B", "A", "B", "A", "B", "B", "B"]
+    lone, _ = new_turns(ctx, timeout_s=0.2)
+    lone.wait()
+    lone.done()  # A's block 0; its block 1 waits for B's block 0
+    with pytest.raises(TurnTimeout):
+        lone.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_new_and_baseline_jobs_take_turns(tmp_path: Path) -> None:
+    """This tree against a copy of itself (an A/A run), ``--pin``ned: both
+    jobs alive at once, each importing its own entrenar_pg, their ranks on
+    the same CPUs, their timed blocks never overlapping and alternating
+    A B A B; a round's block ratios for every entrenar key, the DDP step's
+    included."""
+    root = copy_baseline_package(str(Path(__file__).resolve().parents[1]), str(tmp_path))
+    cfg = BenchConfig(
+        world_sizes=(2,),
+        sizes=(4096,),
+        algos=("gloo", "auto"),
+        transports=("tcp",),
+        repeats=4,
+        min_repeats=4,
+        rounds=2,
+        raw=False,
+        mpi=False,
+        ddp_variants=("entrenar",),
+        ddp_steps=1,
+        ddp_rounds=1,
+        timeout_s=150.0,
+        op_timeout_s=60.0,
+        pin=True,
+    )
+    new, base = run_jobs(2, cfg, [None, root])
+    cpus = sorted(os.sched_getaffinity(0))
+    for job in (new, base):  # --pin: rank r on the r-th CPU, in both jobs
+        assert [x["affinity"] for x in job] == [[cpus[r % len(cpus)]] for r in range(2)]
+    assert not Path(new[0]["entrenar_pg_file"]).resolve().is_relative_to(tmp_path)
+    assert Path(base[0]["entrenar_pg_file"]).resolve().is_relative_to(tmp_path)
+    spans = sorted(
+        [(s, e, "A") for s, e in new[0]["block_spans"]]
+        + [(s, e, "B") for s, e in base[0]["block_spans"]]
+    )
+    blocks = 2 * 2 + 1  # sizes x rounds x 2 variants, then one DDP block
+    assert len(spans) == 2 * blocks
+    for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start, spans  # one job's block at a time
+    assert "".join(x for _, _, x in spans) == "AB" * blocks
+    ratios = job_ratios(new, [mark_baseline(x) for x in base], cfg)
+    assert set(ratios) == {"entrenar-auto[tcp]|4096", "ddp|entrenar[tcp]"}, ratios
+    assert [len(x) for x in ratios.values()] == [2, 1]  # a ratio per block
+    assert all(math.isfinite(x) and x > 0 for one in ratios.values() for x in one)
 
 
 def test_transports_and_ddp_variants_parse() -> None:
@@ -93,6 +227,7 @@ def test_transports_and_ddp_variants_parse() -> None:
     assert cfg.ddp_variants == ("gloo", "entrenar")
     assert BenchConfig.from_json(cfg.to_json()) == cfg  # what the workers receive
     assert bench.parse_args([]).transports == ()  # default: the environment's transport
+    assert bench.parse_args(["--pin"]).pin and not bench.parse_args([]).pin
     for bad in (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

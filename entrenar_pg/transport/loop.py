@@ -18,6 +18,9 @@ the same sleep (``pump_send``, ``pump_recv``, ``sleep``). Either way:
 - a link is a socket, or anything that answers a socket's calls; one whose
   peer wakes this rank only when asked (a shared-memory ring, ``WokenLink``)
   is asked before the loop sleeps on it;
+- a spin whose yield gave the core away before a peer's bytes came tells
+  the mesh's ``CoreWatch`` (``tcp_placement.py``: the peer may share this
+  core; two ranks on one core are ~4-10x slower per small call);
 - one errno classifier (``errors.peer_gone``) and one abort protocol: a link
   that closes is explained from the peer's control link (its abort record,
   its goodbye or its death), also for peers this plan does not talk to.
@@ -42,6 +45,9 @@ _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
+# A spin's yield that took longer gave the core to another thread (an idle
+# core's takes under a microsecond): the ``CoreWatch`` is told.
+GAVE_AWAY_S = 5e-6
 
 
 class Pace(Protocol):
@@ -53,6 +59,16 @@ class Pace(Protocol):
     def spin_s(self) -> float: ...
     @property
     def timeout_s(self) -> float: ...
+
+
+class CoreWatch(Protocol):
+    """What the loop tells when a spin found a peer's bytes only after its
+    ``sched_yield`` gave the core away (``tcp_placement.TcpPlacement``: the
+    peer probably runs on this core; move off it if so)."""
+
+    @property
+    def active(self) -> bool: ...
+    def shared_core(self) -> None: ...
 
 
 class WokenLink(Protocol):
@@ -140,6 +156,7 @@ class Links:
         control: ControlChannel | None = None,
         wakeable: bool = False,
         woken: Mapping[int, WokenLink] | None = None,
+        placement: CoreWatch | None = None,
     ) -> None:
         self.rank = rank
         self.causes = causes
@@ -147,6 +164,8 @@ class Links:
         self._socks = socks
         # The links (by peer) to ask for a wake-up before sleeping on them.
         self._woken: Mapping[int, WokenLink] = woken or {}
+        # Told when a spin's yield gave the core away (None: nobody to move from).
+        self.placement = placement if placement is not None and placement.active else None
         self._poller = select.poll()
         self._masks: dict[int, int] = {}
         self._fd_peer: dict[int, int] = {}
@@ -348,6 +367,8 @@ class Progress(Links):
         spin_s = pace.spin_s
         spin_until = 0.0
         waited = False
+        placement = self.placement
+        away = False  # the last spin's yield gave the core away
         try:
             while sending or receiving:
                 # Pump every link not known to be blocked on its socket (a
@@ -367,6 +388,12 @@ class Progress(Links):
                         sending = [st for st in sending if st.index < st.n]
                         receiving = [st for st in receiving if st.index < st.n]
                     spin_until = 0.0
+                    if away:
+                        # The bytes came while this core was away: from a
+                        # peer on it? (``tcp_placement.py``)
+                        away = False
+                        assert placement is not None
+                        placement.shared_core()
                     continue
                 spinning = False
                 if spin_s:
@@ -379,10 +406,13 @@ class Progress(Links):
                     spinning = now < spin_until
                     if spinning:
                         os.sched_yield()
+                        if placement is not None:
+                            away = time.perf_counter() - now > GAVE_AWAY_S
                 if not spinning:
                     self._wait(sending, receiving, what, pace.timeout_s)
                     waited = True
                     spin_until = 0.0
+                    away = False
                 for st in sending:  # after a spin or a wait, try every link again
                     st.blocked = False
                 for st in receiving:

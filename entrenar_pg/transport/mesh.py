@@ -41,6 +41,7 @@ from .shm.ring import ShmLink
 from .shm.setup import connect as connect_shm
 from .shm.setup import offered_key
 from .shm.slots import SlotArea
+from .tcp_placement import TcpPlacement
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,10 @@ class Mesh:
         ctrl = self._channel(CONTROL)
         self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
         self.causes = Causes(rank, self.control)
-        self.progress = Progress(rank, data, self.causes, control=self.control, woken=self.shm)
+        self.placement = self._tcp_placement(data, options.tcp_placement)
+        self.progress = Progress(
+            rank, data, self.causes, control=self.control, woken=self.shm, placement=self.placement
+        )
         if self._rendezvous is not None:
             data_links = DataLinks(rank, self._rendezvous, self.progress, self.causes)
             with self._close_lock:
@@ -134,6 +138,14 @@ class Mesh:
                 early, self._data_early = self._data_early, []
             for peer, sock in early:
                 data_links.arrived(peer, sock)
+
+    def _tcp_placement(self, data: dict[int, Any], enabled: bool) -> TcpPlacement:
+        """Keeping this rank off the cores of its host's TCP peers (``tcp_placement.py``):
+        the data sockets to the ranks of this host that are not shared-memory links."""
+        host = self.topology.hosts[self.topology.host_of[self.rank]]
+        local = {p: data[p] for p in host if p != self.rank and p in data and p not in self.shm}
+        lower = [s for p, s in local.items() if p < self.rank]
+        return TcpPlacement(lower, list(local.values()), len(host), enabled=enabled)
 
     def _set_up_pairs(self, keys: list[str]) -> set[tuple[int, int]]:
         """The (peer, channel) sockets made at set-up: control with the overlay
