@@ -40,25 +40,16 @@ more threads were runnable than CPUs kept them together).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 from collections.abc import Callable, Sequence
 from time import monotonic
 
-MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
+from .cpu_move import MOVE_EVERY_S, libc_getcpu, move_to_free_cpu
+
+__all__ = ["MOVE_EVERY_S", "TcpPlacement", "incoming_cpu"]
+
 _INCOMING_CPU = getattr(socket, "SO_INCOMING_CPU", None)  # Linux >= 3.19, Python >= 3.11
-
-
-def libc_getcpu() -> Callable[[], int] | None:
-    """glibc's ``sched_getcpu`` (the vDSO's, no syscall), or None."""
-    try:
-        fn = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
-    return fn  # type: ignore[no-any-return]
 
 
 def incoming_cpu(sock: socket.socket) -> int:
@@ -124,22 +115,11 @@ class TcpPlacement:
 
     def _move_off(self, cpu: int) -> None:
         """Move this thread to an allowed CPU no peer on this host last sent from."""
-        try:
-            allowed = os.sched_getaffinity(0)
-        except OSError:
-            self._getcpu = None
-            return
-        if len(allowed) < self._host_ranks:
-            return  # more ranks than CPUs now: sharing is the plan
         named = {incoming_cpu(s) for s in self._local}
-        free = sorted(allowed - named - {cpu})
-        if not free:
-            return
         try:
-            os.sched_setaffinity(0, {free[0]})  # the kernel migrates this thread now
+            target = move_to_free_cpu(cpu, named, self._host_ranks)
         except OSError:
             self._getcpu = None  # not allowed here (a cpuset): never again
             return
-        finally:
-            os.sched_setaffinity(0, allowed)  # the thread's own mask again
-        self.moves += 1
+        if target is not None:
+            self.moves += 1

@@ -36,23 +36,13 @@ the threads' placement is then the scheduler's alone.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Callable
 from time import monotonic
 
-MOVE_EVERY_S = 0.002  # at most one move per this many seconds (a move costs ~10-50 us)
+from ..cpu_move import MOVE_EVERY_S, libc_getcpu, move_to_free_cpu
 
-
-def _libc_getcpu() -> Callable[[], int] | None:
-    """glibc's ``sched_getcpu`` (the vDSO's, no syscall), or None."""
-    try:
-        fn = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
-    return fn  # type: ignore[no-any-return]
+__all__ = ["MOVE_EVERY_S", "Placement"]
 
 
 class Placement:
@@ -76,7 +66,7 @@ class Placement:
         self._peers = peers
         self._word = word
         self._world = len(peers) + 1
-        self._getcpu = getcpu if getcpu is not None else _libc_getcpu()
+        self._getcpu = getcpu if getcpu is not None else libc_getcpu()
         if not enabled or len(os.sched_getaffinity(0)) < self._world:
             # Off (``Options.shm_placement``), or more ranks than CPUs (as
             # made): sharing is the plan.
@@ -107,23 +97,12 @@ class Placement:
 
     def _free_cpu(self, cpu: int) -> int | None:
         """Move this thread to an allowed CPU no peer names; the CPU, or None."""
-        try:
-            allowed = os.sched_getaffinity(0)
-        except OSError:
-            self._getcpu = None
-            return None
-        if len(allowed) < self._world:
-            return None  # more ranks than CPUs: sharing is the plan
         named = {ctl[self._word] - 1 for _, ctl in self._peers if ctl[self._word]}
-        free = sorted(allowed - named - {cpu})
-        if not free:
-            return None
         try:
-            os.sched_setaffinity(0, {free[0]})  # the kernel migrates this thread now
+            target = move_to_free_cpu(cpu, named, self._world)
         except OSError:
             self._getcpu = None  # not allowed here (a cpuset): never again
             return None
-        finally:
-            os.sched_setaffinity(0, allowed)  # the thread's own mask again
-        self.moves += 1
-        return free[0]
+        if target is not None:
+            self.moves += 1
+        return target
