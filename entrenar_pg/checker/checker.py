@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from array import array
@@ -310,14 +309,6 @@ class ContractChecker:
             return
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            # DDP's backward returns once its last allreduce's Work completes,
-            # which the comm thread does a few us before it gives the engine
-            # back; a pre-hook that comes in between finds the group busy and
-            # hands its job to the comm thread (two thread wake-ups, a Job and
-            # a Future). Descheduled there, the comm thread often shares this
-            # core: one yield lets it finish first. Measured in the GPT job at
-            # load 5.5-6.5: hand-offs on 21-24 % of steps without it, 1 % with.
-            os.sched_yield()
             self.flush()
         finally:
             self.seconds += time.perf_counter() - start
