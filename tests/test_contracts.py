@@ -330,7 +330,7 @@ def test_every_variant_is_made_at_a_buckets_first_call(monkeypatch: pytest.Monke
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_kept_read_converts_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_kept_read_makes_no_conversion(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """A kept read writes its products, its tail's products and the norm into one
     buffer and reads it back through a memoryview, with no torch conversion (each
     torch call costs 10-30 us in a job thread after a backward pass, and a

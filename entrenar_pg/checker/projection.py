@@ -56,7 +56,7 @@ class _Read:
     """Everything ``Projection.floats`` needs to read one tensor of its work dtype at one
     address, block range and variant: the strided view of the blocks, the partial
     last block, the byte view for a hasher, the vectors, the block weights and
-    the buffer the results are written to.
+    the buffer the results are written to (and views of it to read them by).
     Owns no tensor memory of the input (the views are over a byte view of the
     address, as in ``Projection._views_of``); it holds the results' buffer ``out``."""
 
@@ -64,8 +64,6 @@ class _Read:
     rest: torch.Tensor | None  # the partial last block, when it is in the range
     memory: memoryview  # every byte of the tensor (a hasher reads it whole)
     r: torch.Tensor  # the variant's base vectors in the work dtype
-    weights: list[list[float]]  # per projection: the block weights (shared, >= every block)
-    b0: int  # the first block read
     tail_r: torch.Tensor | None  # r[:, :tail]
     tail_weights: tuple[float, ...]  # per projection: the weight of the partial last block
     blocks: int
@@ -288,8 +286,6 @@ class Projection:
                     rest=rest,
                     memory=memory,
                     r=r,
-                    weights=w,
-                    b0=b0,
                     tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
                     tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
                     blocks=blocks,
@@ -387,8 +383,8 @@ def read_floats(
     torch call costs 10-30 us in a job thread right after a backward pass
     (cold caches; 1-3 us warm), and a ``tolist`` of the buffer also made a
     list of fresh float objects that the weighted sums then walked, cold
-    (inside the DDP job, measured: a first ``tolist`` 19 us, the sums 21 us
-    per call, against 10 and ~3 us warm). The same kernels on the same
+    (inside the DDP job, measured: a first ``tolist`` 19 us against 10 for a
+    second one, the sums over its list 21 us per call). The same kernels on the same
     operands, and the same products and weights multiplied and summed in the
     same order, so the same values as separate results (records bit-identical).
     """
