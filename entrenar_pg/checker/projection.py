@@ -9,15 +9,15 @@ identity costs one pass per rank and a few numbers on the wire.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import random
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .hashing import tensor_memory
+from .hashing import memory_at, tensor_memory
 
 BLOCK = 4096  # projection block: float32 accumulation over at most this many elements
 # Blocks per chunk of a fused pass: 1 MiB of float32, still in the core's cache
@@ -56,29 +56,33 @@ class _Read:
     """Everything ``Projection.floats`` needs to read one tensor of its work dtype at one
     address, block range and variant: the strided view of the blocks, the partial
     last block, the byte view for a hasher, the vectors, the block weights and
-    the buffer the results are written to.
-    Owns no tensor memory (the views are over a byte view of the address, as in
-    ``Projection._views_of``), and no list of its own: the weights are the
-    variant's shared lists, read from the range's first block on."""
+    the buffer the results are written to (and views of it to read them by).
+    Owns no tensor memory of the input (the views are over a byte view of the
+    address, as in ``Projection._views_of``); it holds the results' buffer ``out``."""
 
     cols: torch.Tensor | None  # (BLOCK x blocks) view, or None when no whole block is read
     rest: torch.Tensor | None  # the partial last block, when it is in the range
     memory: memoryview  # every byte of the tensor (a hasher reads it whole)
     r: torch.Tensor  # the variant's base vectors in the work dtype
-    weights: list[list[float]]  # per projection: the block weights (shared, >= every block)
-    b0: int  # the first block read
     tail_r: torch.Tensor | None  # r[:, :tail]
     tail_weights: tuple[float, ...]  # per projection: the weight of the partial last block
     blocks: int
     # Flat, in the work dtype, when ``cols`` is not None: the products land in its
     # first PROJECTIONS x blocks (as a contiguous matrix), the tail's products in
-    # the next PROJECTIONS, the norm last, so one ``tolist`` reads them all
-    # (shared by the variants). Each result is a contiguous tensor, as a fresh
-    # one is: a strided result would take other kernels (other bits).
+    # the next PROJECTIONS, the norm last (shared by the variants). Each result
+    # is a contiguous tensor, as a fresh one is: a strided result would take
+    # other kernels (other bits).
     out: torch.Tensor | None
     products: torch.Tensor | None  # out's (PROJECTIONS x blocks) matrix
     tail_out: torch.Tensor | None  # out's PROJECTIONS tail products
     norm_out: torch.Tensor | None  # out's last element
+    # Read back with no torch call: ``values`` is out's memory as Python's
+    # float32 (or float64) items; ``rows[k]``, projection k's products in it,
+    # and ``row_weights[k]``, its block weights [b0, b0 + blocks) (float64,
+    # contiguous), are zipped in the weighted sums.
+    values: memoryview[float] | None
+    rows: tuple[memoryview[float], ...]
+    row_weights: tuple[memoryview[float], ...]
 
 
 class Projection:
@@ -97,6 +101,7 @@ class Projection:
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._weight_lists: dict[tuple[int, int], list[list[float]]] = {}
+        self._weight_arrays: dict[tuple[int, int], tuple[array[float], ...]] = {}
         self._tails: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._views: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self._reads: dict[tuple[Any, ...], tuple[_Read, ...]] = {}  # one read per variant
@@ -156,6 +161,17 @@ class Projection:
                 if (v, cap) not in self._weight_lists:
                     self._weight_lists[(v, cap)] = self.weights(blocks, v)[0].tolist()
             got = self._weight_lists[(variant, cap)]
+        return got
+
+    def weights_array(self, blocks: int, variant: int = 0) -> tuple[array[float], ...]:
+        """``weights_list`` as float64 arrays, one per projection (the same values):
+        a kept read zips its products with slices of them, so a step touches 8
+        contiguous bytes per weight rather than a list of float objects."""
+        cap = 1 << max(blocks - 1, 0).bit_length()
+        got = self._weight_arrays.get((variant, cap))
+        if got is None:
+            lists = self.weights_list(blocks, variant)
+            got = self._weight_arrays[(variant, cap)] = tuple(array("d", w) for w in lists)
         return got
 
     def floats(
@@ -244,15 +260,24 @@ class Projection:
         blocks = f1 - b0
         cols, rest = self._views_of(x, n, b0, blocks, with_tail)
         memory = tensor_memory(x)
-        out = products = tail_out = norm_out = None
+        out = products = tail_out = norm_out = values = None
         if cols is not None:
             end = PROJECTIONS * blocks
             out = torch.empty(end + PROJECTIONS + 1, dtype=work)
             products = out[:end].view(PROJECTIONS, blocks)
             tail_out, norm_out = out[end : end + PROJECTIONS], out[end + PROJECTIONS]
+            values = memory_at(out.data_ptr(), out.nbytes).cast(
+                "d" if work == torch.float64 else "f"
+            )
+        rows = (
+            tuple(values[k * blocks : (k + 1) * blocks] for k in range(PROJECTIONS))
+            if values is not None
+            else ()
+        )
         reads = []
         for variant in range(VARIANTS):
             w = self.weights_list(full + (1 if tail else 0), variant)
+            wa = self.weights_array(full + (1 if tail else 0), variant)
             r64, r32, _ = self.base(variant)
             r = r64 if work == torch.float64 else r32
             reads.append(
@@ -261,8 +286,6 @@ class Projection:
                     rest=rest,
                     memory=memory,
                     r=r,
-                    weights=w,
-                    b0=b0,
                     tail_r=self._tail_vectors(r, variant, tail) if with_tail else None,
                     tail_weights=tuple(w[k][full] for k in range(PROJECTIONS)) if with_tail else (),
                     blocks=blocks,
@@ -270,6 +293,11 @@ class Projection:
                     products=products,
                     tail_out=tail_out,
                     norm_out=norm_out,
+                    values=values,
+                    rows=rows,
+                    row_weights=tuple(
+                        memoryview(a).cast("B").cast("d")[b0 : b0 + blocks] for a in wa
+                    ),
                 )
             )
         if len(self._reads) >= _MAX_CACHED_READS:
@@ -351,17 +379,21 @@ def read_floats(
     """``floats`` over a kept read (its share fits the cache when a hasher rides along).
 
     The product, the tail's product and the norm are written into the read's
-    buffer and read back by one ``tolist``: each torch call costs 10-30 us in
-    a job thread right after a backward pass (cold caches; 1-3 us warm), so
-    two conversions fewer per bucket. The same kernels on the same operands,
-    so the same values as separate results (records bit-identical).
+    buffer and read back through a memoryview of it, with no torch call: each
+    torch call costs 10-30 us in a job thread right after a backward pass
+    (cold caches; 1-3 us warm), and a ``tolist`` of the buffer also made a
+    list of fresh float objects that the weighted sums then walked, cold
+    (inside the DDP job, measured: a first ``tolist`` 19 us against 10 for a
+    second one, the sums over its list 21 us per call). The same kernels on the same
+    operands, and the same products and weights multiplied and summed in the
+    same order, so the same values as separate results (records bit-identical).
     """
     if hasher is not None:
         hasher.update(read.memory)
-    out, cols, blocks = read.out, read.cols, read.blocks
+    out, cols, values = read.out, read.cols, read.values
     rest, tail_r = read.rest, read.tail_r
     tail = rest is not None and tail_r is not None
-    if out is None or cols is None:  # no whole block read: the tail and the norm alone
+    if out is None or cols is None or values is None:  # no whole block: the tail and norm alone
         sums = [0.0] * PROJECTIONS
         if rest is not None and tail_r is not None:
             last = torch.mv(tail_r, rest).tolist()
@@ -377,25 +409,14 @@ def read_floats(
     torch.mm(read.r, cols, out=read.products)
     if rest is not None and tail_r is not None:
         torch.mv(tail_r, rest, out=read.tail_out)
-    got = out.tolist()
-    # Projection k's products are got[k * blocks:][:blocks]; map stops with the
-    # blocks read (the weights' slice): the same products, in the same order,
-    # as over the weights [b0, b0 + blocks).
-    w, b0, end = read.weights, read.b0, read.b0 + blocks
-    sums = [
-        sum(
-            map(
-                operator.mul,
-                itertools.islice(got, k * blocks, None),
-                itertools.islice(w[k], b0, end),
-            )
-        )
-        for k in range(PROJECTIONS)
-    ]
-    at = PROJECTIONS * blocks
+    # Projection k: its products times the block weights [b0, b0 + blocks),
+    # summed left to right (as ``sum`` over a list of them did).
+    rows, weights = read.rows, read.row_weights
+    sums = [sum(map(operator.mul, rows[k], weights[k])) for k in range(PROJECTIONS)]
+    at = PROJECTIONS * read.blocks
     if tail:
-        sums = [sums[k] + got[at + k] * read.tail_weights[k] for k in range(PROJECTIONS)]
-    return sums, got[at + PROJECTIONS] if norm else 0.0
+        sums = [sums[k] + values[at + k] * read.tail_weights[k] for k in range(PROJECTIONS)]
+    return sums, values[at + PROJECTIONS] if norm else 0.0
 
 
 def hashed_chunks(

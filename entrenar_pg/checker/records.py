@@ -56,6 +56,12 @@ def i2f(i: int) -> float:
 
 _SLOT_INTS = struct.Struct(f"<{REDUCED_WIDTH - 1}q")
 _SLOT_FLOATS = struct.Struct(f"<{REDUCED_WIDTH - 1}d")
+# An input's fields (S_IN.., NORM: adjacent) and an output's (S_OUT..), each
+# written as int64 in one conversion (``f2i`` of each).
+_IN_INTS = struct.Struct(f"<{PROJECTIONS + 1}q")
+_IN_FLOATS = struct.Struct(f"<{PROJECTIONS + 1}d")
+_OUT_INTS = struct.Struct(f"<{PROJECTIONS}q")
+_OUT_FLOATS = struct.Struct(f"<{PROJECTIONS}d")
 
 
 def slot_floats(rec: Sequence[int], at: int) -> tuple[float, ...]:
@@ -164,9 +170,8 @@ def _float_inputs(
                 sums[k] += w * got[k]
             norm2 += (w * nrm) ** 2
             offset += t.numel()
-        for k in range(PROJECTIONS):
-            rec[at + S_IN + k] = f2i(sums[k])
-        rec[at + NORM] = f2i(math.sqrt(norm2))
+        end = at + NORM + 1  # S_IN.. and NORM
+        rec[at + S_IN : end] = _IN_INTS.unpack(_IN_FLOATS.pack(*sums, math.sqrt(norm2)))
     if linear and not rec[FLAGS] & IN_NONFINITE:
         rec[FLAGS] |= PROJECTED
 
@@ -207,8 +212,7 @@ def finish(
                     sums[k] += w * got[k]
             if not _finite(sums):
                 rec[FLAGS] |= OUT_NONFINITE
-            for k in range(PROJECTIONS):
-                rec[at + S_OUT + k] = f2i(sums[k])
+            rec[at + S_OUT : at + S_OUT + PROJECTIONS] = _OUT_INTS.unpack(_OUT_FLOATS.pack(*sums))
         else:
             for j, t in enumerate(tensors):
                 w = tensor_weight(j)[1]
