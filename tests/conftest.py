@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,15 @@ def allreduce_errors(
         groups, ranks, lambda r, g: g.allreduce([torch.ones(numel)]).wait(), meanwhile=meanwhile
     )
     return {r: v for r, v in got.items() if isinstance(v, BaseException)}
+
+
+def kill_sessions(procs: Iterable[Any]) -> None:
+    """SIGKILL every process of ``procs`` still running, with its process group
+    (each was started in a session of its own), and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
 
 
 def free_port() -> int:

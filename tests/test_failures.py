@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import allreduce_errors, free_port, make_groups, rank_env
+from conftest import allreduce_errors, free_port, kill_sessions, make_groups, rank_env
 from preloaded import start_script
 
 from entrenar_pg import EntrenarProcessGroup, Options, PeerConnectionError
@@ -70,10 +69,7 @@ def run_blame(
             _, rank, cls, culprit, message = lines[0].split(" ", 4)
             results[int(rank)] = (cls, culprit, message)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+        kill_sessions(procs)
     return results
 
 

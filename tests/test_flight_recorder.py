@@ -20,7 +20,6 @@ import io
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, make_groups, rank_env, run_ranks
+from conftest import free_port, kill_sessions, make_groups, rank_env, run_ranks
 
 import entrenar_pg
 from entrenar_pg import Options, flight_recorder, trace
@@ -175,10 +174,7 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
             results[int(lines[0][1])] = lines[0][2]
             said[r] = f"rank {r}: {' '.join(lines[0][2:])}\n{err[-3000:]}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+        kill_sessions(procs)
     argv = [str(dumps), "--json", "--html", str(page)]
     if cli:
         run = subprocess.run(

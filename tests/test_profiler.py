@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, rank_env, run_ranks
+from conftest import free_port, kill_sessions, rank_env, run_ranks
 from preloaded import start_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,10 +43,7 @@ def run_script(tmp_path: Path) -> None:
             out, err = p.communicate(timeout=150)
             assert p.returncode == 0, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+        kill_sessions(procs)
 
 
 def ours(trace_file: Path) -> list[dict[str, Any]]:

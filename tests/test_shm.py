@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, each_rank, free_port, make_groups, rank_env, run_ranks
+from conftest import REPO, each_rank, free_port, kill_sessions, make_groups, rank_env, run_ranks
 from preloaded import ScriptProcess, start_script
 
 from benchmarks import deepspeed_peer
@@ -727,13 +727,6 @@ def _start(world: int, mode: str, **env: str) -> list[ScriptProcess]:
     ]
 
 
-def _kill_all(procs: list[ScriptProcess]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(timeout=10)
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("numel", [16 << 10, 3 << 20])  # one phase; chunks through the slots
 def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
@@ -771,7 +764,7 @@ def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
         assert "culprit: rank 1" in message and "died" in message, message
         assert took < 10, f"{took:.1f}s: the death was found by the timeout, not the hang-up"
     finally:
-        _kill_all(procs)
+        kill_sessions(procs)
     assert _dev_shm() - before == set()
 
 
@@ -805,7 +798,7 @@ def test_a_stopped_peer_is_named_at_the_timeout() -> None:
             assert 2.5 < took < 30, f"{took:.1f}s"
     finally:
         os.kill(procs[2].pid, signal.SIGCONT)
-        _kill_all(procs)
+        kill_sessions(procs)
 
 
 @pytest.mark.timeout(120)
@@ -822,7 +815,7 @@ def test_four_ranks_on_two_cores_stay_fast() -> None:
             assert lines and p.returncode == 0, out[-2000:] + err[-3000:]
             medians.append(float(lines[0].split()[2]))
     finally:
-        _kill_all(procs)
+        kill_sessions(procs)
     assert max(medians) < 5e-3, f"median per 4 KiB allreduce: {medians}"
 
 
@@ -850,7 +843,7 @@ def _apart_once() -> ApartJob:
             busy.append(float(machine))
             own += float(cpu)
     finally:
-        _kill_all(procs)
+        kill_sessions(procs)
     # Both ranks' free phases overlap but for their start-up skew: the mean
     # of their views of the machine, less the job's own CPU.
     return ApartJob(moves, cpus, max(0.0, (sum(busy) - 2 * own) / sum(walls)))

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import socket
 import threading
 
 import pytest
-from conftest import REPO, free_port, rank_env
+from conftest import REPO, free_port, kill_sessions, rank_env
 from preloaded import ScriptProcess, start_script
 
 from entrenar_pg import Options
@@ -107,10 +106,7 @@ def _apart_once() -> dict[int, tuple[int, list[int]]]:
             _, rank, moves, cpus = lines[0]
             rows[int(rank)] = (int(moves), [int(c) for c in cpus.split(",")])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+        kill_sessions(procs)
     return rows
 
 
