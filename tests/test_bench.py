@@ -142,7 +142,7 @@ def test_a_rounds_ratio_pairs_each_block_with_the_other_sides_block_beside_it() 
 
 
 @pytest.mark.timeout(30)
-def test_turns_alternate_a_b_b_a_and_a_finished_side_holds_nobody() -> None:
+def test_turns_alternate_a_b_a_b_and_a_finished_side_holds_nobody() -> None:
     """Two threads as the two jobs' rank 0 on the real shared turn: blocks
     run one at a time, in the order A B, A B, A B; once A has finished, B
     runs its extra blocks alone; a turn never given back times out."""
