@@ -134,12 +134,7 @@ def _wait_for(
     deadline = time.monotonic() + cfg.timeout_s * jobs
     done_at: float | None = None
     while any(p.exitcode is None for p in procs):
-        failed = [p for p in procs if p.exitcode not in (None, 0)]
-        if failed:
-            raise BenchError(
-                f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
-                " (its traceback is above on stderr)"
-            )
+        _raise_failed(procs, world)
         now = time.monotonic()
         if done_at is None and all(os.path.exists(x) for x in paths):
             done_at = now  # every rank wrote its result; only teardown is left
@@ -149,8 +144,13 @@ def _wait_for(
         if now > deadline:
             raise BenchError(f"world size {world}: timed out after {cfg.timeout_s * jobs:.0f} s")
         time.sleep(0.05)
+    _raise_failed(procs, world)  # every rank exited between two looks, some failing
+
+
+def _raise_failed(procs: Sequence[mp.process.BaseProcess], world: int) -> None:
+    """BenchError naming the first rank that exited with an error, if any."""
     failed = [p for p in procs if p.exitcode not in (None, 0)]
-    if failed:  # every rank exited between two looks, some of them failing
+    if failed:
         raise BenchError(
             f"world size {world}: {failed[0].name} exited with {failed[0].exitcode}"
             " (its traceback is above on stderr)"
