@@ -851,9 +851,11 @@ def _apart_once() -> ApartJob:
 
 APART_TRIES = 4  # jobs where the scheduler itself parted the ranks prove nothing of ours
 # Cores the rest of the machine may take while the ranks must end apart: with
-# two CPUs, a busy process beside the job leaves no free core to move to
-# (seen: two busy loops, the ranks sharing a CPU after 65 % of the calls).
-APART_BACKGROUND_MAX = 0.5
+# two CPUs, a whole core busy beside the job leaves none free to move to
+# (seen: two busy loops, the ranks sharing a CPU after 65 % of the calls). The
+# suite's own other workers take 0.5-0.8 of a core at times (seen in CI), which
+# leaves room: at 0.5 the test skipped there.
+APART_BACKGROUND_MAX = 1.0
 
 
 @pytest.mark.timeout(300)
