@@ -78,11 +78,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
+from ..call import agreement
 from ..call.work import EntrenarWork
 from ..collectives import Call
 from ..collectives import shm_allreduce as shm
 from ..config import timeout_seconds
 from ..reduce_ops import Kind, Reduction, resolve
+from ..transport.in_flight import Terms
 from ..wire import Algo, OpCode
 from .context import JobContext
 from .engine import Job
@@ -150,11 +152,17 @@ class DoneWork(EntrenarWork):
 
 @dataclass(slots=True)
 class _Route:
-    """What every thin call of one (op, dtype, size) reuses."""
+    """What every thin call of one (op, dtype, size) reuses; published while
+    its call runs, as the long path publishes its job's context
+    (``transport/in_flight.py``: what a peer that asks is told)."""
 
     red: Reduction
     call: Call  # its seq, and but for a pair sum (its own pace) its timeout, rewritten per call
     pair: _PairSum | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
+    agreed: str  # ``agreement.allreduce`` of its dtype, size and op: the long path's words
+
+    def terms(self) -> Terms:
+        return Terms(self.call.seq, _KIND, self.agreed)
 
 
 @dataclass(slots=True)
@@ -206,6 +214,7 @@ class ThinPath:
         self._done = DoneWork()
         self._done._rank = self._rank
         self._check_call: Call | None = None  # the checker's job's Call (only its seq changes)
+        self._in_flight = runtime.mesh.in_flight
 
     def allreduce(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EntrenarWork | None:
         """Run ``EntrenarProcessGroup.allreduce(*args, **kwargs)`` if it is the
@@ -249,6 +258,7 @@ class ThinPath:
                 route = self._route(key, seq, t)
             call = route.call
             call.seq = seq
+            self._in_flight.call = route  # left after: it holds no tensor (in_flight.py)
             pair = route.pair
             if pair is not None:  # two ranks' shm sum: the caller's buffer, in place
                 pair.opts = opts  # its timeout, read if the wait sleeps
@@ -366,7 +376,8 @@ class ThinPath:
             shape = shm.shm_pair_shape(call, t.detach().view(-1), red)
             if shape is not None:
                 pair = _PairSum(shape, call.spin_s)
-        route = _Route(red, call, pair)
+        agreed = agreement.allreduce(t.dtype, t.numel(), red.kind)
+        route = _Route(red, call, pair, agreed)
         if len(self._routes) >= _MAX_CACHED:
             self._routes.clear()
         self._routes[key] = route
