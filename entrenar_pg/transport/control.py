@@ -28,7 +28,9 @@ sent and always be parsed:
 - ``BYE``: sent before a rank closes its links on ``shutdown`` /
   ``destroy_process_group``, so "it left" and "its process died" differ.
 - ``QUERY`` / ``STATE``: "what are you waiting on?", the questions of the
-  wait-for walk (``wait_for.walk``: which rank everyone waits on). A rank's
+  wait-for walk (``wait_for.walk``: which rank everyone waits on), and
+  "which call do you run?" (its ``in_flight.Terms``, what a first-use wait
+  compares: ``data_links.py``). A rank's
   control thread answers for it, so a rank outside any collective answers
   too. A query to a rank with no link goes out once through each overlay
   neighbour (a route each), so a stopped rank on one route does not
