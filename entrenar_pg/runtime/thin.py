@@ -32,8 +32,9 @@ What it keeps from the long path, so that nothing observable differs:
   with the token in hand) and the call's timeout (its own, else the
   group's) carried in the ``Call`` as ``Runtime.run``'s job context does;
   the ``Call`` of ``JobContext.call`` (the policy's cached choice: deterministic mode's tree
-  order and the header flags come with it), reused per size with its seq
-  rewritten; the algorithm from ``jobs._ALLREDUCE`` looked up per call,
+  order and the header flags come with it), one per route, reused with
+  its seq rewritten (a peer's question finds the running call by it:
+  ``terms``); the algorithm from ``jobs._ALLREDUCE`` looked up per call,
   as ``allreduce_flat`` does, except where the choice is SHM and two ranks
   sum a small message: the route (one per op, dtype and size: the
   Reduction, the Call, the shape) then runs ``shm_allreduce.allreduce_shm_pair``
@@ -45,6 +46,9 @@ What it keeps from the long path, so that nothing observable differs:
   the group (``Engine._fail``: the break hooks, queued jobs failed) and
   comes back in the Work (``wait()`` raises it); a ``KeyboardInterrupt``
   breaks it and then propagates as itself.
+- What a peer that asks which call this rank runs hears (``terms``,
+  ``transport/in_flight.py``): the words the long path's job context gives
+  (``call/agreement.allreduce``), found when asked: nothing is stored per call.
 - What it returns: a ``DoneWork``, an ``EntrenarWork`` whose call has
   completed: ``wait()`` returns True, ``get_future()`` is a completed
   future whose value is ``[t]``; no torch ``Future`` is made unless asked
@@ -152,17 +156,12 @@ class DoneWork(EntrenarWork):
 
 @dataclass(slots=True)
 class _Route:
-    """What every thin call of one (op, dtype, size) reuses; published while
-    its call runs, as the long path publishes its job's context
-    (``transport/in_flight.py``: what a peer that asks is told)."""
+    """What every thin call of one (op, dtype, size) reuses."""
 
     red: Reduction
-    call: Call  # its seq, and but for a pair sum (its own pace) its timeout, rewritten per call
+    call: Call  # its own; its seq, and but for a pair sum (its own pace) its timeout, per call
     pair: _PairSum | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
     agreed: str  # ``agreement.allreduce`` of its dtype, size and op: the long path's words
-
-    def terms(self) -> Terms:
-        return Terms(self.call.seq, _KIND, self.agreed)
 
 
 @dataclass(slots=True)
@@ -204,7 +203,6 @@ class ThinPath:
         # The caller's busy-poll (a thread that gets the token here is never
         # the comm thread), as Runtime.run picks it for its job context.
         self._spin_s = runtime.options.caller_spin_us / 1e6
-        self._calls: dict[int, Call] = {}  # payload bytes -> the Call of that size
         self._reductions: dict[tuple[int, torch.dtype], Reduction] = {}
         self._routes: dict[tuple[int, torch.dtype, int], _Route] = {}  # (op, dtype, bytes)
         # Two ranks' small shm sums run straight (``allreduce_shm_pair``); False:
@@ -214,7 +212,9 @@ class ThinPath:
         self._done = DoneWork()
         self._done._rank = self._rank
         self._check_call: Call | None = None  # the checker's job's Call (only its seq changes)
-        self._in_flight = runtime.mesh.in_flight
+        # Asked, not told: a peer's question finds the route of the call this
+        # rank runs (``terms``), so a thin call publishes nothing.
+        runtime.mesh.in_flight.thin = self
 
     def allreduce(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EntrenarWork | None:
         """Run ``EntrenarProcessGroup.allreduce(*args, **kwargs)`` if it is the
@@ -258,7 +258,6 @@ class ThinPath:
                 route = self._route(key, seq, t)
             call = route.call
             call.seq = seq
-            self._in_flight.call = route  # left after: it holds no tensor (in_flight.py)
             pair = route.pair
             if pair is not None:  # two ranks' shm sum: the caller's buffer, in place
                 pair.opts = opts  # its timeout, read if the wait sleeps
@@ -326,6 +325,17 @@ class ThinPath:
         done._result = []
         return done
 
+    def terms(self) -> Terms | None:
+        """The thin call this rank runs now, as a peer that asks is told
+        (``transport/in_flight.py``): the route whose Call carries the group's
+        latest seq (None: the latest call is not a thin one). Read in the
+        control thread, only when asked."""
+        seq = self._rt.seq
+        for route in list(self._routes.values()):
+            if route.call.seq == seq:
+                return Terms(seq, _KIND, route.agreed)
+        return None
+
     # ------------------------------------------------------------ first calls, failures
 
     def _counters(self) -> list[float]:
@@ -359,18 +369,13 @@ class ThinPath:
 
     def _route(self, key: tuple[int, torch.dtype, int], seq: int, t: torch.Tensor) -> _Route:
         """The route of ``key`` (op, dtype, bytes), kept for every later call
-        with it: the Reduction, the Call of that size (the runtime's: its
+        with it: the Reduction, a Call of that size (the runtime's: its
         cached policy choice; only its seq and timeout change) and, where the
         choice is SHM between two ranks summing a small message, that sum's
         shape (``shm_allreduce.shm_pair_shape``)."""
         red = self._reductions[(key[0], key[1])]
-        nbytes = key[2]
-        call = self._calls.get(nbytes)
-        if call is None:
-            call = self._new_call(seq, OpCode.ALLREDUCE, nbytes)
-            if len(self._calls) >= _MAX_CACHED:
-                self._calls.clear()
-            self._calls[nbytes] = call
+        # A Call of its own (not one per size): its seq says which route runs now (``terms``).
+        call = self._new_call(seq, OpCode.ALLREDUCE, key[2])
         pair = None
         if self.pair_sums and call.choice.algo is Algo.SHM:
             shape = shm.shm_pair_shape(call, t.detach().view(-1), red)

@@ -39,7 +39,8 @@ this same call with the same terms or silent is waited for as before (its
 connect may still come; a silent one is the stall walk's at the timeout).
 A wait this long is rare (a rank that reaches the call late), so the
 questions cost nothing on the common path; the answer's terms cost the
-runtime one reference stored per call (``in_flight.InFlight``).
+long path one reference stored per call, the thin path nothing
+(``in_flight.InFlight``).
 """
 
 from __future__ import annotations
