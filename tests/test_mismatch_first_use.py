@@ -34,9 +34,15 @@ import torch.distributed as dist
 from conftest import make_groups, run_ranks
 
 from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, Options
+from entrenar_pg.api import checks
+from entrenar_pg.api.checks import Checks
+from entrenar_pg.call import agreement
+from entrenar_pg.call import requests as rq
+from entrenar_pg.runtime.state import GroupState
 from entrenar_pg.runtime.thin import DoneWork
 from entrenar_pg.transport.data_links import ASK_AFTER_S, other_call, other_terms
 from entrenar_pg.transport.in_flight import Terms
+from entrenar_pg.wire import OpCode
 
 # Long enough that a failure at the timeout and one at once cannot be confused.
 TIMEOUT_S = 20.0
@@ -217,3 +223,63 @@ def test_only_other_terms_of_this_same_call_are_a_mismatch() -> None:
     assert not other_terms("allreduce#4", None, large)
     # This rank's published call is not the one it waits in (a job publishing none).
     assert not other_terms("check#5", small, large._replace(seq=5))
+
+
+def _opts(kind: Any, root: int = 0) -> Any:
+    opts = kind()
+    if hasattr(opts, "rootRank"):
+        opts.rootRank = root
+    return opts
+
+
+def _requests(rank: int, root: int = 0, n: int = 6) -> dict[str, rq.Request]:
+    """One rank's requests of a correct two-rank program (``n`` elements per
+    piece; the all-to-all's splits differ between the ranks, as they may),
+    built by the real argument checks."""
+    c = Checks(rank, 2, GroupState(rank))
+    t = torch.ones(n)
+    uneven = [1, n - 1] if rank == 0 else [n - 2, 2]
+    pieces = [torch.ones(n) for _ in range(2)]
+    return {
+        "allreduce": checks.allreduce(
+            c, "allreduce", [t, torch.ones(2)], _opts(dist.AllreduceOptions)
+        ),
+        "broadcast": checks.broadcast(
+            c, [t, torch.ones(2, dtype=torch.int64)], _opts(dist.BroadcastOptions, root)
+        ),
+        "reduce": checks.reduce(c, [t], _opts(dist.ReduceOptions, root)),
+        "gather": checks.gather(
+            c, [pieces] if rank == root else [], [t], _opts(dist.GatherOptions, root)
+        ),
+        "scatter": checks.scatter(
+            c, [t], [pieces] if rank == root else [], _opts(dist.ScatterOptions, root)
+        ),
+        "allgather": checks.allgather(c, [pieces], [t]),
+        "alltoall": checks.alltoall_single(
+            c, "alltoall_base", torch.ones(n), torch.ones(n), uneven, uneven
+        ),
+        "reduce_scatter": checks.reduce_scatter(c, [t], [pieces], _opts(dist.ReduceScatterOptions)),
+        "barrier": checks.barrier(c),
+    }
+
+
+def test_the_terms_of_a_correct_program_agree_on_every_rank_and_differ_with_its_arguments() -> None:
+    rank0, rank1 = _requests(0), _requests(1)
+    said = {k: agreement.agreed(req) for k, req in rank0.items()}
+    # Each rank's own parts (the root's lists, its splits, its output) left out.
+    assert said == {k: agreement.agreed(req) for k, req in rank1.items()}
+    assert said["allreduce"] == "float32, 8 elements, sum"
+    assert said["broadcast"] == "root 0, [float32 x 6, int64 x 2]"
+    assert said["gather"] == "root 0, float32" and said["alltoall"] == "float32"
+    # What must agree: another root or size says so.
+    other = {k: agreement.agreed(req) for k, req in _requests(0, root=1).items()}
+    assert {k for k in said if other[k] != said[k]} == {"broadcast", "reduce", "gather", "scatter"}
+    bigger = {k: agreement.agreed(req) for k, req in _requests(0, n=7).items()}
+    assert {k for k in said if bigger[k] != said[k]} == {
+        "allreduce",
+        "broadcast",
+        "reduce",
+        "reduce_scatter",
+    }
+    # Nothing to compare: the contract checker's own job.
+    assert agreement.agreed(rq.custom(OpCode.CHECK, print)) is None
