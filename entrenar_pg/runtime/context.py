@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from ..call import agreement
 from ..collectives import Call, Choice, ScratchPool, choose
 from ..config import Options
 from ..transport import Mesh
+from ..transport.in_flight import Terms
 from ..wire import OpCode
 
 # The policy's answers kept per group (see JobContext.call).
 Choices = dict[tuple[OpCode, int], Choice]
 _MAX_CACHED_CHOICES = 1024
+_OP_NAMES = {op: op.name.lower() for op in OpCode}
 
 
 class JobContext(NamedTuple):
@@ -34,6 +37,16 @@ class JobContext(NamedTuple):
     timeout_s: float
     choices: Choices  # the group's, filled as (op, nbytes) pairs are first asked
     options: Options
+    req: Any = None  # the call's request (``call/requests.py``), for ``terms``
+
+    def terms(self) -> Terms | None:
+        """The call as a peer is told it (``transport/in_flight.py``; the
+        runtime publishes this context while its job runs)."""
+        req = self.req
+        if req is None:
+            return None
+        agreed = agreement.agreed(req)
+        return None if agreed is None else Terms(self.seq, _OP_NAMES[req.op], agreed)
 
     def call(self, op: OpCode, nbytes: int) -> Call:
         """The context one algorithm runs in: the policy's choice for ``op`` of ``nbytes``."""

@@ -250,7 +250,11 @@ class Runtime:
             timeout_s,  # the call's own timeout, or the group's when it set none
             self.choices,
             self.options,
+            req,
         )
+        # What a peer that asks hears this rank runs (transport/in_flight.py).
+        in_flight = mesh.in_flight
+        in_flight.call = ctx
         staging.load()
         hosts = []
         for items in staged:
@@ -268,6 +272,9 @@ class Runtime:
             if measuring is not None:
                 checker.after(ctx, seq, req, hosts, measuring)
         staging.store()
+        # Dropped once done, so it keeps no tensor alive (a job that raised is
+        # kept alive anyway: its error's traceback holds this frame).
+        in_flight.call = None
         return req.result
 
     # ------------------------------------------------------------ lifecycle

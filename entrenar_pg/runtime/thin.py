@@ -32,8 +32,9 @@ What it keeps from the long path, so that nothing observable differs:
   with the token in hand) and the call's timeout (its own, else the
   group's) carried in the ``Call`` as ``Runtime.run``'s job context does;
   the ``Call`` of ``JobContext.call`` (the policy's cached choice: deterministic mode's tree
-  order and the header flags come with it), reused per size with its seq
-  rewritten; the algorithm from ``jobs._ALLREDUCE`` looked up per call,
+  order and the header flags come with it), one per route, reused with
+  its seq rewritten (a peer's question finds the running call by it:
+  ``terms``); the algorithm from ``jobs._ALLREDUCE`` looked up per call,
   as ``allreduce_flat`` does, except where the choice is SHM and two ranks
   sum a small message: the route (one per op, dtype and size: the
   Reduction, the Call, the shape) then runs ``shm_allreduce.allreduce_shm_pair``
@@ -45,6 +46,9 @@ What it keeps from the long path, so that nothing observable differs:
   the group (``Engine._fail``: the break hooks, queued jobs failed) and
   comes back in the Work (``wait()`` raises it); a ``KeyboardInterrupt``
   breaks it and then propagates as itself.
+- What a peer that asks which call this rank runs hears (``terms``,
+  ``transport/in_flight.py``): the words the long path's job context gives
+  (``call/agreement.allreduce``), found when asked: nothing is stored per call.
 - What it returns: a ``DoneWork``, an ``EntrenarWork`` whose call has
   completed: ``wait()`` returns True, ``get_future()`` is a completed
   future whose value is ``[t]``; no torch ``Future`` is made unless asked
@@ -78,11 +82,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _profiler
 
+from ..call import agreement
 from ..call.work import EntrenarWork
 from ..collectives import Call
 from ..collectives import shm_allreduce as shm
 from ..config import timeout_seconds
 from ..reduce_ops import Kind, Reduction, resolve
+from ..transport.in_flight import Terms
 from ..wire import Algo, OpCode
 from .context import JobContext
 from .engine import Job
@@ -153,8 +159,9 @@ class _Route:
     """What every thin call of one (op, dtype, size) reuses."""
 
     red: Reduction
-    call: Call  # its seq, and but for a pair sum (its own pace) its timeout, rewritten per call
+    call: Call  # its own; its seq, and but for a pair sum (its own pace) its timeout, per call
     pair: _PairSum | None  # two ranks' shm sum: run straight (``allreduce_shm_pair``)
+    agreed: str  # ``agreement.allreduce`` of its dtype, size and op: the long path's words
 
 
 @dataclass(slots=True)
@@ -196,7 +203,6 @@ class ThinPath:
         # The caller's busy-poll (a thread that gets the token here is never
         # the comm thread), as Runtime.run picks it for its job context.
         self._spin_s = runtime.options.caller_spin_us / 1e6
-        self._calls: dict[int, Call] = {}  # payload bytes -> the Call of that size
         self._reductions: dict[tuple[int, torch.dtype], Reduction] = {}
         self._routes: dict[tuple[int, torch.dtype, int], _Route] = {}  # (op, dtype, bytes)
         # Two ranks' small shm sums run straight (``allreduce_shm_pair``); False:
@@ -206,6 +212,9 @@ class ThinPath:
         self._done = DoneWork()
         self._done._rank = self._rank
         self._check_call: Call | None = None  # the checker's job's Call (only its seq changes)
+        # Asked, not told: a peer's question finds the route of the call this
+        # rank runs (``terms``), so a thin call publishes nothing.
+        runtime.mesh.in_flight.thin = self
 
     def allreduce(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EntrenarWork | None:
         """Run ``EntrenarProcessGroup.allreduce(*args, **kwargs)`` if it is the
@@ -316,6 +325,17 @@ class ThinPath:
         done._result = []
         return done
 
+    def terms(self) -> Terms | None:
+        """The thin call this rank runs now, as a peer that asks is told
+        (``transport/in_flight.py``): the route whose Call carries the group's
+        latest seq (None: the latest call is not a thin one). Read in the
+        control thread, only when asked."""
+        seq = self._rt.seq
+        for route in list(self._routes.values()):
+            if route.call.seq == seq:
+                return Terms(seq, _KIND, route.agreed)
+        return None
+
     # ------------------------------------------------------------ first calls, failures
 
     def _counters(self) -> list[float]:
@@ -349,24 +369,20 @@ class ThinPath:
 
     def _route(self, key: tuple[int, torch.dtype, int], seq: int, t: torch.Tensor) -> _Route:
         """The route of ``key`` (op, dtype, bytes), kept for every later call
-        with it: the Reduction, the Call of that size (the runtime's: its
+        with it: the Reduction, a Call of that size (the runtime's: its
         cached policy choice; only its seq and timeout change) and, where the
         choice is SHM between two ranks summing a small message, that sum's
         shape (``shm_allreduce.shm_pair_shape``)."""
         red = self._reductions[(key[0], key[1])]
-        nbytes = key[2]
-        call = self._calls.get(nbytes)
-        if call is None:
-            call = self._new_call(seq, OpCode.ALLREDUCE, nbytes)
-            if len(self._calls) >= _MAX_CACHED:
-                self._calls.clear()
-            self._calls[nbytes] = call
+        # A Call of its own (not one per size): its seq says which route runs now (``terms``).
+        call = self._new_call(seq, OpCode.ALLREDUCE, key[2])
         pair = None
         if self.pair_sums and call.choice.algo is Algo.SHM:
             shape = shm.shm_pair_shape(call, t.detach().view(-1), red)
             if shape is not None:
                 pair = _PairSum(shape, call.spin_s)
-        route = _Route(red, call, pair)
+        agreed = agreement.allreduce(t.dtype, t.numel(), red.kind)
+        route = _Route(red, call, pair, agreed)
         if len(self._routes) >= _MAX_CACHED:
             self._routes.clear()
         self._routes[key] = route

@@ -28,7 +28,9 @@ sent and always be parsed:
 - ``BYE``: sent before a rank closes its links on ``shutdown`` /
   ``destroy_process_group``, so "it left" and "its process died" differ.
 - ``QUERY`` / ``STATE``: "what are you waiting on?", the questions of the
-  wait-for walk (``wait_for.walk``: which rank everyone waits on). A rank's
+  wait-for walk (``wait_for.walk``: which rank everyone waits on), and
+  "which call do you run?" (its ``in_flight.Terms``, what a first-use wait
+  compares: ``data_links.py``). A rank's
   control thread answers for it, so a rank outside any collective answers
   too. A query to a rank with no link goes out once through each overlay
   neighbour (a route each), so a stopped rank on one route does not
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, group_destroyed, peer_gone
+from .in_flight import InFlight, Terms
 from .wait_for import Gone, PeerState, walk
 
 log = logging.getLogger(__name__)
@@ -121,8 +124,12 @@ class ControlChannel:
     """One rank's control links (the overlay) and the thread that serves them
     (see the module docstring)."""
 
-    def __init__(self, rank: int, socks: dict[int, socket.socket]) -> None:
+    def __init__(
+        self, rank: int, socks: dict[int, socket.socket], in_flight: InFlight | None = None
+    ) -> None:
         self.rank = rank
+        # The call this rank runs, read only to answer a QUERY (``in_flight.py``).
+        self._in_flight = in_flight or InFlight()
         self._peers = {p: _Peer(p, s) for p, s in socks.items()}
         self._by_fd = {s.fileno(): self._peers[p] for p, s in socks.items()}
         self._lock = threading.RLock()
@@ -250,10 +257,12 @@ class ControlChannel:
         elif kind == STATE and at == 0:
             what = body.get("what")
             blamed = body.get("blamed")
+            call = body.get("call")
             state = PeerState(
                 what,
                 tuple(int(x) for x in body.get("waiting_on", ())),
                 None if blamed is None else int(blamed),
+                None if call is None else Terms(int(call[0]), str(call[1]), str(call[2])),
             )
             if path[-1] in self._states:
                 self._states[path[-1]] = state
@@ -273,12 +282,15 @@ class ControlChannel:
         if blamed is None:
             heard = (e.culprit for e in self._ends.values() if isinstance(e, AbortRecord))
             blamed = next((c for c in heard if c is not None), None)
+        # The call it runs (its terms), whether or not it waits now: a late
+        # rank and a mismatched one differ there (``data_links.DataLinks._ask``).
+        call = self._in_flight.terms()
         waiting = self.waiting
         if waiting is None:
-            return {"what": None, "waiting_on": [], "blamed": blamed}
+            return {"what": None, "waiting_on": [], "blamed": blamed, "call": call}
         what, recv_from, send_to = waiting
         on = sorted(set(recv_from) | set(send_to))
-        return {"what": what, "waiting_on": on, "blamed": blamed}
+        return {"what": what, "waiting_on": on, "blamed": blamed, "call": call}
 
     # ------------------------------------------------------------------ writing
 
@@ -452,14 +464,13 @@ class Causes:
         """The first abort heard of, from any rank (``ControlChannel.first_abort``)."""
         return None if self.control is None else self.control.first_abort()
 
-    def calls(self, peers: list[int], answer_s: float) -> dict[int, str | None]:
-        """The call each of ``peers`` says it is in (``Call.what``), asked over
-        the control channel (a QUERY); None: in none, ended, or no answer
-        within ``answer_s``."""
+    def calls(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
+        """What each of ``peers`` says of the call it is in (``Call.what`` and
+        its ``in_flight.Terms``), asked over the control channel (a QUERY);
+        None: ended, or no answer within ``answer_s``."""
         if self.control is None:
             return {}
-        answers = self.control.ask(peers, answer_s)
-        return {p: None if s is None else s.what for p, s in answers.items()}
+        return self.control.ask(peers, answer_s)
 
     def peer_closed(
         self, peer: int, what: str, ended: AbortRecord | str | None = None

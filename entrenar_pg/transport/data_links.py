@@ -30,12 +30,17 @@ before the call's timeout (torch's default: 30 minutes). So a wait that has
 lasted ``ASK_AFTER_S`` asks the ranks it waits for which call they are in
 (the control channel's QUERY, the stall walk's question; again every
 ``ASK_AFTER_S``): one in this call (the same sequence number) but in another
-collective raises ``CollectiveMismatchError`` naming both calls, and this
-rank's abort carries it to every rank in that call. One in an earlier call,
-in none, in this same collective or silent is waited for as before (its
+collective, or in this collective with other terms (``in_flight.Terms``:
+the size, dtype, root or reduce op every rank must agree on; an allreduce
+whose size makes a star here and a ring there) raises
+``CollectiveMismatchError`` naming both calls, and this rank's abort
+carries it to every rank in that call. One in an earlier call, in none, in
+this same call with the same terms or silent is waited for as before (its
 connect may still come; a silent one is the stall walk's at the timeout).
 A wait this long is rare (a rank that reaches the call late), so the
-questions cost nothing on the common path.
+questions cost nothing on the common path; the answer's terms cost the
+long path one reference stored per call, the thin path nothing
+(``in_flight.InFlight``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import time
 from ..errors import CollectiveMismatchError, EntrenarError, PeerConnectionError
 from ..wire import OpCode
 from .control import Causes
+from .in_flight import InFlight, Terms
 from .loop import Progress
 from .rendezvous import DATA, Rendezvous
 
@@ -81,11 +87,36 @@ def other_call(mine: str, theirs: str | None) -> bool:
     return bool(sep) and their_seq == seq and their_op != op and _SHARES_SEQ not in (op, their_op)
 
 
+def other_terms(mine: str, my_call: Terms | None, their_call: Terms | None) -> bool:
+    """Whether a peer runs the call ``mine`` (``<collective>#<seq>``) names,
+    with other terms than this rank's (``in_flight.Terms``): the same
+    sequence number, another request's collective or another thing every
+    rank must agree on. Where either side has nothing to compare (a call
+    with no terms, or ``my_call`` not this call's: a job that publishes
+    none, like the contract checker's own), nothing is concluded."""
+    if my_call is None or their_call is None:
+        return False
+    seq = mine.rpartition("#")[2]
+    return (
+        str(my_call.seq) == seq
+        and their_call.seq == my_call.seq
+        and (their_call.op, their_call.agreed) != (my_call.op, my_call.agreed)
+    )
+
+
 class DataLinks:
     """One rank's data sockets made after set-up (see the module docstring)."""
 
-    def __init__(self, rank: int, rendezvous: Rendezvous, progress: Progress, causes: Causes):
+    def __init__(
+        self,
+        rank: int,
+        rendezvous: Rendezvous,
+        progress: Progress,
+        causes: Causes,
+        in_flight: InFlight | None = None,
+    ):
         self.rank = rank
+        self._in_flight = in_flight or InFlight()  # this rank's call, to compare with a peer's
         self._rendezvous = rendezvous
         self._progress = progress
         self._causes = causes
@@ -184,15 +215,24 @@ class DataLinks:
         """Ask the ranks still awaited which call they are in; raise
         CollectiveMismatchError if one is in another collective of this call
         (module docstring)."""
-        calls = self._causes.calls(waiting, _ANSWER_S)
+        answers = self._causes.calls(waiting, _ANSWER_S)
+        mine = self._in_flight.terms()
         for peer in waiting:
-            theirs = calls.get(peer)
-            if other_call(what, theirs):
-                raise CollectiveMismatchError(
-                    f"rank {self.rank}: collective mismatch with rank {peer}: this rank "
-                    f"called {what}, rank {peer} called {theirs} (found waiting for rank "
-                    f"{peer}'s first connection, which its plan does not make)"
-                )
+            state = answers.get(peer)
+            if state is None:
+                continue
+            if other_call(what, state.what):
+                ours, theirs = what, state.what
+            elif other_terms(what, mine, state.call):
+                assert mine is not None and state.call is not None
+                ours, theirs = mine.describe(), state.call.describe()
+            else:
+                continue
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: collective mismatch with rank {peer}: this rank "
+                f"called {ours}, rank {peer} called {theirs} (found waiting for rank "
+                f"{peer}'s first connection, which its plan does not make)"
+            )
 
     def close(self) -> None:
         """No more sockets are taken; the caller closes ``socks``."""

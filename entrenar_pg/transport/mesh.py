@@ -33,6 +33,7 @@ from typing import Any
 from ..config import Options, timeout_seconds
 from .control import Causes, ControlChannel, abort_record, overlay
 from .data_links import DataLinks
+from .in_flight import InFlight
 from .link_probe import PROBE_KEY, Roles, Verdict, echo, measure
 from .loop import Links, Pace, Progress
 from .plan import Plan
@@ -125,14 +126,21 @@ class Mesh:
                 raise
         data.update(self.shm)
         ctrl = self._channel(CONTROL)
-        self.control: ControlChannel | None = ControlChannel(rank, ctrl) if ctrl else None
+        # The call this rank runs (the runtime stores it; in_flight.py): what
+        # the control thread answers a peer that asks, and data_links compares.
+        self.in_flight = InFlight()
+        self.control: ControlChannel | None = (
+            ControlChannel(rank, ctrl, self.in_flight) if ctrl else None
+        )
         self.causes = Causes(rank, self.control)
         self.placement = self._tcp_placement(data, options.tcp_placement)
         self.progress = Progress(
             rank, data, self.causes, control=self.control, woken=self.shm, placement=self.placement
         )
         if self._rendezvous is not None:
-            data_links = DataLinks(rank, self._rendezvous, self.progress, self.causes)
+            data_links = DataLinks(
+                rank, self._rendezvous, self.progress, self.causes, self.in_flight
+            )
             with self._close_lock:
                 self._data_links = data_links
                 early, self._data_early = self._data_early, []

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .in_flight import Terms
+
 
 @dataclass(frozen=True, slots=True)
 class PeerState:
@@ -25,6 +27,7 @@ class PeerState:
     what: str | None  # None: not inside a collective
     waiting_on: tuple[int, ...]
     blamed: int | None = None  # whom its own walk blamed (it is failing with that)
+    call: Terms | None = None  # the call it runs, with its terms (``in_flight.py``)
 
 
 @dataclass(frozen=True, slots=True)
