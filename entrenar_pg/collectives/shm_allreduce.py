@@ -18,7 +18,10 @@ sleeps (``_spin_for``).
   in rank order left to right (the canonical tree order when
   ``call.choice.tree``): the operations and operands of ``direct.py``, so
   the bits equal TCP's.
-- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB slice
+- Large, in chunks of 4 MiB or of a whole slot (16 MiB), rank 0's choice per
+  call from the calls' own times, the same on every rank
+  (``transport/shm/chunk_plan.py``: which is faster depends on the
+  machine's state), two phases each (DeepSpeed's >= 1 MiB slice
   algorithm, whose chunks also run one after another): copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
   each rank combines its 1/N slice of the chunk across all slots (same
@@ -95,8 +98,11 @@ PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # ranks sharing one core under other jobs' load the sliced path was 1.2x
 # faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
 PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
-# A large message's chunk: a slot (``chunk_elems``).
-CHUNK_BYTES = SLOT_DATA_BYTES
+# A large message's chunks: small ones that stay in the caches, or a whole
+# slot; rank 0 picks per call from the calls' times (``chunk_elems``,
+# ``transport/shm/chunk_plan.py``; docs/benchmarks.md, "the two states").
+CHUNK_BYTES = 4 << 20
+BIG_CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
@@ -113,7 +119,8 @@ class _Shape:
     small: bool  # one phase (else chunks)
     slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements (small)
     chunk: int  # elements per chunk (large)
-    cuts: dict[int, _Cut]  # chunk length -> its slices (large: a full chunk's, the tail's)
+    big_chunk: int  # elements per chunk where rank 0 chose big ones (large)
+    cuts: dict[int, _Cut]  # chunk length -> its slices (large: full chunks', the tails')
     pair: _Pair | None  # two ranks summing a small message: its copies without torch
     pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
@@ -169,16 +176,16 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     packed = bytearray(HEADER_BYTES)
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
     nbytes = numel * dtype.itemsize
-    chunk = chunk_elems(dtype)
+    chunk, big = chunk_elems(dtype), chunk_elems(dtype, big=True)
     pair = _new_pair(area, dtype, nbytes, red.combine_kind) if numel <= chunk else None
     if nbytes <= small_max_bytes(area.world, numpy_sum=pair is not None):
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-        return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
-    lengths = {min(chunk, numel), numel % chunk or chunk}
+        return _Shape(packed, red.combine_kind, True, by_parity, chunk, big, {}, pair, None)
+    lengths = {m for c in (chunk, big) for m in (min(c, numel), numel % c or c)}
     cuts = {m: _cut(area, dtype, m) for m in lengths}
     pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
-    return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
+    return _Shape(packed, red.combine_kind, False, [], chunk, big, cuts, None, pair_cut)
 
 
 def small_max_bytes(world: int, numpy_sum: bool = False) -> int:
@@ -189,9 +196,10 @@ def small_max_bytes(world: int, numpy_sum: bool = False) -> int:
     return PAIR_SUM_SMALL_MAX_BYTES if numpy_sum else PAIR_SMALL_MAX_BYTES
 
 
-def chunk_elems(dtype: torch.dtype) -> int:
-    """Elements of a large message's full chunk (the last one may be shorter)."""
-    return max(1, CHUNK_BYTES // dtype.itemsize)
+def chunk_elems(dtype: torch.dtype, big: bool = False) -> int:
+    """Elements of a large message's full chunk, small or ``big`` (the last
+    one may be shorter)."""
+    return max(1, (BIG_CHUNK_BYTES if big else CHUNK_BYTES) // dtype.itemsize)
 
 
 def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
@@ -458,8 +466,11 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
     (but for this rank's slice), phase B reduces this rank's slice into its
     other slot, then every rank's reduced slice is copied out."""
     r = area.rank
-    numel, step = buf.numel(), shape.chunk
+    plan = area.chunk_plan
+    big = plan.begin()  # before any publish: rank 0 writes its next choice there
+    numel, step = buf.numel(), shape.big_chunk if big else shape.chunk
     tree, kind = call.choice.tree, shape.kind
+    met = 0.0  # when every rank had arrived (the call's own time starts)
     for start in range(0, numel, step):
         m = min(step, numel - start)
         cut = shape.cuts[m]
@@ -476,6 +487,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase, call, op, shape.packed, began)
         if start == 0:
             _check_headers(area, call, parity, shape.packed)
+            met = time.perf_counter()
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
         parts = cut.mine_in[parity].copy()
@@ -486,6 +498,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase + 1, call, op, shape.packed, began)
         for q, src in enumerate(outs):  # every rank's reduced slice out
             pieces[q].copy_(src)
+    plan.record(big, numel * buf.element_size(), time.perf_counter() - met)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,94 @@
+"""Which chunk size a large shm allreduce runs with, chosen by rank 0 from the calls' own times.
+
+The large path (``collectives/shm_allreduce.py``) moves a message through
+the slots chunk by chunk. Which chunk size is faster depends on the
+machine's state, and the state changes under a running job: this 2-vCPU VM
+alternates, for seconds to minutes, between a state where a line written
+on one vCPU reaches the other fast (a C ping-pong's round trip ~110 ns) and
+one where it is slow (~500 ns; docs/benchmarks.md, "the two states"). In
+the first, small chunks that stay in the caches win; in the second, the
+cache-to-cache traffic of small chunks costs more than streaming large ones
+(DeepSpeed's 32 MiB chunks overtook ours there). No fixed size wins in
+both, and neither rank can see the state, so rank 0 measures:
+
+- ``ChunkChoice`` keeps, per message size class (its power of two) and
+  chunk size, a moving estimate of the seconds per byte of the calls' own
+  time (from the first meeting, when every rank has arrived, to the end: a
+  late peer's arrival is no property of the chunk size). It picks the
+  size with the lower estimate, and every ``EXPLORE_EVERY``-th call the
+  other one, so a stale estimate is renewed after a change of state.
+- ``ChunkPlan`` makes every rank run the same size without a message of its
+  own: rank 0 writes its choice for the *next* chunked call into one of two
+  words of its slot area's control page (tagged with that call's number),
+  before its first publish of this call. A rank reads the word for its call
+  at the call's start; it got there only after seeing rank 0's publishes of
+  the previous call, so (x86-64: stores are seen in program order) the
+  word is there, and rank 0 cannot rewrite it (two calls later) before
+  every rank has published in this call, after reading it. An untagged
+  word (the first call) means small chunks on every rank alike.
+"""
+
+from __future__ import annotations
+
+EXPLORE_EVERY = 16  # one call in this many runs the chunk size not chosen
+_WEIGHT = 0.5  # of a new time in a size's estimate (states last seconds: follow fast)
+
+
+class ChunkChoice:
+    """Rank 0's record of the calls' times per (size class, chunk size), and its choice."""
+
+    def __init__(self) -> None:
+        self._per_byte: dict[tuple[int, bool], float] = {}
+        self._calls = 0
+        self._size_class = 0  # of the latest call: the next one is likely the same
+
+    def record(self, big: bool, nbytes: int, seconds: float) -> None:
+        """A call of ``nbytes`` with big chunks (or small) took ``seconds`` of its own."""
+        self._size_class = nbytes.bit_length()
+        key = (self._size_class, big)
+        now = seconds / max(nbytes, 1)
+        old = self._per_byte.get(key)
+        self._per_byte[key] = now if old is None else old + _WEIGHT * (now - old)
+
+    def next_big(self) -> bool:
+        """Big chunks for the next call? The faster estimate; every
+        ``EXPLORE_EVERY``-th call, and while a size has no estimate, the other."""
+        self._calls += 1
+        small = self._per_byte.get((self._size_class, False))
+        big = self._per_byte.get((self._size_class, True))
+        if small is None or big is None:
+            return small is not None  # try the one not measured yet (small first)
+        faster = big < small
+        return not faster if self._calls % EXPLORE_EVERY == 0 else faster
+
+
+class ChunkPlan:
+    """Every rank's view of rank 0's chunk-size words (see the module).
+
+    ``words``: rank 0's control page as 'q'; ``index``: the first of its
+    two plan words; ``choice``: rank 0's ``ChunkChoice`` (None elsewhere).
+    """
+
+    def __init__(self, words: memoryview, index: int, choice: ChunkChoice | None) -> None:
+        self._words = words
+        self._index = index
+        self._choice = choice
+        self._calls = 0  # chunked calls begun on this group (the same count on every rank)
+
+    def begin(self) -> bool:
+        """This chunked call's chunk size (True: big), the same on every rank.
+        Rank 0 also writes its choice for the next chunked call, before it
+        publishes anything of this one."""
+        call = self._calls
+        self._calls = call + 1
+        word = self._words[self._index + (call & 1)]
+        big = word == (call << 1) | 1
+        if self._choice is not None:
+            nxt = call + 1
+            self._words[self._index + (nxt & 1)] = (nxt << 1) | int(self._choice.next_big())
+        return big
+
+    def record(self, big: bool, nbytes: int, seconds: float) -> None:
+        """Rank 0 learns what the call cost (elsewhere nothing)."""
+        if self._choice is not None:
+            self._choice.record(big, nbytes, seconds)
