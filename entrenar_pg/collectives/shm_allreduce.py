@@ -18,10 +18,11 @@ sleeps (``_spin_for``).
   in rank order left to right (the canonical tree order when
   ``call.choice.tree``): the operations and operands of ``direct.py``, so
   the bits equal TCP's.
-- Large, in chunks of 4 MiB or of a whole slot (16 MiB), rank 0's choice per
-  call from the calls' own times, the same on every rank
+- Large, in chunks of 4 MiB, two phases each, each chunk at the start of
+  the slots or the chunks rotating over the slots' four quarters, rank 0's
+  choice per call from the calls' own times, the same on every rank
   (``transport/shm/chunk_plan.py``: which is faster depends on the
-  machine's state), two phases each (DeepSpeed's >= 1 MiB slice
+  machine's state; docs/benchmarks.md), as DeepSpeed's >= 1 MiB slice
   algorithm, whose chunks also run one after another): copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
   each rank combines its 1/N slice of the chunk across all slots (same
@@ -98,11 +99,13 @@ PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # ranks sharing one core under other jobs' load the sliced path was 1.2x
 # faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
 PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
-# A large message's chunks: small ones that stay in the caches, or a whole
-# slot; rank 0 picks per call from the calls' times (``chunk_elems``,
-# ``transport/shm/chunk_plan.py``; docs/benchmarks.md, "the two states").
+# A large message's chunk (``chunk_elems``). Its chunks go to the start of
+# the slots, or rotate over ``ROTATE`` such places in them; rank 0 picks
+# per call from the calls' times (``transport/shm/chunk_plan.py``;
+# docs/benchmarks.md, "the two states").
 CHUNK_BYTES = 4 << 20
-BIG_CHUNK_BYTES = SLOT_DATA_BYTES
+ROTATE = 4
+assert ROTATE * CHUNK_BYTES <= SLOT_DATA_BYTES, "the rotating chunks fit in a slot"
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
@@ -119,8 +122,9 @@ class _Shape:
     small: bool  # one phase (else chunks)
     slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements (small)
     chunk: int  # elements per chunk (large)
-    big_chunk: int  # elements per chunk where rank 0 chose big ones (large)
-    cuts: dict[int, _Cut]  # chunk length -> its slices (large: full chunks', the tails')
+    # (chunk length, place) -> its slices (large: a full chunk's and the tail's,
+    # at each of the ``ROTATE`` places)
+    cuts: dict[tuple[int, int], _Cut]
     pair: _Pair | None  # two ranks summing a small message: its copies without torch
     pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
@@ -176,16 +180,16 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
     packed = bytearray(HEADER_BYTES)
     call.header(op, Algo.SHM, dtype, reduce_op=int(red.kind), numel=numel).pack_into(packed)
     nbytes = numel * dtype.itemsize
-    chunk, big = chunk_elems(dtype), chunk_elems(dtype, big=True)
+    chunk = chunk_elems(dtype)
     pair = _new_pair(area, dtype, nbytes, red.combine_kind) if numel <= chunk else None
     if nbytes <= small_max_bytes(area.world, numpy_sum=pair is not None):
         views = area.views(dtype, numel)  # [rank][parity]
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
-        return _Shape(packed, red.combine_kind, True, by_parity, chunk, big, {}, pair, None)
-    lengths = {m for c in (chunk, big) for m in (min(c, numel), numel % c or c)}
-    cuts = {m: _cut(area, dtype, m) for m in lengths}
+        return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
+    lengths = {min(chunk, numel), numel % chunk or chunk}
+    cuts = {(m, k): _cut(area, dtype, m, k * chunk) for m in lengths for k in range(ROTATE)}
     pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
-    return _Shape(packed, red.combine_kind, False, [], chunk, big, cuts, None, pair_cut)
+    return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
 
 def small_max_bytes(world: int, numpy_sum: bool = False) -> int:
@@ -196,10 +200,9 @@ def small_max_bytes(world: int, numpy_sum: bool = False) -> int:
     return PAIR_SUM_SMALL_MAX_BYTES if numpy_sum else PAIR_SMALL_MAX_BYTES
 
 
-def chunk_elems(dtype: torch.dtype, big: bool = False) -> int:
-    """Elements of a large message's full chunk, small or ``big`` (the last
-    one may be shorter)."""
-    return max(1, (BIG_CHUNK_BYTES if big else CHUNK_BYTES) // dtype.itemsize)
+def chunk_elems(dtype: torch.dtype) -> int:
+    """Elements of a large message's full chunk (the last one may be shorter)."""
+    return max(1, CHUNK_BYTES // dtype.itemsize)
 
 
 def _small(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
@@ -467,13 +470,13 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
     other slot, then every rank's reduced slice is copied out."""
     r = area.rank
     plan = area.chunk_plan
-    big = plan.begin()  # before any publish: rank 0 writes its next choice there
-    numel, step = buf.numel(), shape.big_chunk if big else shape.chunk
+    rotate = plan.begin()  # before any publish: rank 0 writes its next choice there
+    numel, step = buf.numel(), shape.chunk
     tree, kind = call.choice.tree, shape.kind
     met = 0.0  # when every rank had arrived (the call's own time starts)
     for start in range(0, numel, step):
         m = min(step, numel - start)
-        cut = shape.cuts[m]
+        cut = shape.cuts[m, start // step % ROTATE if rotate else 0]
         pieces = buf[start : start + m].split(cut.sizes)  # [q]: rank q's slice of the chunk
         # Phase A: the chunk into this rank's slot, but for the slice this
         # rank reduces itself (read from ``buf`` directly: 1/N less copying).
@@ -498,7 +501,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase + 1, call, op, shape.packed, began)
         for q, src in enumerate(outs):  # every rank's reduced slice out
             pieces[q].copy_(src)
-    plan.record(big, numel * buf.element_size(), time.perf_counter() - met)
+    plan.record(rotate, numel * buf.element_size(), time.perf_counter() - met)
 
 
 @dataclass(slots=True)
@@ -514,10 +517,12 @@ class _Cut:
     out: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, slice q (its reduced slice)
 
 
-def _cut(area: SlotArea, dtype: torch.dtype, m: int) -> _Cut:
-    """The slices of an ``m``-element chunk (``chunk_bounds``: the same on every rank)."""
+def _cut(area: SlotArea, dtype: torch.dtype, m: int, at: int) -> _Cut:
+    """The slices of an ``m``-element chunk placed ``at`` elements into the
+    slots (``chunk_bounds``: the same on every rank)."""
     bounds = chunk_bounds(m, area.world)
-    views = area.views(dtype, m)  # [q][parity]
+    # [q][parity], from the place on
+    views = [[v[at:] for v in rank_views] for rank_views in area.views(dtype, at + m)]
     r = area.rank
     lo, hi = bounds[r]
     return _Cut(

@@ -1,23 +1,27 @@
-"""Which chunk size a large shm allreduce runs with, chosen by rank 0 from the calls' own times.
+"""Where a large shm allreduce puts its chunks, chosen by rank 0 from the calls' own times.
 
 The large path (``collectives/shm_allreduce.py``) moves a message through
-the slots chunk by chunk. Which chunk size is faster depends on the
-machine's state, and the state changes under a running job: this 2-vCPU VM
-alternates, for seconds to minutes, between a state where a line written
-on one vCPU reaches the other fast (a C ping-pong's round trip ~110 ns) and
-one where it is slow (~500 ns; docs/benchmarks.md, "the two states"). In
-the first, small chunks that stay in the caches win; in the second, the
-cache-to-cache traffic of small chunks costs more than streaming large ones
-(DeepSpeed's 32 MiB chunks overtook ours there). No fixed size wins in
-both, and neither rank can see the state, so rank 0 measures:
+the slots in 4 MiB chunks, either each chunk at the start of the slots
+(*in place*: the lines a chunk writes were read by the peers two phases
+ago) or the chunks *rotating* over the four 4 MiB quarters of the 16 MiB
+slots (a quarter is written again four chunks later). Which is faster
+depends on the machine's state, and the state changes under a running
+job: this 2-vCPU VM alternates, for seconds to minutes, between a state
+where a line written on one vCPU reaches the other fast (a C ping-pong's
+round trip ~110 ns) and one where it is slow (~500 ns; docs/benchmarks.md,
+"the two states"). In the first, in place wins (the chunks stay in the
+caches); in the second, rewriting lines the peer has just read costs
+more than the cache footprint of rotating, and in place falls behind
+DeepSpeed's 32 MiB chunks. Neither wins in both, and no rank can see the
+state, so rank 0 measures:
 
 - ``ChunkChoice`` keeps, per message size class (its power of two) and
-  chunk size, a moving estimate of the seconds per byte of the calls' own
+  placement of the chunks, a moving estimate of the seconds per byte of the calls' own
   time (from the first meeting, when every rank has arrived, to the end: a
-  late peer's arrival is no property of the chunk size). It picks the
-  size with the lower estimate, and every ``EXPLORE_EVERY``-th call the
-  other one, so a stale estimate is renewed after a change of state.
-- ``ChunkPlan`` makes every rank run the same size without a message of its
+  late peer's arrival is no property of the placement). It picks the
+  placement with the lower estimate, and every ``EXPLORE_EVERY``-th call
+  the other one, so a stale estimate is renewed after a change of state.
+- ``ChunkPlan`` makes every rank run the same placement without a message of its
   own: rank 0 writes its choice for the *next* chunked call into one of two
   words of its slot area's control page (tagged with that call's number),
   before its first publish of this call. A rank reads the word for its call
@@ -25,40 +29,40 @@ both, and neither rank can see the state, so rank 0 measures:
   the previous call, so (x86-64: stores are seen in program order) the
   word is there, and rank 0 cannot rewrite it (two calls later) before
   every rank has published in this call, after reading it. An untagged
-  word (the first call) means small chunks on every rank alike.
+  word (the first call) means in place on every rank alike.
 """
 
 from __future__ import annotations
 
-EXPLORE_EVERY = 16  # one call in this many runs the chunk size not chosen
+EXPLORE_EVERY = 16  # one call in this many runs the placement not chosen
 _WEIGHT = 0.5  # of a new time in a size's estimate (states last seconds: follow fast)
 
 
 class ChunkChoice:
-    """Rank 0's record of the calls' times per (size class, chunk size), and its choice."""
+    """Rank 0's record of the calls' times per (size class, placement), and its choice."""
 
     def __init__(self) -> None:
         self._per_byte: dict[tuple[int, bool], float] = {}
         self._calls = 0
         self._size_class = 0  # of the latest call: the next one is likely the same
 
-    def record(self, big: bool, nbytes: int, seconds: float) -> None:
-        """A call of ``nbytes`` with big chunks (or small) took ``seconds`` of its own."""
+    def record(self, rotate: bool, nbytes: int, seconds: float) -> None:
+        """A call of ``nbytes``, its chunks rotating (or in place), took ``seconds`` of its own."""
         self._size_class = nbytes.bit_length()
-        key = (self._size_class, big)
+        key = (self._size_class, rotate)
         now = seconds / max(nbytes, 1)
         old = self._per_byte.get(key)
         self._per_byte[key] = now if old is None else old + _WEIGHT * (now - old)
 
-    def next_big(self) -> bool:
-        """Big chunks for the next call? The faster estimate; every
-        ``EXPLORE_EVERY``-th call, and while a size has no estimate, the other."""
+    def next_rotates(self) -> bool:
+        """Rotate the next call's chunks? The faster estimate; every
+        ``EXPLORE_EVERY``-th call, and while one has no estimate, the other."""
         self._calls += 1
-        small = self._per_byte.get((self._size_class, False))
-        big = self._per_byte.get((self._size_class, True))
-        if small is None or big is None:
-            return small is not None  # try the one not measured yet (small first)
-        faster = big < small
+        in_place = self._per_byte.get((self._size_class, False))
+        rotating = self._per_byte.get((self._size_class, True))
+        if in_place is None or rotating is None:
+            return in_place is not None  # try the one not measured yet (in place first)
+        faster = rotating < in_place
         return not faster if self._calls % EXPLORE_EVERY == 0 else faster
 
 
@@ -76,19 +80,19 @@ class ChunkPlan:
         self._calls = 0  # chunked calls begun on this group (the same count on every rank)
 
     def begin(self) -> bool:
-        """This chunked call's chunk size (True: big), the same on every rank.
+        """Whether this chunked call's chunks rotate, the same on every rank.
         Rank 0 also writes its choice for the next chunked call, before it
         publishes anything of this one."""
         call = self._calls
         self._calls = call + 1
         word = self._words[self._index + (call & 1)]
-        big = word == (call << 1) | 1
+        rotate = word == (call << 1) | 1
         if self._choice is not None:
             nxt = call + 1
-            self._words[self._index + (nxt & 1)] = (nxt << 1) | int(self._choice.next_big())
-        return big
+            self._words[self._index + (nxt & 1)] = (nxt << 1) | int(self._choice.next_rotates())
+        return rotate
 
-    def record(self, big: bool, nbytes: int, seconds: float) -> None:
+    def record(self, rotate: bool, nbytes: int, seconds: float) -> None:
         """Rank 0 learns what the call cost (elsewhere nothing)."""
         if self._choice is not None:
-            self._choice.record(big, nbytes, seconds)
+            self._choice.record(rotate, nbytes, seconds)

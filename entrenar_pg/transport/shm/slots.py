@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
-# a larger one moves in chunks (two phases each) of 4 MiB or of a whole slot,
-# as rank 0 chose for the call (``chunk_plan.py``). Pages are touched only
-# as far as the calls reach.
+# a larger one moves in 4 MiB chunks (two phases each), at the slots' start
+# or rotating over their four quarters, as rank 0 chose for the call
+# (``chunk_plan.py``). Pages are touched only as far as the calls reach.
 SLOT_DATA_BYTES = 16 << 20
 _PAGE = mmap.PAGESIZE
 _SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
