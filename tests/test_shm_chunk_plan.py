@@ -13,25 +13,29 @@ from torch.distributed import distributed_c10d as c10d
 from entrenar_pg import Options
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.transport.shm import slots
-from entrenar_pg.transport.shm.chunk_plan import EXPLORE_EVERY, ChunkChoice, ChunkPlan
+from entrenar_pg.transport.shm.chunk_plan import EXPLORE_EVERY, EXPLORE_MAX, ChunkChoice, ChunkPlan
 
 
-def test_choice_tries_both_then_keeps_the_faster_and_explores_the_other() -> None:
+def test_choice_tries_both_keeps_the_faster_and_explores_less_while_it_holds() -> None:
     choice = ChunkChoice()
     assert choice.next_rotates() is False  # nothing measured: in place first
     choice.record(False, 1 << 20, 2.0)
     assert choice.next_rotates() is True  # then the placement not measured yet
     choice.record(True, 1 << 20, 1.0)
-    picks = [choice.next_rotates() for _ in range(2 * EXPLORE_EVERY)]
-    assert picks.count(False) == 2, picks  # rotating is faster: in place once in EXPLORE_EVERY
-    assert all(p == ((i + 3) % EXPLORE_EVERY != 0) for i, p in enumerate(picks)), picks
+    picks = [choice.next_rotates() for _ in range(400)]
+    # rotating is faster: in place explored after 16 calls, then gaps of 32, 64, 128, 128
+    assert [i for i, p in enumerate(picks) if not p] == [15, 47, 111, 239, 367], picks
+    assert EXPLORE_EVERY == 16 and EXPLORE_MAX == 128
+    for _ in range(3):  # rotating got slower (the state changed): in place wins at once
+        choice.record(True, 1 << 20, 9.0)
+    picks = [choice.next_rotates() for _ in range(40)]
+    assert [i for i, p in enumerate(picks) if p] == [15], picks  # and is explored often again
 
 
 def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
     choice = ChunkChoice()
     choice.record(False, 1 << 24, 1.0)
     choice.record(True, 1 << 24, 2.0)
-    choice._calls = 1  # not an exploring call next
     assert choice.next_rotates() is False
     for _ in range(3):  # in place got slower (the state changed): rotating's estimate wins
         choice.record(False, 1 << 24, 8.0)
@@ -40,7 +44,6 @@ def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
     choice.record(False, 1 << 20, 1.0)
     assert choice.next_rotates() is True  # its rotating not measured yet
     choice.record(True, 1 << 20, 3.0)
-    choice._calls = 1
     assert choice.next_rotates() is False
 
 

@@ -19,7 +19,7 @@ state, so rank 0 measures:
   placement of the chunks, a moving estimate of the seconds per byte of the calls' own
   time (from the first meeting, when every rank has arrived, to the end: a
   late peer's arrival is no property of the placement). It picks the
-  placement with the lower estimate, and every ``EXPLORE_EVERY``-th call
+  placement with the lower estimate, and now and then (``EXPLORE_EVERY``)
   the other one, so a stale estimate is renewed after a change of state.
 - ``ChunkPlan`` makes every rank run the same placement without a message of its
   own: rank 0 writes its choice for the *next* chunked call into one of two
@@ -34,7 +34,14 @@ state, so rank 0 measures:
 
 from __future__ import annotations
 
-EXPLORE_EVERY = 16  # one call in this many runs the placement not chosen
+# One call in EXPLORE_EVERY runs the placement not chosen; each such call
+# that does not change the choice doubles the gap (to EXPLORE_MAX), a change
+# of choice resets it. An explored call costs ~1.3-1.5x (docs/benchmarks.md):
+# ~2 % of a steady state's time at 16, ~0.3 % at 128; the choice follows a
+# state that slows the placement chosen at its next call, one that only
+# speeds up the other within EXPLORE_MAX calls.
+EXPLORE_EVERY = 16
+EXPLORE_MAX = 128
 _WEIGHT = 0.5  # of a new time in a size's estimate (states last seconds: follow fast)
 
 
@@ -43,8 +50,10 @@ class ChunkChoice:
 
     def __init__(self) -> None:
         self._per_byte: dict[tuple[int, bool], float] = {}
-        self._calls = 0
         self._size_class = 0  # of the latest call: the next one is likely the same
+        self._chosen = False  # the placement the estimates favour
+        self._gap = EXPLORE_EVERY  # calls between explorations now
+        self._since = 0  # calls since the last exploration
 
     def record(self, rotate: bool, nbytes: int, seconds: float) -> None:
         """A call of ``nbytes``, its chunks rotating (or in place), took ``seconds`` of its own."""
@@ -55,15 +64,20 @@ class ChunkChoice:
         self._per_byte[key] = now if old is None else old + _WEIGHT * (now - old)
 
     def next_rotates(self) -> bool:
-        """Rotate the next call's chunks? The faster estimate; every
-        ``EXPLORE_EVERY``-th call, and while one has no estimate, the other."""
-        self._calls += 1
+        """Rotate the next call's chunks? The faster estimate; the other while
+        it has no estimate, and once per gap (see ``EXPLORE_EVERY``)."""
         in_place = self._per_byte.get((self._size_class, False))
         rotating = self._per_byte.get((self._size_class, True))
         if in_place is None or rotating is None:
             return in_place is not None  # try the one not measured yet (in place first)
         faster = rotating < in_place
-        return not faster if self._calls % EXPLORE_EVERY == 0 else faster
+        if faster != self._chosen:  # the state changed (or the noise did): look often again
+            self._chosen, self._gap, self._since = faster, EXPLORE_EVERY, 0
+        self._since += 1
+        if self._since < self._gap:
+            return faster
+        self._since, self._gap = 0, min(2 * self._gap, EXPLORE_MAX)
+        return not faster
 
 
 class ChunkPlan:
