@@ -473,7 +473,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
     rotate = plan.begin()  # before any publish: rank 0 writes its next choice there
     numel, step = buf.numel(), shape.chunk
     tree, kind = call.choice.tree, shape.kind
-    met = 0.0  # when every rank had arrived (the call's own time starts)
+    met = 0.0  # this thread's CPU time when every rank had arrived (the call's own time)
     for start in range(0, numel, step):
         m = min(step, numel - start)
         cut = shape.cuts[m, start // step % ROTATE if rotate else 0]
@@ -490,7 +490,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase, call, op, shape.packed, began)
         if start == 0:
             _check_headers(area, call, parity, shape.packed)
-            met = time.perf_counter()
+            met = time.thread_time()
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
         parts = cut.mine_in[parity].copy()
@@ -501,7 +501,7 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase + 1, call, op, shape.packed, began)
         for q, src in enumerate(outs):  # every rank's reduced slice out
             pieces[q].copy_(src)
-    plan.record(rotate, numel * buf.element_size(), time.perf_counter() - met)
+    plan.record(rotate, numel * buf.element_size(), time.thread_time() - met)
 
 
 @dataclass(slots=True)
