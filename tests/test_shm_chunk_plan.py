@@ -19,8 +19,12 @@ from entrenar_pg.transport.shm.chunk_plan import EXPLORE_EVERY, EXPLORE_MAX, Chu
 def test_choice_tries_both_keeps_the_faster_and_explores_less_while_it_holds() -> None:
     choice = ChunkChoice()
     assert choice.next_rotates() is False  # nothing measured: in place first
+    choice.record(False, 1 << 20, 50.0)  # a first call (page faults): not counted
+    assert choice.next_rotates() is False
     choice.record(False, 1 << 20, 2.0)
     assert choice.next_rotates() is True  # then the placement not measured yet
+    choice.record(True, 1 << 20, 50.0)
+    assert choice.next_rotates() is True
     choice.record(True, 1 << 20, 1.0)
     picks = [choice.next_rotates() for _ in range(400)]
     # rotating is faster: in place explored after 16 calls, then gaps of 32, 64, 128, 128
@@ -34,15 +38,18 @@ def test_choice_tries_both_keeps_the_faster_and_explores_less_while_it_holds() -
 
 def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
     choice = ChunkChoice()
-    choice.record(False, 1 << 24, 1.0)
-    choice.record(True, 1 << 24, 2.0)
+    for rotate, first, then in ((False, 9.0, 1.0), (True, 9.0, 2.0)):
+        choice.record(rotate, 1 << 24, first)  # (not counted)
+        choice.record(rotate, 1 << 24, then)
     assert choice.next_rotates() is False
     for _ in range(3):  # in place got slower (the state changed): rotating's estimate wins
         choice.record(False, 1 << 24, 8.0)
     assert choice.next_rotates() is True
     # another size class has estimates of its own: nothing measured there yet
+    choice.record(False, 1 << 20, 9.0)
     choice.record(False, 1 << 20, 1.0)
     assert choice.next_rotates() is True  # its rotating not measured yet
+    choice.record(True, 1 << 20, 9.0)
     choice.record(True, 1 << 20, 3.0)
     assert choice.next_rotates() is False
 

@@ -54,6 +54,10 @@ class ChunkChoice:
 
     def __init__(self) -> None:
         self._per_byte: dict[tuple[int, bool], float] = {}
+        # (size class, placement) seen once: a first call touches its slot pages
+        # first (page faults: measured, it kept rotating's estimate high for ~120
+        # calls in a far state), so the first call of each is not counted
+        self._warm: set[tuple[int, bool]] = set()
         self._size_class = 0  # of the latest call: the next one is likely the same
         self._chosen = False  # the placement the estimates favour
         self._gap = EXPLORE_EVERY  # calls between explorations now
@@ -63,6 +67,9 @@ class ChunkChoice:
         """A call of ``nbytes``, its chunks rotating (or in place), took ``seconds`` of its own."""
         self._size_class = nbytes.bit_length()
         key = (self._size_class, rotate)
+        if key not in self._warm:
+            self._warm.add(key)
+            return
         now = seconds / max(nbytes, 1)
         old = self._per_byte.get(key)
         if old is None:
