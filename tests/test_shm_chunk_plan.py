@@ -45,6 +45,8 @@ def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
     for _ in range(3):  # in place got slower (the state changed): rotating's estimate wins
         choice.record(False, 1 << 24, 8.0)
     assert choice.next_rotates() is True
+    choice.record(False, 1 << 24, 0.5)  # one cheaper explored call: in place's cost now
+    assert choice.next_rotates() is False
     # another size class has estimates of its own: nothing measured there yet
     choice.record(False, 1 << 20, 9.0)
     choice.record(False, 1 << 20, 1.0)

@@ -22,7 +22,9 @@ state, so rank 0 measures:
   time, not the clock's: on a loaded machine a preempted call's wall time
   says nothing of its placement (measured: with wall times the choice went
   wrong at load 2-4, 16 MiB at 1.30x the previous release in the near
-  state); a call dearer than twice the estimate counts as twice. It picks the
+  state). A cheaper call sets the estimate, a dearer one moves it halfway
+  (and counts as at most twice it); the first call of each is not counted
+  (its page faults). It picks the
   placement with the lower estimate, and now and then (``EXPLORE_EVERY``)
   the other one, so a stale estimate is renewed after a change of state.
 - ``ChunkPlan`` makes every rank run the same placement without a message of its
@@ -72,9 +74,13 @@ class ChunkChoice:
             return
         now = seconds / max(nbytes, 1)
         old = self._per_byte.get(key)
-        if old is None:
+        if old is None or now < old:
+            # Down at once: a disturbance only adds time, so a cheaper call is
+            # the placement's cost now (one explored call undoes an estimate
+            # that a burst of other work inflated: measured, ~20 calls in place
+            # in a far state otherwise).
             self._per_byte[key] = now
-        else:  # one disturbed call moves the estimate by at most half of it
+        else:  # up by half, and one disturbed call by at most half the estimate
             self._per_byte[key] = old + _WEIGHT * (min(now, 2 * old) - old)
 
     def next_rotates(self) -> bool:
