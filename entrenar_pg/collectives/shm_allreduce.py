@@ -498,9 +498,11 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         outs = cut.out[parity ^ 1]
         _combine(outs[r], parts, kind, tree, call.scratch)
         area.publish(phase + 1)
+        pieces[r].copy_(outs[r])  # this rank's own sum out while the peers finish theirs
         _await(area, phase + 1, call, op, shape.packed, began)
-        for q, src in enumerate(outs):  # every rank's reduced slice out
-            pieces[q].copy_(src)
+        for q, src in enumerate(outs):  # every other rank's reduced slice out
+            if q != r:
+                pieces[q].copy_(src)
     plan.record(rotate, numel * buf.element_size(), time.thread_time() - met)
 
 
