@@ -22,16 +22,17 @@ sleeps (``_spin_for``).
   the slots or the chunks rotating over the slots' four quarters, rank 0's
   choice per call from the calls' own times, the same on every rank
   (``transport/shm/chunk_plan.py``: which is faster depends on the
-  machine's state; docs/benchmarks.md), as DeepSpeed's >= 1 MiB slice
-  algorithm, whose chunks also run one after another): copy the chunk in
+  machine's state; docs/benchmarks.md), the chunks one after another as
+  in DeepSpeed's >= 1 MiB slice algorithm: copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
   each rank combines its 1/N slice of the chunk across all slots (same
   order) into its other slot; then every rank copies all N reduced slices
-  out. The first chunk's headers are compared as above. Pipelining the
-  chunks (chunk t's copy-in, chunk t - 1's reduction and copy-out in one
-  phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
-  MiB (the reduction then reads a chunk copied in a phase earlier, after
-  another chunk went through the caches), so the chunks stay in sequence.
+  out, its own while the peers finish theirs. The first chunk's headers
+  are compared as above. Pipelining the chunks (chunk t's copy-in, chunk
+  t - 1's reduction and copy-out in one phase: K + 1 phases for K
+  chunks) was measured 10-25% slower here at 4-64 MiB (the reduction then
+  reads a chunk copied in a phase earlier, after another chunk went
+  through the caches), so the chunks stay in sequence.
   Two ranks slice above 256 KiB, or above 128 KiB when they sum with numpy
   (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
   and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
