@@ -24,11 +24,11 @@ state, so rank 0 measures:
   wrong at load 2-4, 16 MiB at 1.30x the previous release in the near
   state). A cheaper call sets the estimate, a dearer one moves it halfway
   (and counts as at most twice it); the first call of each is not counted
-  (its page faults). It picks the
-  placement with the lower estimate, and now and then (``EXPLORE_EVERY``)
-  the other one, so a stale estimate is renewed after a change of state.
-- ``ChunkPlan`` makes every rank run the same placement without a message of its
-  own: rank 0 writes its choice for the *next* chunked call into one of two
+  (its page faults). It picks the placement with the lower estimate, and
+  now and then (``EXPLORE_EVERY``) the other one, so a stale estimate is
+  renewed after a change of state.
+- ``ChunkPlan`` makes every rank run the same placement without a message
+  of its own: rank 0 writes its choice for the *next* chunked call into one of two
   words of its slot area's control page (tagged with that call's number),
   before its first publish of this call. A rank reads the word for its call
   at the call's start; it got there only after seeing rank 0's publishes of
@@ -42,10 +42,10 @@ from __future__ import annotations
 
 # One call in EXPLORE_EVERY runs the placement not chosen; each such call
 # that does not change the choice doubles the gap (to EXPLORE_MAX), a change
-# of choice resets it. An explored call costs ~1.3-1.5x (docs/benchmarks.md):
-# ~2 % of a steady state's time at 16, ~0.3 % at 128; the choice follows a
-# state that slows the placement chosen at its next call, one that only
-# speeds up the other within EXPLORE_MAX calls.
+# of choice resets it. An explored call costs 1.5-1.7x in the near state
+# (docs/benchmarks.md): ~4 % of a steady state's time at 16, ~0.5 % at 128.
+# The choice follows a state that slows the placement chosen within a few
+# calls, one that only speeds up the other within EXPLORE_MAX calls.
 EXPLORE_EVERY = 16
 EXPLORE_MAX = 128
 _WEIGHT = 0.5  # of a new time in a size's estimate (states last seconds: follow fast)
