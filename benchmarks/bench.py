@@ -89,6 +89,7 @@ from benchmarks.config import (
     base_name,
     with_transports,
 )
+from benchmarks.cross_core import round_trip_ns
 from benchmarks.deepspeed_peer import deepspeed_available
 from benchmarks.goals import issue17_goals
 from benchmarks.machine import (
@@ -178,6 +179,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the whole benchmark described by ``cfg``; returns the JSON-able result."""
     started = time.time()
     notes: list[str] = []
+    # Which of the machine's two states the run starts in (benchmarks/cross_core.py).
+    round_trip_start = round_trip_ns()
     algos = list(cfg.algos)
     ok, why = entrenar_available()
     if not ok and any(SWEEP_VARIANTS[a].backend == "entrenar" for a in algos):
@@ -263,6 +266,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     result["goals"] = issue17_goals(result["allreduce"])
     result["meta"]["elapsed_s"] = time.time() - started
     result["meta"]["loadavg_end"] = list(os.getloadavg())
+    trips = [round_trip_start, round_trip_ns()]
+    result["meta"]["cross_core_round_trip_ns"] = trips
+    if None not in trips:
+        notes.append(
+            "cross-core round trip CPU 0 <-> 1 (python -m benchmarks.cross_core): "
+            + " at start, ".join(f"{ns:.0f} ns" for ns in trips)
+            + " at end (this VM's near state ~175 ns, its far state ~560: docs/benchmarks.md)"
+        )
     return result
 
 
