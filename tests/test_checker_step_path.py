@@ -19,6 +19,7 @@ from conftest import run_ranks
 from entrenar_pg import EntrenarProcessGroup, Options
 from entrenar_pg.api import process_group
 from entrenar_pg.checker import checker as checker_mod
+from entrenar_pg.checker import projection
 from entrenar_pg.runtime.engine import Engine
 
 CHECK = Options(check=True)
@@ -44,30 +45,37 @@ def test_a_deferred_step_is_marked_without_a_job() -> None:
     """A watched step's post-hook hashes the parameters and marks the step in issue
     order: no job, so no sequence number of its own. Each step after the first
     costs one job (its pre-hook's exchange); every step and record is still
-    judged, and a replica diverged after the last step is still caught at
-    shutdown. (Before: each post-hook also ran a job to mark the step, one more
-    sequence number per step.)"""
-    steps = 4
+    judged. So a step of two buckets advances the sequence number by 3, and
+    the same bucket meets all 16 pairs of projection vectors (``seq mod 16``)
+    over 16 steps (docs/contracts.md, "What each check can and cannot
+    miss"). (Before: each post-hook also ran a job to mark the step: 4 per
+    step, and the bucket met only 4 of the pairs.)"""
+    steps = 17
 
-    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int, int, int]:
+    def body(rank: int, pg: EntrenarProcessGroup) -> tuple[int, int, int, int, set[int]]:
         model, opt = _model()
         assert pg.checker is not None
         pg.checker.watch(opt)
-        for _ in range(steps):
+        pairs: set[int] = set()  # the pairs the first bucket met, from the second step on
+        for step in range(steps):
             model(torch.ones(3, 4)).sum().backward()
-            for p in model.parameters():
+            for i, p in enumerate(model.parameters()):
                 assert p.grad is not None
                 pg.allreduce([p.grad], _sum(async_op=True)).wait()
+                if i == 0 and step:
+                    pairs.add(pg._runtime.seq % projection.VARIANTS)
             opt.step()
         seq = pg._runtime.seq
         pg.checker.flush()  # judges the last step (one more job)
-        return seq, pg.checker.steps_checked, pg.checker.checked["C-DDP-001"], pg._runtime.seq
+        checker = pg.checker
+        return seq, checker.steps_checked, checker.checked["C-DDP-001"], pg._runtime.seq, pairs
 
     allreduces = 2 * steps
-    for seq, stepped, compared, after_flush in run_ranks(2, body, options=CHECK):
-        # the allreduces, and steps 1..3 judged in the pre-hooks of steps 2..4
+    for seq, stepped, compared, after_flush, pairs in run_ranks(2, body, options=CHECK):
+        # the allreduces, and steps 1..16 judged in the pre-hooks of steps 2..17
         assert seq == allreduces + (steps - 1), seq
         assert (stepped, compared, after_flush) == (steps, steps, seq + 1)
+        assert pairs == set(range(projection.VARIANTS)), sorted(pairs)
 
 
 @pytest.mark.timeout(60)
