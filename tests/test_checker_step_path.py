@@ -128,3 +128,40 @@ def test_step_check_waits_for_a_finishing_comm_thread(monkeypatch: pytest.Monkey
 
     callers = run_ranks(2, body, options=CHECK)
     assert ran_in == {r: callers[r] for r in range(2)}, (ran_in, callers)
+
+
+@pytest.mark.timeout(60)
+def test_two_marked_steps_without_a_pre_hook_between() -> None:
+    """With the pre-hook removed (only the post-hook left), each step's mark finds
+    the previous step's batch still waiting: the group's next job judges the
+    older one first. Replicas diverged after step 2 are still caught on every
+    rank, naming C-DDP-001 and step 2, and nothing hangs."""
+    k = 2
+
+    def body(rank: int, pg: EntrenarProcessGroup) -> str:
+        model, opt = _model()
+        step = [0]
+
+        def perturb(o: Any, args: Any, kwargs: Any) -> None:  # before the checker's hash
+            if step[0] == k and rank == 1:
+                with torch.no_grad():
+                    model.weight[0, 0] += 1e-6
+
+        opt.register_step_post_hook(perturb)
+        assert pg.checker is not None
+        handles = pg.checker.watch(opt)
+        handles.before.remove()  # no pre-hook: steps are marked back to back
+        try:
+            for n in range(1, 6):
+                step[0] = n
+                model(torch.ones(3, 4)).sum().backward()
+                for p in model.parameters():
+                    assert p.grad is not None
+                    pg.allreduce([p.grad], _sum(async_op=True)).wait()
+                opt.step()
+        except Exception as e:  # the violation, from the job that judged the step
+            return f"{type(e).__name__}: {e}"
+        return "no violation"
+
+    for msg in run_ranks(2, body, options=CHECK):
+        assert "C-DDP-001" in msg and f"after optimizer step {k}:" in msg, msg

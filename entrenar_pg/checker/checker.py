@@ -186,7 +186,10 @@ class ContractChecker:
         """Measure a job's inputs (None: the request kind has no contract)."""
         marks = self._marks
         if marks and marks[0][0] < seq:  # a step was marked before this job
+            start, cpu = time.perf_counter(), time.thread_time()
             self._catch_up(seq, rt.call(OpCode.CHECK, 0))
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
         views_of = VIEWS.get(type(req))
         if views_of is None:
             return None
