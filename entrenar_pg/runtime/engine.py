@@ -168,11 +168,12 @@ class Engine:
         wake-ups (~50-100 us each here) while the caller waits. The common
         case is a job whose future already woke the caller, with the comm
         thread still returning from it (the contract checker's step pre-hook
-        right after DDP's last bucket). False at once when a job is queued
-        or the comm thread does not hold the token.
+        right after DDP's last bucket). False at once when a job is queued,
+        the comm thread does not hold the token, or this is the comm thread
+        (a future callback it runs: it would wait for itself).
         """
         comm = self._comm_ident
-        if self._owner != comm or self._queue:
+        if self._owner != comm or self._queue or _get_ident() == comm:
             return False
         end = time.perf_counter() + seconds
         while self._owner == comm and not self._queue and time.perf_counter() < end:
