@@ -1,14 +1,12 @@
 """The contract checker's per-step path: what a step costs the group's job machinery.
 
 A deferred step's post-hook marks the step in issue order without a job of its
-own, and a step's blocking check waits briefly for a comm thread that is
-finishing its last job rather than being handed to it (docs/contracts.md,
-"Costs"). Ranks are threads over real loopback (conftest.run_ranks).
+own (docs/contracts.md, "Costs"). Ranks are threads over real loopback
+(conftest.run_ranks).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -17,10 +15,7 @@ import torch.distributed as dist
 from conftest import run_ranks
 
 from entrenar_pg import EntrenarProcessGroup, Options
-from entrenar_pg.api import process_group
-from entrenar_pg.checker import checker as checker_mod
 from entrenar_pg.checker import projection
-from entrenar_pg.runtime.engine import Engine
 
 CHECK = Options(check=True)
 
@@ -76,58 +71,6 @@ def test_a_deferred_step_is_marked_without_a_job() -> None:
         assert seq == allreduces + (steps - 1), seq
         assert (stepped, compared, after_flush) == (steps, steps, seq + 1)
         assert pairs == set(range(projection.VARIANTS)), sorted(pairs)
-
-
-@pytest.mark.timeout(60)
-def test_step_check_waits_for_a_finishing_comm_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's blocking check issued while the comm thread still holds the group
-    (running the job before it, nothing queued) waits for it and runs in the
-    caller's thread, as on an idle group; it is not queued to the comm thread,
-    which would cost two thread wake-ups. (Before: it ran in the comm thread.)
-    The comm thread is held until the caller has asked for the token, and the
-    wait's bound is raised so a loaded machine cannot make it expire."""
-    monkeypatch.setattr(process_group, "_CHECK_TOKEN_WAIT_S", 10.0, raising=False)
-    held = {r: threading.Event() for r in range(2)}  # the comm thread holds the group
-    asked = {r: threading.Event() for r in range(2)}  # the caller waits for the token
-    real_before = checker_mod.ContractChecker.before
-    real_await = getattr(Engine, "await_release", None)
-
-    def holding_before(self: Any, rt: Any, seq: int, req: Any, hosts: Any) -> Any:
-        rank = rt.rank
-        if seq == 2:  # the async allreduce below, in the comm thread
-            held[rank].set()
-            asked[rank].wait(3.0)  # (unfixed code never asks: the job goes on after 3 s)
-        return real_before(self, rt, seq, req, hosts)
-
-    def asking(self: Engine, seconds: float) -> bool:
-        asked[self.rank].set()
-        assert real_await is not None
-        return bool(real_await(self, seconds))
-
-    monkeypatch.setattr(checker_mod.ContractChecker, "before", holding_before)
-    monkeypatch.setattr(Engine, "await_release", asking, raising=False)
-    ran_in: dict[int, str] = {}
-    real_exchange = checker_mod.exchange
-
-    def where(call: Any, payload: list[int], aux: int) -> list[list[int]]:
-        if aux == checker_mod._AUX_STEP:
-            ran_in[call.rank] = threading.current_thread().name
-        return real_exchange(call, payload, aux)
-
-    monkeypatch.setattr(checker_mod, "exchange", where)
-
-    def body(rank: int, pg: EntrenarProcessGroup) -> str:
-        assert pg.checker is not None
-        params = [torch.arange(10.0)]
-        pg.checker.check_parameters(params)  # seq 1: a first step, on an idle group
-        work = pg.allreduce([torch.ones(1024)], _sum(async_op=True))  # seq 2: comm thread
-        assert held[rank].wait(10.0), "the comm thread did not start the allreduce"
-        pg.checker.check_parameters(params)  # seq 3: issued while the comm thread holds it
-        work.wait()
-        return threading.current_thread().name
-
-    callers = run_ranks(2, body, options=CHECK)
-    assert ran_in == {r: callers[r] for r in range(2)}, (ran_in, callers)
 
 
 @pytest.mark.timeout(60)

@@ -46,11 +46,6 @@ from .dynamo_boundary import hide_from_dynamo
 
 log = logging.getLogger(__name__)
 
-# How long a blocking checker job waits for a comm thread that is finishing the
-# job which woke its caller (``Engine.await_release``), rather than being handed
-# to it: about what the hand-off's two wake-ups cost.
-_CHECK_TOKEN_WAIT_S = 200e-6
-
 
 class EntrenarProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run over entrenar's TCP mesh."""
@@ -125,14 +120,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         self._runtime.checker = checker
 
     def submit_check(self, run: Callable[[Any], None]) -> Any:
-        """The checker's entry: ``run(call)`` as the next job (a Work; idle: ``ThinPath.check``).
-
-        A comm thread still returning from the job that woke the caller is
-        waited for, up to ``_CHECK_TOKEN_WAIT_S``, so the check runs here rather
-        than through the comm thread's queue (docs/contracts.md, "Costs")."""
+        """The checker's entry: ``run(call)`` as the next job (a Work; idle: ``ThinPath.check``)."""
         done = self._thin.check(run)
-        if done is None and self._runtime.engine.await_release(_CHECK_TOKEN_WAIT_S):
-            done = self._thin.check(run)
         return done if done is not None else self._runtime.submit_check(run)
 
     def mark_issue(self, marks: collections.deque[tuple[int, Any]], value: Any) -> None:

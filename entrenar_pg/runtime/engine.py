@@ -159,27 +159,6 @@ class Engine:
             with self._mutex:
                 self._cv.notify()
 
-    def await_release(self, seconds: float) -> bool:
-        """Whether the comm thread, finishing its last job with nothing queued behind
-        it, gives the token back within ``seconds`` (this thread yields meanwhile).
-
-        For a blocking caller that found the token taken (``try_claim``): its
-        job would otherwise be queued and run in the comm thread, two thread
-        wake-ups (~50-100 us each here) while the caller waits. The common
-        case is a job whose future already woke the caller, with the comm
-        thread still returning from it (the contract checker's step pre-hook
-        right after DDP's last bucket). False at once when a job is queued,
-        the comm thread does not hold the token, or this is the comm thread
-        (a future callback it runs: it would wait for itself).
-        """
-        comm = self._comm_ident
-        if self._owner != comm or self._queue or _get_ident() == comm:
-            return False
-        end = time.perf_counter() + seconds
-        while self._owner == comm and not self._queue and time.perf_counter() < end:
-            os.sched_yield()  # releases the GIL: the comm thread can finish
-        return self._owner is None and not self._queue
-
     def in_comm_thread(self) -> bool:
         """True in this group's comm thread."""
         return threading.get_ident() == self._comm_ident
