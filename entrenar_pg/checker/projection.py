@@ -47,8 +47,8 @@ def variant_of(step: int, bucket: int) -> int:
 
     A call that recurs at the same bucket of every step (a DDP bucket) meets a
     new pair each step, all of them in ``VARIANTS`` consecutive steps whatever
-    the number of buckets per step; the calls of one step use distinct pairs
-    (up to ``VARIANTS`` of them: 5 is odd). Before the first step (no steps
+    the number of buckets per step; the calls of one kind in one step use
+    distinct pairs (up to ``VARIANTS`` of them: 5 is odd). Before the first step (no steps
     yet) the bucket counts every call, so a call recurring every k calls meets
     ``VARIANTS / gcd(k, VARIANTS)`` pairs. (The pair used to be ``seq mod
     VARIANTS``: a bucket then met ``VARIANTS / gcd(calls per step, VARIANTS)``
