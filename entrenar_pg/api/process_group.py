@@ -19,6 +19,7 @@ Method names cover torch 2.11 and 2.13 alike (2.13 renamed several:
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -122,6 +123,15 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         """The checker's entry: ``run(call)`` as the next job (a Work; idle: ``ThinPath.check``)."""
         done = self._thin.check(run)
         return done if done is not None else self._runtime.submit_check(run)
+
+    def mark_issue(self, marks: collections.deque[tuple[int, Any]], value: Any) -> None:
+        """Append ``(seq, value)`` to ``marks``, ``seq`` the last issued job's, while no
+        job can be issued: every job issued before has a seq <= it, every later
+        one more. The checker marks an optimizer step so, in issue order, with
+        no job of its own (its jobs read the marks)."""
+        runtime = self._runtime
+        with runtime._lock:
+            marks.append((runtime.seq, value))
 
     # ------------------------------------------------------------ torch integration
     #

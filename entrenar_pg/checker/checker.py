@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +157,11 @@ class ContractChecker:
         # next step's pre-hook (set and taken in the group's jobs, so the same
         # on every rank).
         self._due: list[int] | None = None
+        # Deferred steps marked in issue order, (seq, parameter record): the step
+        # comes after job ``seq`` and before the next, on every rank alike. The
+        # post-hook appends (``mark_issue``); the group's next job applies it
+        # (``_catch_up``), so marking a step runs no job of its own.
+        self._marks: deque[tuple[int, list[int]]] = deque()
         self._since_step: Counter[int] = Counter()  # calls of each opcode since the last step
         self._passed: Counter[str] = Counter()  # held since take_verdicts
         self._lock = threading.Lock()  # _passed: counted in job threads, taken by the caller's
@@ -179,6 +184,12 @@ class ContractChecker:
 
     def before(self, rt: Any, seq: int, req: Any, hosts: list[list[torch.Tensor]]) -> Any:
         """Measure a job's inputs (None: the request kind has no contract)."""
+        marks = self._marks
+        if marks and marks[0][0] < seq:  # a step was marked before this job
+            start, cpu = time.perf_counter(), time.thread_time()
+            self._catch_up(seq, rt.call(OpCode.CHECK, 0))
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
         views_of = VIEWS.get(type(req))
         if views_of is None:
             return None
@@ -254,6 +265,20 @@ class ContractChecker:
                 culprit=culprits[0] if len(culprits) == 1 else None,
             )
 
+    def _catch_up(self, seq: int, call: Call) -> None:
+        """In job ``seq``: apply the steps marked before it, in order (``_step``): the
+        records after a mark belong to the next step and are held, and the
+        step's batch (``_due``) waits for the next step's pre-hook. ``call``: the
+        job's CHECK call, for the exchange of two steps marked without a
+        pre-hook between."""
+        marks = self._marks
+        while marks and marks[0][0] < seq:
+            _, parameters = marks.popleft()
+            if self._due is not None:  # two steps without a pre-hook between: the older now
+                self._settle(call)
+            self._stepped()
+            self._due = parameters
+
     def _settle(self, call: Call) -> None:
         """In a job: exchange and judge the batch of the step that waits (its records
         and parameters), as the step's own job would have."""
@@ -305,7 +330,7 @@ class ContractChecker:
         """The step pre-hook: judge the previous step's batch, which waited for it,
         with the records of this step's collectives so far (one exchange; raises
         before this step updates anything). Nothing when no batch waits."""
-        if self._due is None:
+        if self._due is None and not self._marks:
             return
         start, cpu = time.perf_counter(), time.thread_time()
         try:
@@ -372,10 +397,10 @@ class ContractChecker:
                 parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1
             # A ledger's line needs the step's verdicts at the step.
             if defer and self.defer_steps and getattr(self.group, "ledger", None) is None:
-                job: _Batch | _Stepped = _Stepped(self, parameters)
+                # Marked in issue order, no job: the group's next job applies it.
+                self.group.mark_issue(self._marks, parameters)
             else:
-                job = _Batch(self, parameters, _AUX_STEP)
-            self.group.submit_check(job).wait()
+                self.group.submit_check(_Batch(self, parameters, _AUX_STEP)).wait()
         finally:
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu
@@ -417,7 +442,11 @@ def settle(checker: ContractChecker | None) -> None:
     another call, as when one rank destroys the group while handling an error
     of its own) is logged, and the step stays unjudged, so destroy never
     hides the caller's own error."""
-    if checker is None or checker._due is None or checker.group.errored() is not None:
+    if (
+        checker is None
+        or (checker._due is None and not checker._marks)
+        or checker.group.errored() is not None
+    ):
         return
     try:
         checker.flush()
@@ -441,6 +470,8 @@ class _Batch:
 
     def __call__(self, call: Call) -> None:
         checker = self.checker
+        if checker._marks:
+            checker._catch_up(call.seq, call)
         if checker._due is not None:  # a step's batch waits: it goes first, in its own order
             checker._settle(call)
             if self.aux == _AUX_BATCH and not checker._pending:
@@ -482,22 +513,6 @@ class _WatchHandles:
     def remove(self) -> None:
         self.before.remove()
         self.after.remove()
-
-
-@dataclass(frozen=True, slots=True)
-class _Stepped:
-    """The checker's job at a deferred step: the step is marked in job order, and its
-    batch (the pending records and ``parameters``) waits for the next step's pre-hook."""
-
-    checker: ContractChecker
-    parameters: list[int]
-
-    def __call__(self, call: Call) -> None:
-        checker = self.checker
-        if checker._due is not None:  # two steps without a pre-hook between: the older now
-            checker._settle(call)
-        checker._stepped()
-        checker._due = self.parameters
 
 
 @functools.cache

@@ -40,6 +40,23 @@ VARIANTS = 16
 _VARIANT_STRIDE = 1_000_003
 
 
+def variant_of(step: int, bucket: int) -> int:
+    """Which of the ``VARIANTS`` pairs of vectors a call uses, from its record's
+    optimizer step and bucket (its index among the step's calls of its kind),
+    the same on every rank.
+
+    A call that recurs at the same bucket of every step (a DDP bucket) meets a
+    new pair each step, all of them in ``VARIANTS`` consecutive steps whatever
+    the number of buckets per step; the calls of one kind in one step use
+    distinct pairs (up to ``VARIANTS`` of them: 5 is odd). Before the first step (no steps
+    yet) the bucket counts every call, so a call recurring every k calls meets
+    ``VARIANTS / gcd(k, VARIANTS)`` pairs. (The pair used to be ``seq mod
+    VARIANTS``: a bucket then met ``VARIANTS / gcd(calls per step, VARIANTS)``
+    of them, 4 for two buckets and two other jobs per step.)
+    """
+    return (step + 5 * bucket) % VARIANTS
+
+
 def tensor_weight(j: int) -> tuple[float, int]:
     """The weight (float, int) of the j-th tensor of a list: lists are projected as
     ``sum_j w_j r.x_j``, so two same-sized tensors that trade places change it.

@@ -21,7 +21,7 @@ from ..reduce_ops import FLOAT_DTYPES, INT_DTYPES, Kind
 from ..wire import DTYPE_CODE, OpCode
 from .hashing import digest, hasher, to_i64
 from .kinds import Contract, Rule, Views
-from .projection import PROJECTIONS, VARIANTS, Projection, tensor_weight
+from .projection import PROJECTIONS, Projection, tensor_weight, variant_of
 
 # Header fields.
 (LEN, SEQ, OPCODE, FLAGS, DTYPE, KIND, FACTOR, BAD, NUMEL, BUCKET, STEP, DIGEST) = range(12)
@@ -135,7 +135,7 @@ def begin(
                 at = slot_at(contract, s) + S_IN
                 for j, t in enumerate(tensors):
                     w = tensor_weight(j)[1]
-                    for k, v in enumerate(proj.ints(t, variant=seq % VARIANTS)):
+                    for k, v in enumerate(proj.ints(t, variant=variant_of(step, bucket))):
                         rec[at + k] = to_i64((rec[at + k] + w * v) & _MASK64)
     return rec
 
@@ -149,7 +149,7 @@ def _float_inputs(
     F-DP-003 costs nothing beyond it. Non-linear ops need only that part.
     """
     part = (0, 1) if linear else (0, 0)
-    variant = rec[SEQ] % VARIANTS
+    variant = variant_of(rec[STEP], rec[BUCKET])
     offset = 0
     for s, tensors in views.inputs.items():
         at = slot_at(contract, s)
@@ -190,7 +190,7 @@ def finish(
     # A replicated output is projected in 1/N shares, one per rank: they add up
     # to the projection of the output once the digests prove the outputs identical.
     part = (rank, world) if contract.replicated else (0, 1)
-    variant = rec[SEQ] % VARIANTS
+    variant = variant_of(rec[STEP], rec[BUCKET])
     is_float = CODE_IS_FLOAT.get(rec[DTYPE], False)
     projected = bool(rec[FLAGS] & PROJECTED)
     # A replicated float output is hashed in the projection's pass (one read);
