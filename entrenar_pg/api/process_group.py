@@ -125,13 +125,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         return done if done is not None else self._runtime.submit_check(run)
 
     def mark_issue(self, marks: collections.deque[tuple[int, Any]], value: Any) -> None:
-        """Append ``(seq, value)`` to ``marks``, ``seq`` the last issued job's, while no
-        job can be issued: every job issued before has a seq <= it, every later
-        one more. The checker marks an optimizer step so, in issue order, with
-        no job of its own (its jobs read the marks)."""
-        runtime = self._runtime
-        with runtime._lock:
-            marks.append((runtime.seq, value))
+        """The checker's step mark, in issue order with no job (``Runtime.mark_issue``)."""
+        self._runtime.mark_issue(marks, value)
 
     # ------------------------------------------------------------ torch integration
     #
@@ -327,12 +322,8 @@ class EntrenarProcessGroup(dist.ProcessGroup):
         """Break the group at once (within a second, whatever peers and store do):
         running, pending and later calls fail with a ``PeerConnectionError`` saying
         the group was aborted (NCCL's class for it); ``errored()`` returns it."""
-        self._runtime.abort(
-            PeerConnectionError(
-                f"rank {self._rank}: the process group was aborted (abort())",
-                culprit=self._rank,
-            )
-        )
+        why = f"rank {self._rank}: the process group was aborted (abort())"
+        self._runtime.abort(PeerConnectionError(why, culprit=self._rank))
 
     def errored(self) -> EntrenarError | None:
         """The group's first failure (an exception object; after ``abort()`` one saying

@@ -253,7 +253,7 @@ class ContractChecker:
             at = end
         steps = [row[: len(parameters)] for row in rows]
         if parameters[_P_HAS]:
-            self._judge_parameters(call, steps)
+            _judge_parameters(call, steps)
             self._count([PARAMETERS_ID])
         reporters = [r for r, row in enumerate(steps) if row[_P_ELSEWHERE]]
         if reporters:
@@ -412,25 +412,26 @@ class ContractChecker:
         self._since_step.clear()
         self._hold = self.flush_every
 
-    def _judge_parameters(self, call: Call, rows: list[list[int]]) -> None:
-        step = rows[call.rank][_P_STEP]
-        where = f"rank {call.rank}: {PARAMETERS_ID} violated after optimizer step {step}"
-        steps = [row[_P_STEP] for row in rows]
-        if len(set(steps)) > 1:
-            raise ContractViolation(f"{where}: the ranks are at different steps ({steps} by rank)")
-        shapes = [(row[_P_COUNT], row[_P_BYTES]) for row in rows]
-        if len(set(shapes)) > 1:
-            raise ContractViolation(
-                f"{where}: the ranks hold different parameter sets ((count, bytes) by rank: "
-                f"{shapes})"
-            )
-        diverged, listing = minority([row[_P_HASH] for row in rows])
-        if diverged:
-            raise ContractViolation(
-                f"{where}: the ranks hold different parameters (parameter {HASH_NAME} by "
-                f"ranks: {listing}); rank(s) {diverged} diverged",
-                culprit=diverged[0] if len(diverged) == 1 else None,
-            )
+
+def _judge_parameters(call: Call, rows: list[list[int]]) -> None:
+    """C-DDP-001 on every rank's parameter record of one step (raises on divergence)."""
+    step = rows[call.rank][_P_STEP]
+    where = f"rank {call.rank}: {PARAMETERS_ID} violated after optimizer step {step}"
+    steps = [row[_P_STEP] for row in rows]
+    if len(set(steps)) > 1:
+        raise ContractViolation(f"{where}: the ranks are at different steps ({steps} by rank)")
+    shapes = [(row[_P_COUNT], row[_P_BYTES]) for row in rows]
+    if len(set(shapes)) > 1:
+        raise ContractViolation(
+            f"{where}: the ranks hold different parameter sets ((count, bytes) by rank: {shapes})"
+        )
+    diverged, listing = minority([row[_P_HASH] for row in rows])
+    if diverged:
+        raise ContractViolation(
+            f"{where}: the ranks hold different parameters (parameter {HASH_NAME} by "
+            f"ranks: {listing}); rank(s) {diverged} diverged",
+            culprit=diverged[0] if len(diverged) == 1 else None,
+        )
 
 
 def settle(checker: ContractChecker | None) -> None:

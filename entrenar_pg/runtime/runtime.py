@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -159,6 +160,14 @@ class Runtime:
         so it runs in the caller's thread when the group is idle.
         """
         return self.submit(custom(OpCode.CHECK, run), _BLOCKING)
+
+    def mark_issue(self, marks: deque[tuple[int, Any]], value: Any) -> None:
+        """Append ``(seq, value)`` to ``marks``, ``seq`` the last issued job's, while no
+        job can be issued: every job issued before has a seq <= it, every later
+        one more. The checker marks an optimizer step so, in issue order, with
+        no job of its own (its jobs read the marks)."""
+        with self._lock:
+            marks.append((self.seq, value))
 
     def submit(self, req: Request, opts: Any = None) -> EntrenarWork:
         """Run ``req`` as the group's next job; return a Work completing with ``req.result``.
