@@ -52,7 +52,7 @@ from entrenar_pg.collectives.hierarchical import piece_count
 from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
-SLOT_DATA_BYTES = 4 << 20  # collectives/shm_allreduce.CHUNK_BYTES: the large path's small chunks
+SLOT_DATA_BYTES = 4 << 20  # transport/shm/slots.SLOT_DATA_BYTES: the chunk of the large path
 # gloo's ring (gloo/allreduce.cc) cuts the buffer into at least 2N segments and
 # keeps two in flight (recv/send issued at iteration i, waited for at i + 2), so
 # that one segment's I/O overlaps the reduction of the other. (Only a blocking

@@ -18,21 +18,16 @@ sleeps (``_spin_for``).
   in rank order left to right (the canonical tree order when
   ``call.choice.tree``): the operations and operands of ``direct.py``, so
   the bits equal TCP's.
-- Large, in chunks of 4 MiB, two phases each, each chunk at the start of
-  the slots or the chunks rotating over the slots' four quarters, rank 0's
-  choice per call from the calls' own times, the same on every rank
-  (``transport/shm/chunk_plan.py``: which is faster depends on the
-  machine's state; docs/benchmarks.md), the chunks one after another as
-  in DeepSpeed's >= 1 MiB slice algorithm: copy the chunk in
+- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB slice
+  algorithm, whose chunks also run one after another): copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
   each rank combines its 1/N slice of the chunk across all slots (same
   order) into its other slot; then every rank copies all N reduced slices
-  out, its own while the peers finish theirs. The first chunk's headers
-  are compared as above. Pipelining the chunks (chunk t's copy-in, chunk
-  t - 1's reduction and copy-out in one phase: K + 1 phases for K
-  chunks) was measured 10-25% slower here at 4-64 MiB (the reduction then
-  reads a chunk copied in a phase earlier, after another chunk went
-  through the caches), so the chunks stay in sequence.
+  out. The first chunk's headers are compared as above. Pipelining the
+  chunks (chunk t's copy-in, chunk t - 1's reduction and copy-out in one
+  phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
+  MiB (the reduction then reads a chunk copied in a phase earlier, after
+  another chunk went through the caches), so the chunks stay in sequence.
   Two ranks slice above 256 KiB, or above 128 KiB when they sum with numpy
   (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
   and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
@@ -100,13 +95,8 @@ PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # ranks sharing one core under other jobs' load the sliced path was 1.2x
 # faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
 PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
-# A large message's chunk (``chunk_elems``). Its chunks go to the start of
-# the slots, or rotate over ``ROTATE`` such places in them; rank 0 picks
-# per call from the calls' times (``transport/shm/chunk_plan.py``;
-# docs/benchmarks.md, "the two states").
-CHUNK_BYTES = 4 << 20
-ROTATE = 4
-assert ROTATE * CHUNK_BYTES <= SLOT_DATA_BYTES, "the rotating chunks fit in a slot"
+# A large message's chunk: a slot (``chunk_elems``).
+CHUNK_BYTES = SLOT_DATA_BYTES
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
@@ -123,9 +113,7 @@ class _Shape:
     small: bool  # one phase (else chunks)
     slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements (small)
     chunk: int  # elements per chunk (large)
-    # (chunk length, place) -> its slices (large: a full chunk's and the tail's,
-    # at each of the ``ROTATE`` places)
-    cuts: dict[tuple[int, int], _Cut]
+    cuts: dict[int, _Cut]  # chunk length -> its slices (large: a full chunk's, the tail's)
     pair: _Pair | None  # two ranks summing a small message: its copies without torch
     pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
@@ -188,7 +176,7 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
         return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
     lengths = {min(chunk, numel), numel % chunk or chunk}
-    cuts = {(m, k): _cut(area, dtype, m, k * chunk) for m in lengths for k in range(ROTATE)}
+    cuts = {m: _cut(area, dtype, m) for m in lengths}
     pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
     return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
@@ -470,14 +458,11 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
     (but for this rank's slice), phase B reduces this rank's slice into its
     other slot, then every rank's reduced slice is copied out."""
     r = area.rank
-    plan = area.chunk_plan
-    rotate = plan.begin()  # before any publish: rank 0 writes its next choice there
     numel, step = buf.numel(), shape.chunk
     tree, kind = call.choice.tree, shape.kind
-    met = 0.0  # this thread's CPU time when every rank had arrived (the call's own time)
     for start in range(0, numel, step):
         m = min(step, numel - start)
-        cut = shape.cuts[m, start // step % ROTATE if rotate else 0]
+        cut = shape.cuts[m]
         pieces = buf[start : start + m].split(cut.sizes)  # [q]: rank q's slice of the chunk
         # Phase A: the chunk into this rank's slot, but for the slice this
         # rank reduces itself (read from ``buf`` directly: 1/N less copying).
@@ -491,7 +476,6 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase, call, op, shape.packed, began)
         if start == 0:
             _check_headers(area, call, parity, shape.packed)
-            met = time.thread_time()
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
         parts = cut.mine_in[parity].copy()
@@ -499,12 +483,9 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         outs = cut.out[parity ^ 1]
         _combine(outs[r], parts, kind, tree, call.scratch)
         area.publish(phase + 1)
-        pieces[r].copy_(outs[r])  # this rank's own sum out while the peers finish theirs
         _await(area, phase + 1, call, op, shape.packed, began)
-        for q, src in enumerate(outs):  # every other rank's reduced slice out
-            if q != r:
-                pieces[q].copy_(src)
-    plan.record(rotate, numel * buf.element_size(), time.thread_time() - met)
+        for q, src in enumerate(outs):  # every rank's reduced slice out
+            pieces[q].copy_(src)
 
 
 @dataclass(slots=True)
@@ -520,12 +501,10 @@ class _Cut:
     out: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, slice q (its reduced slice)
 
 
-def _cut(area: SlotArea, dtype: torch.dtype, m: int, at: int) -> _Cut:
-    """The slices of an ``m``-element chunk placed ``at`` elements into the
-    slots (``chunk_bounds``: the same on every rank)."""
+def _cut(area: SlotArea, dtype: torch.dtype, m: int) -> _Cut:
+    """The slices of an ``m``-element chunk (``chunk_bounds``: the same on every rank)."""
     bounds = chunk_bounds(m, area.world)
-    # [q][parity], from the place on
-    views = [[v[at:] for v in rank_views] for rank_views in area.views(dtype, at + m)]
+    views = area.views(dtype, m)  # [q][parity]
     r = area.rank
     lo, hi = bounds[r]
     return _Cut(

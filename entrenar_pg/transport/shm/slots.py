@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ...config import SHM_SLEEP_CAP_S
-from .chunk_plan import ChunkChoice, ChunkPlan
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -54,10 +53,8 @@ if TYPE_CHECKING:
 
 SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
-# a larger one moves in 4 MiB chunks (two phases each), at the slots' start
-# or rotating over their four quarters, as rank 0 chose for the call
-# (``chunk_plan.py``). Pages are touched only as far as the calls reach.
-SLOT_DATA_BYTES = 16 << 20
+# a larger one moves in chunks of this size (two phases each).
+SLOT_DATA_BYTES = 4 << 20
 _PAGE = mmap.PAGESIZE
 _SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
 AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the page)
@@ -68,7 +65,6 @@ _ARRIVED = 64 // 8
 _SLEEPS = 128 // 8
 _FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
 _CPU = 256 // 8  # the CPU this rank last found itself on, + 1 (``placement.Placement``)
-_CHUNK_PLAN = 320 // 8  # two words: rank 0's chunk size for the next chunked calls (``chunk_plan``)
 _HEADER_BYTES = 32  # wire.HEADER_BYTES (a plan's frame starts with one)
 _NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
 
@@ -142,9 +138,6 @@ class SlotArea:
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
         self.placement = Placement(rank, self._own, self._peer_ctl, _CPU, enabled=placement)
-        # The large path's chunk size per call, rank 0's choice (``chunk_plan.py``).
-        choice = ChunkChoice() if rank == 0 else None
-        self.chunk_plan = ChunkPlan(self._ctl[0], _CHUNK_PLAN, choice)
 
     # ---------------------------------------------------------------- data
 
