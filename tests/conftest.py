@@ -77,12 +77,17 @@ def run_ranks(
     options: Options | None = None,
     timeout_s: float = 60.0,
     groups: list[EntrenarProcessGroup] | None = None,
+    release: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, group)`` on ``world`` threads at once; return the results in rank order.
 
     Raises the first exception any rank raised; a rank still running after
-    ``timeout_s`` fails the test (a hang is a failure).
+    ``timeout_s`` fails the test (a hang is a failure). Groups it made are
+    shut down after; given ``groups`` are left to the caller, or ended by
+    ``release`` ("abort" or "shutdown") whatever happened.
     """
+    if release not in (None, "abort", "shutdown"):
+        raise ValueError(f"run_ranks: release must be 'abort' or 'shutdown', got {release!r}")
     own = groups is None
     gs = make_groups(world, options) if groups is None else groups
     results: list[Any] = [None] * world
@@ -109,9 +114,10 @@ def run_ranks(
             raise errors[min(errors)]
         return results
     finally:
-        if own:
+        end = "shutdown" if own else release
+        if end is not None:
             for g in gs:
-                g.shutdown()
+                getattr(g, end)()
 
 
 def each_rank(

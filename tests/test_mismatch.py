@@ -325,11 +325,7 @@ def _bad_root_then(world: int, then: str, timeout_s: float = 10.0) -> list[Any]:
             return e
         return None
 
-    try:
-        return run_ranks(world, fn, groups=groups, timeout_s=timeout_s + 30)
-    finally:
-        for g in groups:
-            g.shutdown()
+    return run_ranks(world, fn, groups=groups, timeout_s=timeout_s + 30, release="shutdown")
 
 
 @pytest.mark.timeout(60)

@@ -103,11 +103,7 @@ def _outcomes(
             return e, time.monotonic() - start
         return None, time.monotonic() - start
 
-    try:
-        return run_ranks(WORLD, fn, groups=groups, timeout_s=timeout_s + 30)
-    finally:
-        for g in groups:
-            g.abort()
+    return run_ranks(WORLD, fn, groups=groups, timeout_s=timeout_s + 30, release="abort")
 
 
 @pytest.mark.timeout(90)
@@ -190,11 +186,7 @@ def test_a_rank_tells_the_terms_of_its_call_alike_on_either_path() -> None:
             _issue(pg, rank, "allreduce-large", TIMEOUT_S)  # let rank 0's call end
         return got
 
-    try:
-        thin, told = run_ranks(2, fn, groups=groups, timeout_s=TIMEOUT_S + 30)
-    finally:
-        for g in groups:
-            g.abort()
+    thin, told = run_ranks(2, fn, groups=groups, timeout_s=TIMEOUT_S + 30, release="abort")
     assert thin == [False, True]  # the long path, then the thin one
     agreed = "float32, 4096 elements, sum"
     assert told == [Terms(1, "allreduce", agreed), Terms(2, "allreduce", agreed)], told
