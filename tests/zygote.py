@@ -104,12 +104,18 @@ def stand_in(argv: list[str]) -> None:
     if not path:
         os.execv(sys.executable, [sys.executable, "-u", *argv])
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    # Held until the handlers that forward them are in place: a signal that
+    # came once the worker ran (it may print before this process hears its
+    # pid) would otherwise end the stand-in, and the zygote, seeing the
+    # connection close, would kill the worker before its own handler ran.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     socket.send_fds(conn, [_STATUS.pack(len(request)) + request], [0, 1, 2])
     (pid,) = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))
     for sig in _FORWARDED:
         signal.signal(sig, functools.partial(_forward, pid))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # a held one is forwarded now
     status = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))[0]
     sys.stdout.flush()
     if status < 0:  # die as the worker died
