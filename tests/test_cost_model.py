@@ -753,9 +753,10 @@ def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
             }
         ],
     }
-    ((row, predicted),) = held_out.rooted_rows(rooted_run, [first, second])
+    ((predicted,),) = [held_out.rooted_rows(rooted_run, [first, second])]
     links = rooted.with_frame(first.table, 0.0)
-    assert predicted == rooted_measure.predicted(row, links, "1gbit", 2)
+    want = rooted_measure.predicted(predicted.row, links, "1gbit", 2)
+    assert predicted.predicted_s == predicted.from_cluster_s == want
     with pytest.raises(ValueError, match="one layout"):
         held_out.layout({"rows": runs[0]["rows"] + runs[1]["rows"]})
     assert first.checked_when == "start not recorded"

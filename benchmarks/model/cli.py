@@ -177,9 +177,10 @@ def cmd_flat(args: argparse.Namespace) -> None:
 def cmd_measure_rooted(args: argparse.Namespace) -> None:
     sizes = list(parse_sizes(args.sizes))
     rows = rooted_measure.measure(args.hosts, args.local, args.rate, sizes, args.rounds)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rate": args.rate, "rows": rows}, indent=1) + "\n")
     cores = os.cpu_count() or 1
+    if args.out:
+        run = {"rate": args.rate, "machine": {"nproc": cores}, "rows": rows}
+        Path(args.out).write_text(json.dumps(run, indent=1) + "\n")
     print(rooted_measure.report(rows, _links(args.links), args.rate, cores))
 
 
