@@ -1,5 +1,7 @@
-"""The rooted ops' own turn (benchmarks/model/wake.fit_rooted_wake) and the host-aware
-barrier candidate's rounds: predicted from other layouts only, without processes."""
+"""Turns on shared cores in the cost model, without processes: the last hop's bytes
+after a spinning rank's turns (costs.Phase.time), the rooted ops' own turn
+(wake.fit_rooted_wake, predicted from other layouts only) and the host-aware barrier
+candidate's rounds."""
 
 from __future__ import annotations
 
@@ -56,6 +58,20 @@ def _rooted_run(h: int, local: int) -> dict[str, Any]:
     return {"rate": "1gbit", "machine": {"nproc": 2}, "rows": rows}
 
 
+def test_a_spinning_ranks_turns_overlap_every_hops_bytes_but_the_last() -> None:
+    """costs.Phase.time on shared cores: the turns that finish a phase come after its
+    last hop's message has arrived, so a one-hop phase (the leaders' exchange) pays its
+    bytes and its turns, a 14-step ring all but one step's bytes; where the bytes
+    outlast the turns, the bytes; on dedicated cores (no waits) alpha + bytes."""
+    one = costs.Phase("exchange", {NET: 1}, {NET: 64 << 10})
+    bw = (64 << 10) * BASE[NET].beta  # 550.5 us
+    assert one.time(BASE, waits=600e-6) == pytest.approx(30e-6 + 600e-6 + bw, rel=1e-12)
+    ring = costs.Phase("ring", {NET: 14}, {NET: 64 << 10}, symmetric=True)
+    assert ring.time(BASE, waits=600e-6) == pytest.approx(14 * 30e-6 + 600e-6 + bw / 14)
+    assert ring.time(BASE, waits=100e-6) == pytest.approx(14 * 30e-6 + bw)  # bytes bind
+    assert one.time(BASE) == pytest.approx(30e-6 + bw)
+
+
 def test_rooted_rows_take_the_turn_of_other_layouts_rooted_runs() -> None:
     """The allreduce rows (made at 320 us a turn) and the rooted rows (245 us) of the same
     window: each rooted run is predicted with the turn fitted on the rooted runs of the
@@ -94,7 +110,8 @@ def test_the_host_aware_barrier_rounds_are_symmetric_as_the_flat_ones() -> None:
     flat = costs.total_time(rooted.barrier_dissemination(shape, costs.ENTRENAR), links, four)
     aware = rooted.barrier_leaders_dissemination(shape, costs.ENTRENAR)
     assert costs.total_time(aware, links, four) == pytest.approx(flat, rel=1e-9)
-    assert flat == pytest.approx(3 * (30e-6 + 2 * ROOTED_WAKE_S), rel=1e-6)
+    tokens = 3 * rooted.TOKEN_BYTES * BASE[NET].beta / 3  # the last round's token, after
+    assert flat == pytest.approx(3 * (30e-6 + 2 * ROOTED_WAKE_S) + tokens, rel=1e-9)
     row = {"backend": "entrenar", "op": "barrier", "bytes": 0, "hosts": 8, "local": 1}
     assert rooted_measure.predicted_host_aware_barrier(row, links, "1gbit", 2) == pytest.approx(
         rooted_measure.predicted(row, links, "1gbit", 2), rel=1e-9
