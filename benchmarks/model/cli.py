@@ -9,8 +9,9 @@
   hop's wait for other jobs' threads) fitted from cluster rows below 1 MiB,
   added to ``--links`` and saved to ``--out``.
 - ``held-out A.json B.json ... [--rooted R.json ...]``: ``fit-wake`` on each
-  layout's runs, ``check`` of the other's rows (and the rooted runs'), both
-  ways (``held_out.py``).
+  layout's runs, ``check`` of the other's rows, both ways; each rooted run
+  with the turn fitted on the rooted runs of the other layouts (e.g. 2 x 2,
+  4 x 2 and 8 x 1: ``held_out.py``).
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.

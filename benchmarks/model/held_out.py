@@ -4,10 +4,13 @@
 the runs (``cluster.json``) grouped by layout (H x L; two layouts);
 ``wake.fit_wake`` on one layout's runs (``WAKE``, ``GLOO_WAKE`` and, where
 a run recorded a loaded machine, ``LOAD``), ``check`` on every run of the
-other, then the other way round; each ``measure-rooted`` file is predicted with the table
-fitted on the cluster run of the *other* layout (H x L), so no row is
-predicted from its own layout. The links (alpha, beta per kind) come from
-``--links`` (the 2-rank sweeps: ``data/quiet/links.json`` for a quiet machine).
+other, then the other way round; each ``measure-rooted`` file is predicted with the
+turn (``WAKE``) fitted on the ``measure-rooted`` files of the *other* layouts
+(``wake.fit_rooted_wake``: a barrier's turn is not an allreduce's), the rest of
+the table from the other layout's cluster runs, and beside it with the cluster
+rows' turn (what was done before); no row is predicted from its own layout.
+The links (alpha, beta per kind) come from ``--links`` (the 2-rank sweeps:
+``data/quiet/links.json`` for a quiet machine).
 """
 
 from __future__ import annotations
