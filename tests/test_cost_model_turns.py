@@ -149,3 +149,36 @@ def _percent(cell: str) -> int:
     found = re.search(r"([+-]\d+)%", cell)
     assert found, cell
     return int(found.group(1))
+
+
+def test_median_over_runs_keeps_every_row_at_its_median_over_the_runs() -> None:
+    """``held_out.median_over_runs``: three 4 x 2 runs, one whose flat star at 64 KiB
+    fell into its slow mode (16 ms against 4.5): the merged run keeps every row once,
+    at the median over the runs (4.6 ms), its fastest sample the fastest of any run,
+    the load the median (none where a run did not record it); layouts stay apart."""
+
+    def run(start: str, star_s: float, load: float | None) -> dict[str, Any]:
+        rows = [
+            {"variant": "entrenar-flat", "hosts": 4, "local": 2, "bytes": 64 << 10},
+            {"variant": "gloo", "hosts": 4, "local": 2, "bytes": 64 << 10},
+        ]
+        rows[0].update(median_s=star_s, min_s=star_s * 0.9, background_cores=load)
+        rows[1].update(median_s=0.017, min_s=0.01, background_cores=load)
+        meta = {**META, "started": start, "background_cores": load}
+        return {"meta": meta, "rows": [{**r, "samples_s": [r["median_s"]]} for r in rows]}
+
+    runs = [run("05:38", 4.5e-3, 0.0), run("15:20", 16.1e-3, 0.2), run("12:55", 4.6e-3, 0.1)]
+    other = _cluster_run(2, 2)
+    merged = held_out.median_over_runs([*runs, other])
+    assert [held_out.layout(m) for m in merged] == [(4, 2), (2, 2)]
+    star = {r["variant"]: r for r in merged[0]["rows"]}["entrenar-flat"]
+    assert len(merged[0]["rows"]) == 2 and star["median_s"] == 4.6e-3
+    assert star["min_s"] == pytest.approx(4.5e-3 * 0.9) and star["background_cores"] == 0.1
+    assert "samples_s" not in star
+    assert merged[0]["meta"]["started"] == "median of 3 runs (05:38, 15:20, 12:55)"
+    assert merged[0]["meta"]["background_cores"] == 0.1
+    # a run of one: its rows as they were (the fastest sample: the median where none)
+    alone = [{**r, "min_s": r["median_s"], "background_cores": None} for r in other["rows"]]
+    assert merged[1]["rows"] == alone
+    unrecorded = held_out.median_over_runs([runs[0], run("x", 5e-3, None)])[0]
+    assert unrecorded["meta"]["background_cores"] is None

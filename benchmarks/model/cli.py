@@ -11,7 +11,8 @@
 - ``held-out A.json B.json ... [--rooted R.json ...]``: ``fit-wake`` on each
   layout's runs, ``check`` of the other's rows, both ways; each rooted run
   with the turn fitted on the rooted runs of the other layouts (e.g. 2 x 2,
-  4 x 2 and 8 x 1: ``held_out.py``).
+  4 x 2 and 8 x 1: ``held_out.py``); ``--median-of-runs``: each layout's
+  rows the median over its runs, one row per (variant, size).
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
@@ -119,6 +120,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_held_out(args: argparse.Namespace) -> None:
     runs = [held_out.load(p) for p in args.cluster]
+    if args.median_of_runs:
+        runs = held_out.median_over_runs(runs)
     directions = held_out.held_out(runs, _links(args.links), use_load=not args.no_load)
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
     if args.plot:
@@ -230,6 +233,11 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument("--links", help="the links (default: the committed table)")
     ho.add_argument(
         "--no-load", action="store_true", help="ignore the runs' recorded load (no load term)"
+    )
+    ho.add_argument(
+        "--median-of-runs",
+        action="store_true",
+        help="each layout's rows as the median over its runs (fit on one, check the other)",
     )
     ho.add_argument("--plot", default="", help=f"PNG path (e.g. {HELD_OUT_PLOT})")
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")

@@ -16,6 +16,7 @@ The links (alpha, beta per kind) come from ``--links`` (the 2-rank sweeps:
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,47 @@ def held_out(
         table = wake.fit_wake([r for _, r in by_layout[fit_on]], links)
         per_run = [(w, check.check([r], table)) for w, r in by_layout[check_on]]
         out.append(Direction(fit_on, table, per_run))
+    return out
+
+
+def median_over_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per layout whose rows are the median over ``runs`` of that layout
+    (each row's median; its fastest sample the fastest of any run): the row's
+    typical time when a row falls into a slow mode in some runs and not in others
+    (the 4 x 2 flat star at 64 KiB). Every row is kept; the heading says how many
+    runs and when. The meta (rate, machine, transport) is the first run's; the load
+    the median of the runs' (none if a run did not record it)."""
+    by_layout: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        by_layout.setdefault(layout(run), []).append(run)
+    out = []
+    for same in by_layout.values():
+        rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for run in same:
+            for row in run["rows"]:
+                rows.setdefault((str(row["variant"]), int(row["bytes"])), []).append(row)
+        merged = []
+        for group in rows.values():
+            row = {k: v for k, v in group[0].items() if k != "samples_s"}
+            row["median_s"] = statistics.median(float(r["median_s"]) for r in group)
+            row["min_s"] = min(float(r.get("min_s", r["median_s"])) for r in group)
+            loads = [r.get("background_cores") for r in group]
+            row["background_cores"] = (
+                None
+                if None in loads
+                else statistics.median(float(x) for x in loads if x is not None)
+            )
+            merged.append(row)
+        starts = [str(r.get("meta", {}).get("started", "?")) for r in same]
+        meta = dict(same[0].get("meta", {}))
+        meta["started"] = f"median of {len(same)} runs ({', '.join(starts)})"
+        loads = [r.get("meta", {}).get("background_cores") for r in same]
+        meta["background_cores"] = (
+            None if None in loads else statistics.median(float(x) for x in loads if x is not None)
+        )
+        for key in ("loadavg_start", "loadavg_end"):
+            meta.pop(key, None)
+        out.append({**same[0], "meta": meta, "rows": merged})
     return out
 
 
