@@ -8,7 +8,8 @@ other; within a phase every link and CPU works at once, so a phase lasts
     max over kinds (messages in sequence x alpha) + max over kinds (bytes x beta)
 
 (on shared cores the bytes' term is the larger of the bytes and the hops'
-waits to be scheduled, ``Conditions``; a loop of calls on a token-bucket
+waits to be scheduled plus the last hop's bytes, ``Conditions`` and
+``Phase.time``; a loop of calls on a token-bucket
 link never beats its rate, ``total_time``), where a kind's bytes are those
 through its busiest resource: for ``net``,
 the busiest *host link* per direction (shared by the host's L ranks: the
