@@ -145,6 +145,9 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
                 sockets_per_rank=statistics.fmean(r["sockets"][name] for r in ranks),
                 # Cores other processes took meanwhile (the cost model's load term).
                 background_cores=_background(ranks, name, size),
+                # every call (the slowest rank's), in order: a median that moved between
+                # two runs shows here whether the calls are bimodal (the cost model's check)
+                samples_s=samples,
             )
             rows.append(row)
     return {

@@ -40,6 +40,7 @@ ROW_KEYS = {
     "bound_bytes_per_host": float,
     "sockets_per_rank": float,
     "background_cores": float,
+    "samples_s": list,
 }
 
 
@@ -104,6 +105,7 @@ def test_combine_max_over_ranks_fences_subtracted_busiest_link() -> None:
     rows = {r["variant"]: r for r in part["rows"]}
     assert set(rows[GLOO]) == set(ROW_KEYS)
     assert rows[GLOO]["median_s"] == 3.0  # per-iteration max over ranks: [4.0, 2.0]
+    assert rows[GLOO]["samples_s"] == [4.0, 2.0]  # every call, in order (bimodal rows)
     assert rows[ENTRENAR]["max_s"] == 3.5
     assert rows[GLOO]["xhost_bytes_per_host"] == 1510  # host 1's tx
     assert rows[ENTRENAR]["xhost_bytes_per_host"] == 2101  # host 1's rx

@@ -334,8 +334,11 @@ def test_conditions_charge_wake_ups_per_hop_and_leave_the_burst_free() -> None:
     assert costs.total_time(ring, LINKS) == base  # dedicated cores: no wake-up term
     four = costs.Conditions(ranks_per_core=4.0)
     alphas = 14 * LINKS[NET].alpha  # the ring's 14 hops pay the slowest kind's alpha
-    # a ring step is a symmetric round: k/2 = 2 turns of WAKE per hop at 4 ranks per core
-    assert costs.total_time(ring, wake, four) == pytest.approx(alphas + 14 * 2 * 400e-6)
+    # a ring step is a symmetric round: k/2 = 2 turns of WAKE per hop at 4 ranks per core,
+    # and the last step's bytes (7,168 B x 8.4 ns over 14 steps) after the turns
+    last_step = 7168 * LINKS[NET].beta / 14
+    want = alphas + 14 * 2 * 400e-6 + last_step
+    assert costs.total_time(ring, wake, four) == pytest.approx(want, rel=1e-9)
     assert costs.total_time(ring, LINKS, four) == base  # no WAKE fitted: nothing added
     slices = costs.host_slices(costs.Shape(2, 2, 4 << 20), costs.ENTRENAR)
     per_plan = [max(p.messages.values()) for p in slices]
@@ -378,13 +381,14 @@ def test_small_star_on_a_shaped_link_is_its_bytes_at_the_rate_or_its_waits() -> 
     alphas 2 x 30 us, waits 2 hops x 1 extra rank x 250 us = 500 us, overlapping the
     local bytes (64 KiB x 0.1 ns x 2: the fill); the loop's rate, 131,072 B x 8 ns =
     1.048576 ms, binds. (The old formula: 60 + 13.1 + 500 = 573.1 us.)
-    4 KiB: the rate's 65.5 us does not bind: 60 us + max(0.82 us, 500 us) = 560 us
-    (the old formula added the two: 560.82 us)."""
+    4 KiB: the rate's 65.5 us does not bind: 60 us + max(0.82 us, 500 us + the last
+    of the 2 hops' bytes, 0.41 us) = 560.41 us (an older formula added all the
+    bytes: 560.82 us; the one before this, none: 560 us)."""
     two = costs.Conditions(ranks_per_core=2.0, free_net_bytes=128 << 10)
     star64 = costs.star(costs.Shape(2, 2, 64 << 10), costs.ENTRENAR)
     assert costs.total_time(star64, HAND, two) == pytest.approx(1.048576e-3, rel=1e-9)
     star4 = costs.star(costs.Shape(2, 2, 4 << 10), costs.ENTRENAR)
-    assert costs.total_time(star4, HAND, two) == pytest.approx(560e-6, rel=1e-9)
+    assert costs.total_time(star4, HAND, two) == pytest.approx(560.41e-6, rel=1e-4)
     # dedicated cores, no burst: unchanged alpha + beta (60 us + 2 x 131,072 B x 8 ns)
     assert costs.total_time(star64, HAND) == pytest.approx(60e-6 + 2 * 1.048576e-3, rel=1e-9)
 
@@ -397,7 +401,8 @@ def test_gloo_waits_one_wake_up_per_hop_entrenar_one_per_rank_on_the_core() -> N
     gloo 4 x 2: 14 hops x 150 us + max(7,168 B x 8 ns, 14 x 700 us + 57.3 us / 2)
     = 11.92867 ms; gloo 2 x 2: 6 x 150 us + max(6,144 B x 8 ns, 6 x 700 us +
     49.2 us / 2) = 5.124576 ms; entrenar 4 x 2: 14 x 30 us + max(57.3 us, 14 x 2 x
-    250 us) = 7.42 ms (the old formula: 11.9, 5.1 and 10.92 ms)."""
+    250 us + the last step's 57.3 us / 14) = 7.424096 ms (the old formula: 11.9, 5.1
+    and 10.92 ms)."""
     shape42, shape22 = costs.Shape(4, 2, 4 << 10), costs.Shape(2, 2, 4 << 10)
     four, two = costs.Conditions(ranks_per_core=4.0), costs.Conditions(ranks_per_core=2.0)
     gloo42 = costs.total_time(costs.ring(shape42, costs.GLOO), HAND, four, costs.GLOO)
@@ -405,7 +410,7 @@ def test_gloo_waits_one_wake_up_per_hop_entrenar_one_per_rank_on_the_core() -> N
     ours42 = costs.total_time(costs.ring(shape42, costs.ENTRENAR), HAND, four)
     assert gloo42 == pytest.approx(2.1e-3 + 9.8e-3 + 7168 * 8e-9 / 2, rel=1e-9)
     assert gloo22 == pytest.approx(0.9e-3 + 4.2e-3 + 6144 * 8e-9 / 2, rel=1e-9)
-    assert ours42 == pytest.approx(7.42e-3, rel=1e-9)
+    assert ours42 == pytest.approx(7.42e-3 + 7168 * 8e-9 / 14, rel=1e-9)
     assert costs.hop_wait(HAND, costs.DEDICATED, costs.GLOO) == 0.0  # a core per rank
     # the check waits as the row's implementation does
     row = {"variant": "gloo", "hosts": 4, "local": 2, "bytes": 4 << 10, "median_s": 1.0}
@@ -422,7 +427,8 @@ def test_a_rooted_hop_waits_k_minus_1_turns_a_symmetric_round_k_over_2() -> None
     hand with HAND (WAKE 250 us, net alpha 30 us), 4 KiB, no burst:
     the dissemination barrier at 4 x 2: 3 rounds x (30 us + 2 x 250 us) = 1.59 ms (the
     quiet run measured 1.59 ms; the old formula 3 x 780 us = 2.34 ms); at 2 x 2:
-    2 x (30 + 250) us = 0.56 ms; the star at 4 x 2 stays 2 x (30 + 3 x 250) us."""
+    2 x (30 + 250) us = 0.56 ms; the star at 4 x 2 stays 2 x (30 + 3 x 250) us (each
+    plus the last hop's bytes, which its turns cannot overlap: ``costs.Phase.time``)."""
     four, two = costs.Conditions(ranks_per_core=4.0), costs.Conditions(ranks_per_core=2.0)
     assert costs.hop_wait(HAND, four, costs.ENTRENAR, symmetric=True) == pytest.approx(500e-6)
     assert costs.hop_wait(HAND, four, costs.ENTRENAR) == pytest.approx(750e-6)
@@ -433,10 +439,16 @@ def test_a_rooted_hop_waits_k_minus_1_turns_a_symmetric_round_k_over_2() -> None
     shape42, shape22 = costs.Shape(4, 2, 0), costs.Shape(2, 2, 0)
     barrier42 = rooted.barrier_dissemination(shape42, costs.ENTRENAR)
     barrier22 = rooted.barrier_dissemination(shape22, costs.ENTRENAR)
-    assert costs.total_time(barrier42, links, four) == pytest.approx(3 * 530e-6, rel=1e-6)
-    assert costs.total_time(barrier22, links, two) == pytest.approx(2 * 280e-6, rel=1e-6)
+    # (+ the last round's token bytes: 5 tokens of 33 B over 3 rounds at 8 ns)
+    tokens = 5 * rooted.TOKEN_BYTES * 8e-9 / 3
+    assert costs.total_time(barrier42, links, four) == pytest.approx(3 * 530e-6 + tokens)
+    tokens22 = 3 * rooted.TOKEN_BYTES * 8e-9 / 2  # 3 tokens over 2 rounds
+    assert costs.total_time(barrier22, links, two) == pytest.approx(2 * 280e-6 + tokens22)
     star = costs.star(costs.Shape(4, 2, 4 << 10), costs.ENTRENAR)
-    assert costs.total_time(star, HAND, four) == pytest.approx(2 * 780e-6, rel=1e-3)
+    # + the last hop's bytes after the turns: host 0's 6 x 4 KiB at 8 ns, x 2 (the fill)
+    # over the star's 2 hops
+    last_hop = 6 * 4096 * 8e-9 * 2 / 2
+    assert costs.total_time(star, HAND, four) == pytest.approx(2 * 780e-6 + last_hop, rel=1e-3)
     for name in ("ring", "doubling", "direct", "host slices"):
         phases = costs.ALGORITHMS[name][0](costs.Shape(4, 2, 4 << 10), costs.ENTRENAR)
         assert all(p.symmetric for p in phases if p.messages), name
@@ -753,9 +765,10 @@ def test_held_out_fits_each_layout_and_checks_only_the_other() -> None:
             }
         ],
     }
-    ((row, predicted),) = held_out.rooted_rows(rooted_run, [first, second])
+    ((predicted,),) = [held_out.rooted_rows(rooted_run, [first, second])]
     links = rooted.with_frame(first.table, 0.0)
-    assert predicted == rooted_measure.predicted(row, links, "1gbit", 2)
+    want = rooted_measure.predicted(predicted.row, links, "1gbit", 2)
+    assert predicted.predicted_s == predicted.from_cluster_s == want
     with pytest.raises(ValueError, match="one layout"):
         held_out.layout({"rows": runs[0]["rows"] + runs[1]["rows"]})
     assert first.checked_when == "start not recorded"

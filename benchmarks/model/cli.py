@@ -9,8 +9,10 @@
   hop's wait for other jobs' threads) fitted from cluster rows below 1 MiB,
   added to ``--links`` and saved to ``--out``.
 - ``held-out A.json B.json ... [--rooted R.json ...]``: ``fit-wake`` on each
-  layout's runs, ``check`` of the other's rows (and the rooted runs'), both
-  ways (``held_out.py``).
+  layout's runs, ``check`` of the other's rows, both ways; each rooted run
+  with the turn fitted on the rooted runs of the other layouts (e.g. 2 x 2,
+  4 x 2 and 8 x 1: ``held_out.py``); ``--median-of-runs``: each layout's
+  rows the median over its runs, one row per (variant, size).
 - ``check CLUSTER.json ...``: predicted against measured (``python -m
   benchmarks.cluster``'s output), rows off by > 25 % flagged.
 - ``plan``: the table and crossovers up to 1,024 hosts x 8, and the plots.
@@ -118,6 +120,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_held_out(args: argparse.Namespace) -> None:
     runs = [held_out.load(p) for p in args.cluster]
+    if args.median_of_runs:
+        runs = held_out.median_over_runs(runs)
     directions = held_out.held_out(runs, _links(args.links), use_load=not args.no_load)
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
     if args.plot:
@@ -177,9 +181,10 @@ def cmd_flat(args: argparse.Namespace) -> None:
 def cmd_measure_rooted(args: argparse.Namespace) -> None:
     sizes = list(parse_sizes(args.sizes))
     rows = rooted_measure.measure(args.hosts, args.local, args.rate, sizes, args.rounds)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rate": args.rate, "rows": rows}, indent=1) + "\n")
     cores = os.cpu_count() or 1
+    if args.out:
+        run = {"rate": args.rate, "machine": {"nproc": cores}, "rows": rows}
+        Path(args.out).write_text(json.dumps(run, indent=1) + "\n")
     print(rooted_measure.report(rows, _links(args.links), args.rate, cores))
 
 
@@ -228,6 +233,11 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument("--links", help="the links (default: the committed table)")
     ho.add_argument(
         "--no-load", action="store_true", help="ignore the runs' recorded load (no load term)"
+    )
+    ho.add_argument(
+        "--median-of-runs",
+        action="store_true",
+        help="each layout's rows as the median over its runs (fit on one, check the other)",
     )
     ho.add_argument("--plot", default="", help=f"PNG path (e.g. {HELD_OUT_PLOT})")
     pr = sub.add_parser("predict", help="every algorithm and the policy's pick for H x L, sizes")

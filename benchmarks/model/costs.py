@@ -8,7 +8,8 @@ other; within a phase every link and CPU works at once, so a phase lasts
     max over kinds (messages in sequence x alpha) + max over kinds (bytes x beta)
 
 (on shared cores the bytes' term is the larger of the bytes and the hops'
-waits to be scheduled, ``Conditions``; a loop of calls on a token-bucket
+waits to be scheduled plus the last hop's bytes, ``Conditions`` and
+``Phase.time``; a loop of calls on a token-bucket
 link never beats its rate, ``total_time``), where a kind's bytes are those
 through its busiest resource: for ``net``,
 the busiest *host link* per direction (shared by the host's L ranks: the
@@ -120,16 +121,25 @@ class Phase:
         scheduled, ``Conditions``), whichever is longer.
 
         A spinning rank takes its turns on the core while the bytes it waits
-        for are still on the link, so its wait overlaps them all. A ``blocking``
-        one (gloo) sleeps until its message has arrived and only then waits to
-        be woken: the wait overlaps the other messages in flight, not its own
-        (``in_flight`` 2: half the bytes)."""
+        for are still on the link, so its turns overlap the bytes of every hop
+        but its last: the turn that finishes the phase can only come once the
+        last hop's message has arrived (the phase's bytes spread over its hops
+        in sequence: ``bw / hops``). A one-hop phase (the leaders' exchange)
+        pays its bytes and its turns; a ring's 2(N-1) steps hide all but one
+        step's. (Checked held out on six quiet pairs of 2 x 2 and 4 x 2 runs:
+        200 of 216 rows within 25 % with the turns overlapping every byte,
+        206 with this; docs/benchmarks.md, "The rooted ops' own turn".) A
+        ``blocking`` one (gloo) sleeps until its message has arrived and only
+        then waits to be woken: the wait overlaps the other messages in
+        flight, not its own (``in_flight`` 2: half the bytes)."""
         lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
         bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
         bw *= 1 + self.fill
-        if blocking and waits > 0:
+        if waits <= 0:
+            return lat + bw
+        if blocking:
             return lat + max(bw, waits + bw / self.in_flight)
-        return lat + max(bw, waits)
+        return lat + max(bw, waits + bw / max(1.0, self.hops()))
 
     def hops(self) -> float:
         """Messages in sequence (the phase waits for its slowest kind's)."""

@@ -4,15 +4,19 @@
 the runs (``cluster.json``) grouped by layout (H x L; two layouts);
 ``wake.fit_wake`` on one layout's runs (``WAKE``, ``GLOO_WAKE`` and, where
 a run recorded a loaded machine, ``LOAD``), ``check`` on every run of the
-other, then the other way round; each ``measure-rooted`` file is predicted with the table
-fitted on the cluster run of the *other* layout (H x L), so no row is
-predicted from its own layout. The links (alpha, beta per kind) come from
-``--links`` (the 2-rank sweeps: ``data/quiet/links.json`` for a quiet machine).
+other, then the other way round; each ``measure-rooted`` file is predicted with the
+turn (``WAKE``) fitted on the ``measure-rooted`` files of the *other* layouts
+(``wake.fit_rooted_wake``: a barrier's turn is not an allreduce's), the rest of
+the table from the other layout's cluster runs, and beside it with the cluster
+rows' turn (what was done before); no row is predicted from its own layout.
+The links (alpha, beta per kind) come from ``--links`` (the 2-rank sweeps:
+``data/quiet/links.json`` for a quiet machine).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,21 +94,96 @@ def held_out(
     return out
 
 
+def median_over_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per layout whose rows are the median over ``runs`` of that layout
+    (each row's median; its fastest sample the fastest of any run): the row's
+    typical time when a row falls into a slow mode in some runs and not in others
+    (the 4 x 2 flat star at 64 KiB). Every row is kept; the heading says how many
+    runs and when. The meta (rate, machine, transport) is the first run's; the load
+    the median of the runs' (none if a run did not record it)."""
+    by_layout: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        by_layout.setdefault(layout(run), []).append(run)
+    out = []
+    for same in by_layout.values():
+        rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for run in same:
+            for row in run["rows"]:
+                rows.setdefault((str(row["variant"]), int(row["bytes"])), []).append(row)
+        merged = []
+        for group in rows.values():
+            row = {k: v for k, v in group[0].items() if k != "samples_s"}
+            row["median_s"] = statistics.median(float(r["median_s"]) for r in group)
+            row["min_s"] = min(float(r.get("min_s", r["median_s"])) for r in group)
+            loads = [r.get("background_cores") for r in group]
+            row["background_cores"] = (
+                None
+                if None in loads
+                else statistics.median(float(x) for x in loads if x is not None)
+            )
+            merged.append(row)
+        starts = [str(r.get("meta", {}).get("started", "?")) for r in same]
+        meta = dict(same[0].get("meta", {}))
+        meta["started"] = f"median of {len(same)} runs ({', '.join(starts)})"
+        loads = [r.get("meta", {}).get("background_cores") for r in same]
+        meta["background_cores"] = (
+            None if None in loads else statistics.median(float(x) for x in loads if x is not None)
+        )
+        for key in ("loadavg_start", "loadavg_end"):
+            meta.pop(key, None)
+        out.append({**same[0], "meta": meta, "rows": merged})
+    return out
+
+
+@dataclass(frozen=True)
+class RootedRow:
+    """One entrenar row of a ``measure-rooted`` run, predicted two ways: ``predicted_s``
+    with ``WAKE`` fitted on the rooted runs of other layouts (``wake.fit_rooted_wake``;
+    where there are none, the cluster rows' fit), ``from_cluster_s`` with the cluster
+    rows' fit of another layout (the allreduce's turn), and the host-aware barrier's
+    figure (``rooted.barrier_leaders_dissemination``, not code) for a barrier row."""
+
+    row: dict[str, Any]
+    predicted_s: float
+    from_cluster_s: float
+    host_aware_s: float | None
+    fitted_on: tuple[tuple[int, int], ...]  # the rooted layouts the wake came from
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / float(self.row["median_s"]) - 1
+
+
 def rooted_rows(
-    run: dict[str, Any], directions: Sequence[Direction]
-) -> list[tuple[dict[str, Any], float]]:
-    """entrenar's rows of a ``measure-rooted`` run, each predicted with a table fitted
-    on another layout."""
+    run: dict[str, Any],
+    directions: Sequence[Direction],
+    rooted_runs: Sequence[dict[str, Any]] = (),
+) -> list[RootedRow]:
+    """entrenar's rows of a ``measure-rooted`` run, each predicted with tables fitted on
+    other layouts only: the cluster rows' (``directions``) and, where ``rooted_runs``
+    hold runs of other layouts, their own turn (``wake.fit_rooted_wake``)."""
     here = layout(run)
     tables = [d.table for d in directions if d.fitted_on != here]
     if not tables:
         raise ValueError(f"no cluster run of a layout other than {here} to fit on")
-    links = rooted.with_frame(tables[0], 0.0)
-    return [
-        (r, rooted_measure.predicted(r, links, run.get("rate", "1gbit"), 2))
-        for r in run["rows"]
-        if r["backend"] == "entrenar"
-    ]
+    from_cluster = rooted.with_frame(tables[0], 0.0)
+    others = [r for r in rooted_runs if layout(r) != here]
+    own = rooted.with_frame(wake.fit_rooted_wake(others, tables[0]), 0.0) if others else None
+    rate, cores = str(run.get("rate", "1gbit")), wake.rooted_cores(run)
+    out = []
+    for r in run["rows"]:
+        if r["backend"] != "entrenar":
+            continue
+        cluster_s = rooted_measure.predicted(r, from_cluster, rate, cores)
+        predicted = rooted_measure.predicted(r, own, rate, cores) if own else cluster_s
+        host_aware = None
+        if r["op"] == "barrier":
+            host_aware = rooted_measure.predicted_host_aware_barrier(
+                r, own or from_cluster, rate, cores
+            )
+        fitted = tuple(sorted({layout(o) for o in others}))
+        out.append(RootedRow(r, predicted, cluster_s, host_aware, fitted))
+    return out
 
 
 def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]]) -> str:
@@ -122,14 +201,25 @@ def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]
             lines.append(check.report(rows))
     for run in rooted_runs:
         h, local = layout(run)
-        lines.append(f"\n## measure-rooted {h} x {local} (fitted on the other layout)\n")
-        lines.append("| op | size | measured | predicted | error |\n|---|---|---|---|---|")
-        for r, p in rooted_rows(run, directions):
-            m = float(r["median_s"])
-            flag = " **>25 %**" if abs(p / m - 1) > check.TOLERANCE else ""
+        predicted = rooted_rows(run, directions, rooted_runs)
+        fitted = ", ".join(f"{a} x {b}" for a, b in predicted[0].fitted_on) if predicted else ""
+        source = f"the rooted runs of {fitted}" if fitted else "the other layout's cluster rows"
+        lines.append(f"\n## measure-rooted {h} x {local} (turn fitted on {source})\n")
+        lines.append(
+            "| op | size | measured | predicted | error | with the cluster rows' turn "
+            "| host-aware barrier (model, not code) |\n|---|---|---|---|---|---|---|"
+        )
+        for rr in predicted:
+            m = float(rr.row["median_s"])
+            flag = " **>25 %**" if abs(rr.error) > check.TOLERANCE else ""
+            cluster = f"{check.duration(rr.from_cluster_s)} ({rr.from_cluster_s / m - 1:+.0%})"
+            aware = "-"
+            if rr.host_aware_s is not None:
+                aware = f"{check.duration(rr.host_aware_s)} ({rr.host_aware_s / m - 1:+.0%})"
             lines.append(
-                f"| {r['op']} | {format_bytes(int(r['bytes']))} | {check.duration(m)} "
-                f"| {check.duration(p)} | {p / m - 1:+.0%}{flag} |"
+                f"| {rr.row['op']} | {format_bytes(int(rr.row['bytes']))} | {check.duration(m)} "
+                f"| {check.duration(rr.predicted_s)} | {rr.error:+.0%}{flag} | {cluster} "
+                f"| {aware} |"
             )
     return "\n".join(lines)
 

@@ -236,7 +236,8 @@ def barrier_leaders_dissemination(
     if h > 1:
         rounds = math.ceil(math.log2(h))
         nbytes = {fabric.inter: rounds * TOKEN_BYTES, FRAME: 2 * rounds}
-        phases.append(Phase("dissemination", {fabric.inter: rounds}, nbytes))
+        # every leader sends and receives in each round: symmetric, as the flat rounds
+        phases.append(Phase("dissemination", {fabric.inter: rounds}, nbytes, symmetric=True))
     return phases + _in_host("release", shape, fabric, TOKEN_BYTES)
 
 

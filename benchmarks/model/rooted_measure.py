@@ -74,21 +74,40 @@ def call_stats(per_rank: list[list[list[float]]]) -> dict[str, Any]:
     }
 
 
-def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
-    """entrenar's flat algorithm for ``row`` under the emulated run's conditions: the
-    broadcast the policy picks with the run's topology, each call timed alone
-    (``rooted_rank``: a control barrier before each, so tbf's bucket is full), and
-    the load the run recorded (``background_cores``: ``LOAD``'s term, where the
-    table has it; none for runs that did not record it)."""
+def _run_conditions(row: dict[str, Any], rate: str, cores: int) -> costs.Conditions:
+    """The emulated run's conditions for ``row``: its ranks on ``cores``, tbf's burst,
+    each call timed alone (``rooted_rank``: a control barrier before each, so tbf's
+    bucket is full), and the load the run recorded (``background_cores``: ``LOAD``'s
+    term, where the table has it; none for runs that did not record it)."""
     shape = costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
     meta = {"rate": rate, "machine": {"nproc": cores}}
     where = check.conditions_of(meta, shape, row.get("background_cores"))
-    where = dataclasses.replace(where, back_to_back=False)
+    return dataclasses.replace(where, back_to_back=False)
+
+
+def _shape(row: dict[str, Any]) -> costs.Shape:
+    return costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
+
+
+def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
+    """entrenar's flat algorithm for ``row`` under the emulated run's conditions
+    (``_run_conditions``): the broadcast the policy picks with the run's topology."""
+    shape = _shape(row)
     if row["op"] == "broadcast":
         phases = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
     else:
         phases = rooted.FLAT[str(row["op"])](shape, costs.ENTRENAR, True)
-    return costs.total_time(phases, links, where)
+    return costs.total_time(phases, links, _run_conditions(row, rate, cores))
+
+
+def predicted_host_aware_barrier(
+    row: dict[str, Any], links: LinkTable, rate: str, cores: int
+) -> float:
+    """The host-aware barrier candidate (``rooted.barrier_leaders_dissemination``: not
+    code) on the barrier row's shape and conditions: with one rank per host (H x 1)
+    it is the flat dissemination barrier, so an H x 1 run measures it."""
+    phases = rooted.barrier_leaders_dissemination(_shape(row), costs.ENTRENAR)
+    return costs.total_time(phases, links, _run_conditions(row, rate, cores))
 
 
 def report(rows: list[dict[str, Any]], links: LinkTable, rate: str, cores: int) -> str:

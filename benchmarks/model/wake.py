@@ -22,13 +22,14 @@ one set of runs, check on another (``held_out``, docs/benchmarks.md).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from benchmarks.model import check, costs
+from benchmarks.model import check, costs, rooted, rooted_measure
 from benchmarks.model.links import GLOO_WAKE, LOAD, WAKE, LinkParams, LinkTable
 
 MAX_WAKE_S = 5e-3  # the search's range: 0 .. 5 ms per hop
@@ -49,10 +50,16 @@ def _relative_error(rows: list[tuple[check.Modelled, float]], links: LinkTable) 
 
 def _search(rows: list[tuple[check.Modelled, float]], base: LinkTable, kind: str) -> float:
     """The alpha of ``kind`` in [0, MAX_WAKE_S] that fits ``rows`` best (grid, then finer)."""
+    return _best_alpha(functools.partial(_relative_error, rows), base, kind)
+
+
+def _best_alpha(error_of: Callable[[LinkTable], float], base: LinkTable, kind: str) -> float:
+    """The alpha of ``kind`` in [0, MAX_WAKE_S] where ``error_of`` (of the table with that
+    alpha) is least: a grid, then a finer one around its best."""
 
     def error(alpha: float) -> float:
         params = {**base.params, kind: LinkParams(float(alpha), 0.0)}
-        return _relative_error(rows, LinkTable(params, base.meta))
+        return error_of(LinkTable(params, base.meta))
 
     coarse = np.arange(0.0, MAX_WAKE_S + _COARSE_S, _COARSE_S)
     best = _middle_of_minimum(coarse, [error(a) for a in coarse])
@@ -136,3 +143,51 @@ def fit_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
             base.params[kind] = LinkParams(_search(by_kind[kind], base, kind), 0.0)
     base.meta["wake_rows"] = {kind: len(rows) for kind, rows in by_kind.items()}
     return base
+
+
+# measure-rooted files written before they recorded the machine: this one's cores.
+ROOTED_CORES = 2
+
+
+def rooted_cores(run: dict[str, Any]) -> int:
+    """The cores a ``measure-rooted`` run's ranks shared (its ``machine.nproc``)."""
+    machine = run.get("machine")
+    cores = machine.get("nproc") if isinstance(machine, dict) else None
+    return int(cores) if cores else ROOTED_CORES
+
+
+RootedPairs = list[tuple[dict[str, Any], str, int]]  # (row, the run's rate, its cores)
+
+
+def _rooted_error(rows: RootedPairs, links: LinkTable) -> float:
+    """Sum of |log(predicted / measured)| over ``measure-rooted`` rows (as ``_relative_error``)."""
+    return sum(
+        abs(math.log(rooted_measure.predicted(r, links, rate, cores) / float(r["median_s"])))
+        for r, rate, cores in rows
+    )
+
+
+def fit_rooted_wake(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
+    """``links`` with ``WAKE`` fitted from entrenar's rows below 1 MiB of ``measure-rooted``
+    runs (barrier, small broadcasts: ``rooted_measure.predicted``, frames at no cost).
+
+    Their own fit, not the allreduce rows': a turn lasts as long as the rank
+    holding the core keeps it, and in a barrier's or a small broadcast's rounds
+    the others have a frame to handle, not a buffer to copy and sum; on the
+    same machine and minutes the allreduce rows fit 20-40 % more per turn
+    (docs/benchmarks.md, "The rooted ops' own turn")."""
+    rows: RootedPairs = [
+        (r, str(run.get("rate", "1gbit")), rooted_cores(run))
+        for run in runs
+        for r in run["rows"]
+        if r["backend"] == "entrenar" and int(r["bytes"]) < check.LARGE_BYTES
+    ]
+    if not rows:
+        raise ValueError("no entrenar row below 1 MiB in the measure-rooted runs to fit on")
+    base = rooted.with_frame(
+        LinkTable({k: v for k, v in links.params.items() if k != WAKE}, dict(links.meta)), 0.0
+    )
+    alpha = _best_alpha(functools.partial(_rooted_error, rows), base, WAKE)
+    out = LinkTable({**links.params, WAKE: LinkParams(alpha, 0.0)}, dict(links.meta))
+    out.meta["rooted_wake_rows"] = len(rows)
+    return out
