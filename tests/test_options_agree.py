@@ -34,7 +34,7 @@ from conftest import REPO, run_ranks, torchrun
 from entrenar_pg import EntrenarProcessGroup, Options, OptionsMismatchError
 from entrenar_pg.config import AGREED_FIELDS, PER_RANK_FIELDS
 from entrenar_pg.transport import options_agreement
-from entrenar_pg.transport.options_agreement import ABSENT, differences, encode, rank_list
+from entrenar_pg.transport.options_agreement import ABSENT, differences, digest, encode, rank_list
 
 WORLD = 4
 # Long enough that a failure at the timeout and one at creation cannot be confused.
@@ -237,6 +237,12 @@ def test_differences_name_every_value_and_its_ranks() -> None:
 
 def test_check_passes_alike_options_and_blames_a_lone_rank() -> None:
     alike = [encode(Options(algorithm="star"))] * 3
+    # what every rank reads: a digest, alike exactly where the texts are
+    digests = [
+        digest(encode(Options(algorithm=a, spin_us=s))) for a, s in (("star", 0), ("star", 9))
+    ]
+    assert options_agreement.alike(digests) and len(digests[0]) == 16
+    assert not options_agreement.alike([*digests, digest(encode(Options(algorithm="ring")))])
     options_agreement.check(0, alike)  # nothing raised
     with pytest.raises(
         OptionsMismatchError, match=r"^rank 2: .*'star' on ranks 0, 2 but 'ring' on rank 1"

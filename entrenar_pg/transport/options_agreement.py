@@ -14,6 +14,7 @@ The fields that may differ per rank are ``config.PER_RANK_FIELDS``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,16 @@ def encode(options: Options) -> str:
     """This rank's agreed fields as the compact text it publishes."""
     values = {f.name: getattr(options, f.name) for f in AGREED_FIELDS}
     return json.dumps(values, separators=(",", ":"))
+
+
+def digest(text: str) -> str:
+    """What every rank reads of ``text`` (``encode``'s): 16 hex digits of its SHA-256."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def alike(digests: Sequence[str]) -> bool:
+    """Every rank published the same digest: nothing to compare further."""
+    return len(set(digests)) == 1
 
 
 @dataclass(frozen=True)
