@@ -165,10 +165,12 @@ def test_host_aware_and_flat_ranks_fail_at_creation() -> None:
         Options(host_id=h, topology=("flat" if r == 3 else "hosts"), host_star_max_bytes=0)
         for r, h in enumerate("aabb")
     ]
-    options[1] = dataclasses.replace(options[1], segment_bytes=1 << 16)
+    options[1] = dataclasses.replace(options[1], host_leaders_max_bytes=4096)
     got = _outcome_of(options)
     _assert_every_rank_names(got, "topology", "ENTRENAR_TOPOLOGY", "'hosts' on ranks 0-2")
-    _assert_every_rank_names(got, "segment_bytes", "ENTRENAR_SEGMENT_BYTES", "65536 on rank 1")
+    _assert_every_rank_names(
+        got, "host_leaders_max_bytes", "ENTRENAR_HOST_LEADERS_MAX_BYTES", "4096 on rank 1"
+    )
     assert {got[r].culprit for r in range(WORLD)} == {None}  # two ranks differ
 
 
@@ -177,7 +179,7 @@ def test_fields_of_a_rank_s_own_may_differ(tmp_path: Path) -> None:
     """Per-rank fields set differently on every rank: the group forms and the
     allreduce is right (the check refuses only what changes a plan)."""
     own = [
-        {"spin_us": 0, "caller_spin_us": 0, "shm_placement": False},
+        {"spin_us": 0, "caller_spin_us": 0, "shm_placement": False, "segment_bytes": 1000},
         {"inline_max_bytes": 1 << 20, "socket_buffer_bytes": 1 << 18, "tcp_placement": False},
         {"fr_buffer_size": 16, "fr_dump_prefix": str(tmp_path / "fr_"), "host_id": "x"},
         {"ledger": str(tmp_path / "ledger.jsonl"), "fr_dump_on_timeout": True},
