@@ -89,11 +89,11 @@ def check(rank: int, texts: Sequence[str]) -> None:
         return
     outliers = set().union(*(d.outliers() for d in found))
     raise OptionsMismatchError(
-        f"rank {rank}: the ranks of this group set entrenar Options that must agree "
-        f"differently: {'; '.join(d.describe() for d in found)}. These fields choose "
-        "each call's algorithm and protocol, so ranks that differ would wait for each "
-        "other until the timeout; set them alike on every rank (environment or "
-        "pg_options)",
+        f"rank {rank}: cannot create the group: its ranks set entrenar Options that must "
+        f"agree differently: {'; '.join(d.describe() for d in found)}. These fields choose "
+        "each call's algorithm and protocol: ranks that differ would run other plans "
+        "for the same call and fail at it, or wait for each other until the timeout; "
+        "set them alike on every rank (environment or pg_options)",
         culprit=next(iter(outliers)) if len(outliers) == 1 else None,
     )
 
