@@ -159,19 +159,29 @@ def test_one_rank_with_another_plan_fails_every_rank_at_creation(
 
 @pytest.mark.timeout(60)
 def test_host_aware_and_flat_ranks_fail_at_creation() -> None:
-    """2 hosts x 2 ranks, rank 3 flat, the rest host-aware (and two fields off
-    at once: every difference is named)."""
+    """2 hosts x 2 ranks, rank 3 flat, the rest host-aware: before the check,
+    every rank waited out the timeout at the first allreduce. With a second
+    field off on another rank (the checker's tolerance: no plan changes, the
+    checker is off), every difference is named."""
     options = [
         Options(host_id=h, topology=("flat" if r == 3 else "hosts"), host_star_max_bytes=0)
         for r, h in enumerate("aabb")
     ]
-    options[1] = dataclasses.replace(options[1], host_leaders_max_bytes=4096)
+    options[1] = dataclasses.replace(options[1], check_tolerance=0.01)
     got = _outcome_of(options)
     _assert_every_rank_names(got, "topology", "ENTRENAR_TOPOLOGY", "'hosts' on ranks 0-2")
-    _assert_every_rank_names(
-        got, "host_leaders_max_bytes", "ENTRENAR_HOST_LEADERS_MAX_BYTES", "4096 on rank 1"
-    )
+    _assert_every_rank_names(got, "check_tolerance", "ENTRENAR_CHECK_TOLERANCE", "0.01 on rank 1")
     assert {got[r].culprit for r in range(WORLD)} == {None}  # two ranks differ
+
+
+@pytest.mark.timeout(60)
+def test_tcp_on_one_rank_of_a_shared_memory_host_fails_at_creation() -> None:
+    """One host, rank 3 on ENTRENAR_TRANSPORT=tcp: before the check, the
+    other ranks waited out the timeout in shared memory's set-up."""
+    options = [Options(transport="tcp" if r == WORLD - 1 else "auto") for r in range(WORLD)]
+    got = _outcome_of(options)
+    _assert_every_rank_names(got, "transport", "ENTRENAR_TRANSPORT", "'auto' on ranks 0-2")
+    assert str(got[0]).count("'tcp' on rank 3") == 1
 
 
 @pytest.mark.timeout(60)
