@@ -6,9 +6,10 @@ Ranks that set one differently run other plans for the same call, and a plan
 that waits for a peer's connect or bytes that the peer's plan never sends
 stalls until the group's timeout. So each rank publishes these fields in the
 rendezvous' one store exchange (``rendezvous.exchange``: beside its address,
-read in the same round trip), and every rank compares the same N texts: where
-a field differs, every rank raises the same ``OptionsMismatchError`` naming the
-field, its variable and which ranks hold which value, before any link is made.
+read in the same round trip), and every rank compares what all N published:
+where a field differs, every rank raises the same ``OptionsMismatchError``
+naming the field, its variable and which ranks hold which value, before any
+link is made.
 The fields that may differ per rank are ``config.PER_RANK_FIELDS``.
 """
 
