@@ -263,19 +263,18 @@ def test_check_passes_alike_options_and_blames_a_lone_rank() -> None:
     assert e.value.culprit == 1 and isinstance(e.value, ValueError)
 
 
-@pytest.mark.timeout(120)
-def test_torchrun_flat_rank_among_host_aware_ones_fails_every_rank(tmp_path: Path) -> None:
-    """A real job of 2 emulated hosts x 2 ranks under ENTRENAR_TOPOLOGY=hosts
-    (and the host star off) whose last rank sets ENTRENAR_TOPOLOGY=flat: every rank's
-    init_process_group raises, naming it, at once (before: init passed and
-    the first allreduce waited out the group's timeout)."""
+def _job(out: Path, mode: str, setting: str) -> dict[int, dict[str, Any]]:
+    """``tests/scripts/options_disagree.py`` under torchrun, 2 emulated hosts x 2
+    ranks, ENTRENAR_TOPOLOGY=hosts and the host star off (the host-aware
+    ranks take the leaders); each rank's outcome."""
+    out.mkdir()
     done = torchrun(
         REPO / "tests" / "scripts" / "options_disagree.py",
         WORLD,
-        str(tmp_path),
-        "ENTRENAR_TOPOLOGY=flat",
+        str(out),
+        mode,
+        setting,
         timeout_s=90,
-        # host_star 0: the host-aware ranks take the leaders, not the flat star
         env={
             "TIMEOUT_S": str(TIMEOUT_S),
             "ENTRENAR_TOPOLOGY": "hosts",
@@ -284,10 +283,32 @@ def test_torchrun_flat_rank_among_host_aware_ones_fails_every_rank(tmp_path: Pat
         forked=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
+
+
+def _assert_refused(got: dict[int, dict[str, Any]], named: str) -> None:
     for r, o in got.items():
-        assert o["stage"] == "init" and o["error"] == "OptionsMismatchError", o
+        assert o["stage"] == "creation" and o["error"] == "OptionsMismatchError", o
         assert o["message"].startswith(f"rank {r}: "), o
-        named = "topology (ENTRENAR_TOPOLOGY) is 'hosts' on ranks 0-2 but 'flat' on rank 3"
         assert named in o["message"], o
         assert o["culprit"] == WORLD - 1 and o["seconds"] < PROMPT_S, o
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_rank_with_its_own_options_fails_every_rank(tmp_path: Path) -> None:
+    """Real jobs. (1) The last rank's environment says ENTRENAR_TOPOLOGY=flat:
+    every rank's init_process_group raises, naming it, at once (before: init
+    passed and the first allreduce waited out the group's timeout). (2) The
+    last rank passes pg_options with another star threshold to new_group:
+    every rank's new_group raises, and the default group still works."""
+    _assert_refused(
+        _job(tmp_path / "init", "init", "ENTRENAR_TOPOLOGY=flat"),
+        "topology (ENTRENAR_TOPOLOGY) is 'hosts' on ranks 0-2 but 'flat' on rank 3",
+    )
+    got = _job(tmp_path / "new_group", "new_group", "host_leaders_max_bytes=4096")
+    _assert_refused(
+        got,
+        "host_leaders_max_bytes (ENTRENAR_HOST_LEADERS_MAX_BYTES) is 65536 on ranks 0-2 "
+        "but 4096 on rank 3",
+    )
+    assert [got[r]["world_sum"] for r in range(WORLD)] == [float(sum(range(WORLD)))] * WORLD

@@ -1,13 +1,20 @@
-"""One rank of a job whose last rank sets one ENTRENAR_* variable differently.
+"""One rank of a job whose last rank sets one option differently.
 
-``options_disagree.py OUT_DIR VAR=VALUE``: the ranks form two emulated hosts
-(``ENTRENAR_HOST_ID``: the first half, the second half); the last rank sets
-``VAR=VALUE`` before ``init_process_group`` (``Options.from_env`` runs at
-the group's creation), the others keep the job's environment. Each rank
-writes what happened, and when, to ``OUT_DIR/rank<r>.json``: the error
-creation raised, or, where creation succeeded, what a 16 KiB allreduce did
-(before set-up compared the options, a flat rank among host-aware ones
-waited there until the group's ``TIMEOUT_S``).
+``options_disagree.py OUT_DIR init VAR=VALUE``: the last rank sets
+``VAR=VALUE`` in its environment before ``init_process_group``
+(``Options.from_env`` runs at the group's creation).
+``options_disagree.py OUT_DIR new_group FIELD=INT``: every rank makes the
+default group alike, then a ``new_group`` whose ``pg_options`` are the
+environment's (``Options.from_env()``) except on the last rank, which sets
+``FIELD=INT`` over them; after it,
+an allreduce on the default group (a failed new_group must leave it usable).
+
+The ranks form two emulated hosts (``ENTRENAR_HOST_ID``: the first half, the
+second half). Each rank writes what happened, and when, to
+``OUT_DIR/rank<r>.json``: the error creation raised, or, where creation
+succeeded, what a 16 KiB allreduce on the new group did (before set-up
+compared the options, a flat rank among host-aware ones waited there until
+the group's ``TIMEOUT_S``).
 """
 
 import json
@@ -20,25 +27,41 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from entrenar_pg import Options
+
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+out, mode, setting = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+name, value = setting.split("=", 1)
 os.environ["ENTRENAR_HOST_ID"] = "a" if rank < world // 2 else "b"
-if rank == world - 1:
-    var, value = sys.argv[2].split("=", 1)
-    os.environ[var] = value
+last = rank == world - 1
+if mode == "init" and last:
+    os.environ[name] = value
+timeout = timedelta(seconds=float(os.environ["TIMEOUT_S"]))
 outcome: dict[str, object] = {"rank": rank}
 t0 = time.monotonic()
 try:
-    dist.init_process_group("entrenar", timeout=timedelta(seconds=float(os.environ["TIMEOUT_S"])))
+    if mode == "new_group":
+        dist.init_process_group("entrenar", timeout=timeout)
+        t0 = time.monotonic()
+        options = Options.from_env(**{name: int(value)}) if last else Options.from_env()
+        group = dist.new_group(backend="entrenar", pg_options=options, timeout=timeout)
+    else:
+        dist.init_process_group("entrenar", timeout=timeout)
+        group = dist.group.WORLD
     outcome["stage"] = "allreduce"
     t = torch.ones(4096)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     outcome["sum"] = float(t[0])
 except Exception as e:  # the outcome under test
     outcome["error"] = type(e).__name__
     outcome["message"] = str(e)
     outcome["culprit"] = getattr(e, "culprit", None)
-outcome.setdefault("stage", "init")
+outcome.setdefault("stage", "creation")
 outcome["seconds"] = time.monotonic() - t0
-Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(outcome))
+if mode == "new_group":  # the default group still works
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t)
+    outcome["world_sum"] = float(t[0])
+(out / f"rank{rank}.json").write_text(json.dumps(outcome))
 if dist.is_initialized():
     dist.destroy_process_group()
