@@ -1,19 +1,21 @@
 """Ranks whose Options would pick other plans for the same call fail at creation.
 
-A call's plan is each rank's own choice from its ``Options``: with
-``star_max_bytes`` (``ENTRENAR_STAR_MAX_BYTES``) lower on one rank, a 16 KiB
-allreduce is a ring there and a star elsewhere. The call's terms (dtype,
+A call's plan is each rank's own choice from its ``Options``. With one rank
+flat among host-aware ones (``ENTRENAR_TOPOLOGY``), the call's terms (dtype,
 count, op) agree, so the first-use query found nothing to blame and every
-rank waited until the group's timeout. Now set-up publishes the fields that
-decide plans (``config.AGREED_FIELDS``) beside each rank's address and every
-rank compares them (``transport/options_agreement.py``): a difference raises
+rank waited until the group's timeout; with another transport on one rank,
+shared memory's set-up did; with another star threshold, algorithm or
+determinism, the header rule caught the plans at the first collective. Now
+set-up publishes the fields that decide plans (``config.AGREED_FIELDS``)
+beside each rank's address and every rank compares them
+(``transport/options_agreement.py``): a difference raises
 ``OptionsMismatchError`` on every rank at creation, naming the field, its
 variable, the values and the ranks holding each, before any collective.
-Fields that only tune a rank's own threads, sockets and records
+Fields that only tune a rank's own threads, sockets, segments and records
 (``config.PER_RANK_FIELDS``) may still differ.
 
-Thread ranks over real loopback TCP (one store, one group per rank), and one
-real torchrun job where one rank's environment differs.
+Thread ranks over real loopback TCP (one store, one group per rank), and two
+real torchrun jobs where one rank's environment or pg_options differ.
 """
 
 from __future__ import annotations
