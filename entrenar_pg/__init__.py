@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         ContractViolation,
         EntrenarError,
         GroupDestroyedError,
+        OptionsMismatchError,
         PeerConnectionError,
     )
     from .reduce_ops import tree_sum
@@ -41,6 +42,7 @@ _PUBLIC = {
     "EntrenarProcessGroup": ".api.process_group",
     "GroupDestroyedError": ".errors",
     "Options": ".config",
+    "OptionsMismatchError": ".errors",
     "PeerConnectionError": ".errors",
     "flight_recorder": ".flight_recorder",
     "tree_sum": ".reduce_ops",
@@ -56,6 +58,7 @@ __all__ = [
     "EntrenarProcessGroup",
     "GroupDestroyedError",
     "Options",
+    "OptionsMismatchError",
     "PeerConnectionError",
     "dump_flight_recorder",
     "get_stats",

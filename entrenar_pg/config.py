@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 # Environment variable names (one constant each, so grep finds every use).
 ENV_ALGORITHM = "ENTRENAR_ALGO"
@@ -378,6 +379,61 @@ class Options:
 
     def replace(self, **changes: object) -> Options:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+class AgreedField(NamedTuple):
+    """An ``Options`` field every rank of a group must set alike, and its variable."""
+
+    name: str
+    env: str
+
+
+# The Options fields every rank of a group must set alike, checked at creation
+# (``transport/options_agreement.py``): they decide which plan a call runs
+# (algorithm, the thresholds, determinism, transport, topology) or a verdict
+# every rank must reach alike (the checker and its tolerance). Ranks
+# that set one differently would run other plans for the same call and wait
+# for each other until the timeout, so the group refuses to form instead.
+AGREED_FIELDS: tuple[AgreedField, ...] = (
+    AgreedField("algorithm", ENV_ALGORITHM),
+    AgreedField("direct_max_bytes", ENV_DIRECT_MAX_BYTES),
+    AgreedField("star_max_bytes", ENV_STAR_MAX_BYTES),
+    AgreedField("deterministic", ENV_DETERMINISTIC),
+    AgreedField("check", ENV_CHECK),
+    AgreedField("check_tolerance", ENV_CHECK_TOLERANCE),
+    AgreedField("transport", ENV_TRANSPORT),
+    AgreedField("topology", ENV_TOPOLOGY),
+    AgreedField("host_leaders_max_bytes", ENV_HOST_LEADERS_MAX_BYTES),
+    AgreedField("host_star_max_bytes", ENV_HOST_STAR_MAX_BYTES),
+)
+# The fields that may differ per rank: where this rank listens and how it
+# tunes its own sockets, threads and cores (host, ifname, socket buffers,
+# spins, inline calls, placements); its pipelining segment (how its plan cuts
+# what it sends and receives: links carry bytes, not segments, and allreduce,
+# broadcast, all-gather, reduce-scatter and reduce gave the same results with
+# four segment sizes on four ranks, over shared memory, TCP, host-aware and
+# deterministic); what it records or writes for itself (ledger: rank 0 writes
+# it; the flight recorder); its host label (host_id exists to tell ranks
+# apart) and MASTER_ADDR. ``attempt`` namespaces the store keys themselves,
+# so ranks of different attempts never meet to compare.
+PER_RANK_FIELDS: tuple[str, ...] = (
+    "segment_bytes",
+    "ledger",
+    "host",
+    "ifname",
+    "socket_buffer_bytes",
+    "spin_us",
+    "caller_spin_us",
+    "inline_max_bytes",
+    "shm_placement",
+    "tcp_placement",
+    "host_id",
+    "fr_buffer_size",
+    "fr_dump_on_timeout",
+    "fr_dump_prefix",
+    "master_addr",
+    "attempt",
+)
 
 
 def default_fr_dump_prefix(env: Mapping[str, str]) -> str:

@@ -49,6 +49,13 @@ class CollectiveMismatchError(EntrenarError):
     """Two ranks issued different collectives (op, dtype, size, algorithm or order)."""
 
 
+class OptionsMismatchError(EntrenarError, ValueError):
+    """Ranks of one group set an Options field that must agree differently
+    (``config.AGREED_FIELDS``): raised on every rank at the group's creation,
+    before any collective. A ``ValueError`` too: it is bad input, as an
+    invalid Options value is."""
+
+
 class ContractViolation(EntrenarError):
     """A contract (C-RING-001, C-DDP-001, F-DP-003) failed on some rank."""
 

@@ -662,29 +662,6 @@ def test_uneven_hosts_run_flat() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_flat_rank_among_host_aware_ones_fails_every_rank() -> None:
-    opts = [
-        Options(host_id=h, topology=("flat" if r == 3 else "hosts"), host_star_max_bytes=0)
-        for r, h in enumerate("aabb")
-    ]
-    gs = make_groups(4, opts, timeout_s=10)
-    errors: dict[int, BaseException] = {}
-
-    def fn(rank: int, pg: EntrenarProcessGroup) -> None:
-        try:
-            pg.allreduce([torch.ones(SMALL)]).wait()
-        except EntrenarError as e:
-            errors[rank] = e
-
-    try:
-        run_ranks(4, fn, groups=gs, timeout_s=30)
-    finally:
-        for g in gs:
-            g.shutdown()
-    assert sorted(errors) == [0, 1, 2, 3], errors
-
-
-@pytest.mark.timeout(60)
 def test_a_rank_that_aborts_is_named_on_every_host() -> None:
     """2 x 2, a large host-aware allreduce (ranks 0-2 inside it, in every
     phase's links), rank 3 aborts instead of joining: every other rank

@@ -90,9 +90,8 @@ class Mesh:
             try:
                 keys = self._rendezvous.exchange(offered_key(options.host_id))
                 self.topology = Topology.from_keys(keys)
-                # Whatever Options.topology says, so that set-up is the same on
-                # every rank even where a rank's options differ (that surfaces
-                # as a header mismatch at the first collective, not a hang here).
+                # Whatever Options.topology says (every rank's is the same:
+                # exchange checked it), so set-up does not depend on it.
                 self._probe_roles = Roles.of(self.topology)
                 self._links = self._rendezvous.connect_set_up(self._set_up_pairs(keys))
                 if self._probe_roles is not None:

@@ -45,6 +45,7 @@ from typing import Any
 
 from ..config import MIN_TIMEOUT_S, Options
 from ..errors import PeerConnectionError
+from . import options_agreement
 from .acceptor import HANDSHAKE_S, HELLO, HELLO_MAGIC, MAC_BYTES, NONCE_BYTES, Acceptor, mac
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ CHANNEL_NAMES = {DATA: "data", CONTROL: "control", P2P: "p2p"}
 SECRET_KEY = "entrenar/a{attempt}/secret"
 ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
 HOST_KEY = "entrenar/a{attempt}/host/{rank}"  # shm.offered_key: which ranks share a host
+# The Options every rank must set alike (options_agreement.py), checked here:
+# every rank reads the digests, the texts only where they differ.
+OPTIONS_KEY = "entrenar/a{attempt}/options/{rank}"
+OPTIONS_DIGEST_KEY = "entrenar/a{attempt}/options-digest/{rank}"
 # The listen backlog: a flood of strangers must not fill the kernel's queue
 # and make a peer's connect wait for a SYN retransmission (1 s and more).
 _BACKLOG = 1024
@@ -161,9 +166,11 @@ class Rendezvous:
             ) from e
 
     def exchange(self, host_key: str) -> list[str]:
-        """Listen, publish this rank's address and ``host_key``, and learn every
-        rank's, in one store wait and one round trip (lazy connects go to any
-        peer, later, when the store may be gone). Returns the host keys by rank."""
+        """Listen, publish this rank's address, ``host_key`` and the Options that
+        must agree, and learn every rank's, in one store wait and one round trip
+        (lazy connects go to any peer, later, when the store may be gone). Ranks
+        whose Options differ raise ``OptionsMismatchError`` here, every one of
+        them, before any link is made. Returns the host keys by rank."""
         self._deadline = deadline = time.monotonic() + self.timeout_s
         host = choose_host(self._options)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -181,14 +188,24 @@ class Rendezvous:
                 self._store.set(self.key(SECRET_KEY), secrets.token_hex(32))
             self._secret = self.store_get(self.key(SECRET_KEY), deadline)
             self._store.set(self.key(HOST_KEY, self.rank), host_key)
+            options = options_agreement.encode(self._options)
+            self._store.set(self.key(OPTIONS_KEY, self.rank), options)  # before its digest
+            self._store.set(
+                self.key(OPTIONS_DIGEST_KEY, self.rank), options_agreement.digest(options)
+            )
             self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
-            keys = [self.key(ADDR_KEY, p) for p in range(self.world)]
-            keys += [self.key(HOST_KEY, p) for p in range(self.world)]
+            n = self.world
+            keys = [self.key(ADDR_KEY, p) for p in range(n)]
+            keys += [self.key(HOST_KEY, p) for p in range(n)]
+            keys += [self.key(OPTIONS_DIGEST_KEY, p) for p in range(n)]
             self.store_wait(keys, deadline)
             got = [bytes(raw).decode() for raw in self._store.multi_get(keys)]
-            self._addrs = dict(enumerate(got[: self.world]))
-            host_keys = got[self.world :]
+            if not options_agreement.alike(got[2 * n :]):
+                texts = self._store.multi_get([self.key(OPTIONS_KEY, p) for p in range(n)])
+                options_agreement.check(self.rank, [bytes(raw).decode() for raw in texts])
+            self._addrs = dict(enumerate(got[:n]))
+            host_keys = got[n : 2 * n]
         except BaseException:
             self.stop()
             raise
