@@ -79,13 +79,20 @@ class _Mesh:
     slots: Any
 
 
+def _pair_area_bytes(slots: Any) -> int:
+    """One rank's slot area of a two-rank group in that tree (one size for
+    every group in trees before ``slots.area_bytes``)."""
+    sized = getattr(slots, "area_bytes", None)
+    return int(sized(2)) if sized is not None else int(slots.AREA_BYTES)
+
+
 def core(package: str, nbytes: int) -> Callable[[], None]:
     """One call of ``package``'s pair sum whose peer is always there."""
     slots = importlib.import_module(f"{package}.transport.shm.slots")
     shm = importlib.import_module(f"{package}.collectives.shm_allreduce")
     wire = importlib.import_module(f"{package}.wire")
     mine, _theirs = socket.socketpair()
-    areas = {q: memoryview(mmap.mmap(-1, slots.AREA_BYTES)) for q in (0, 1)}
+    areas = {q: memoryview(mmap.mmap(-1, _pair_area_bytes(slots))) for q in (0, 1)}
     area = slots.SlotArea(0, areas, {1: _Link(1, mine)}, placement=False)
     pair = shm._new_pair(area, torch.float32, nbytes, shm.Kind.SUM)
     shape = _Shape(pair, bytearray(wire.HEADER_BYTES))

@@ -49,7 +49,7 @@ from entrenar_pg import (
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport.shm import placement as placement_module
-from entrenar_pg.transport.shm import ring, slots
+from entrenar_pg.transport.shm import ring
 from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.transport.shm.placement import Placement
 from entrenar_pg.wire import Algo
@@ -236,8 +236,8 @@ BIG_SIZES = [
     16_387,  # float32 ~64 KiB: one phase (at N=2 too: a numpy sum's add in place)
     100_003,  # float32: past the two-rank small path's size (sliced at N=2, one phase at N=3)
     (1 << 18) + 3,
-    slots.SLOT_DATA_BYTES // 4 + 5,
-    5 * slots.SLOT_DATA_BYTES // 8 + 1,
+    shm_allreduce.CHUNK_BYTES // 4 + 5,
+    5 * shm_allreduce.CHUNK_BYTES // 8 + 1,
 ]
 BIG_OPS = [(torch.float32, R.SUM, None), (torch.int32, R.AVG, None), (torch.float64, R.MAX, None)]
 
@@ -599,7 +599,7 @@ def test_back_to_back_calls_with_skew(world: int, monkeypatch: pytest.MonkeyPatc
     adds that slot into its own buffer, 64 and 128 KiB of float32). Small
     and chunked sizes interleaved; every result is checked."""
     pair = [16_384, 32_768, 16_384]  # one phase at N=2: the peer's slot added in place
-    big = [(1 << 18) + 3, slots.SLOT_DATA_BYTES // 4 + 5]
+    big = [(1 << 18) + 3, shm_allreduce.CHUNK_BYTES // 4 + 5]
     sizes = [1000, 70_000, 1, *pair, big[0], 0, 1000, big[1]] * 3
     slow = _SlowAdds()  # rank 1's numpy adds start late: a peer racing ahead would show
     monkeypatch.setattr(shm_allreduce, "np", slow)
@@ -1060,12 +1060,12 @@ def test_a_pair_whose_mapping_fails_agrees_on_tcp(monkeypatch: pytest.MonkeyPatc
     (the completeness round), and the sums are right."""
     real = shm._map_peer
 
-    def map_peer(offer: dict[str, object]) -> tuple[Any, str]:
+    def map_peer(offer: dict[str, object], area_size: int) -> tuple[Any, str]:
         if threading.current_thread().name == "r1":
             calls.append(offer)
             if len(calls) == 1:  # rank 1 maps its peers in rank order: this is rank 0's
                 return None, "injected: cannot open its segment"
-        return real(offer)
+        return real(offer, area_size)
 
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(shm, "_map_peer", map_peer)

@@ -18,16 +18,25 @@ sleeps (``_spin_for``).
   in rank order left to right (the canonical tree order when
   ``call.choice.tree``): the operations and operands of ``direct.py``, so
   the bits equal TCP's.
-- Large, in chunks of a slot, two phases each (DeepSpeed's >= 1 MiB slice
-  algorithm, whose chunks also run one after another): copy the chunk in
+- Large, in chunks of 4 MiB, two phases each, the chunks one after
+  another as in DeepSpeed's >= 1 MiB slice algorithm: copy the chunk in
   (all but the slice this rank reduces: it reads that from its input);
   each rank combines its 1/N slice of the chunk across all slots (same
   order) into its other slot; then every rank copies all N reduced slices
-  out. The first chunk's headers are compared as above. Pipelining the
-  chunks (chunk t's copy-in, chunk t - 1's reduction and copy-out in one
-  phase: K + 1 phases for K chunks) was measured 10-25% slower here at 4-64
-  MiB (the reduction then reads a chunk copied in a phase earlier, after
-  another chunk went through the caches), so the chunks stay in sequence.
+  out. Three or more ranks put every chunk at the start of their 4 MiB
+  slots and copy the slices out in rank order once all are reduced. Two
+  ranks (16 MiB slots) put each chunk at the start of the slots or rotate
+  the chunks over the slots' four quarters, rank 0's choice per call from
+  the calls' own times, the same on both (``transport/shm/chunk_plan.py``:
+  which is faster depends on the machine's state; docs/benchmarks.md), and
+  copy their own slice out while the peer finishes its. (With both for
+  every world, N=4 read 1.11-1.28x the previous release in 4 of 8 cells:
+  only two ranks have them.) The first chunk's headers are compared as
+  above. Pipelining the chunks (chunk t's copy-in, chunk
+  t - 1's reduction and copy-out in one phase: K + 1 phases for K
+  chunks) was measured 10-25% slower here at 4-64 MiB (the reduction then
+  reads a chunk copied in a phase earlier, after another chunk went
+  through the caches), so the chunks stay in sequence.
   Two ranks slice above 256 KiB, or above 128 KiB when they sum with numpy
   (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
   and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
@@ -68,7 +77,7 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..reduce_ops import Kind, Reduction, combine_, combine_into, finish_
-from ..transport.shm.slots import SLOT_DATA_BYTES, ForeignTraffic, SlotArea
+from ..transport.shm.slots import PAIR_SLOT_DATA_BYTES, SLOT_DATA_BYTES, ForeignTraffic, SlotArea
 from ..wire import HEADER_BYTES, Algo, Header, OpCode, stamp_seq
 from .common import Call, ScratchPool, chunk_bounds
 
@@ -95,8 +104,14 @@ PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # ranks sharing one core under other jobs' load the sliced path was 1.2x
 # faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
 PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
-# A large message's chunk: a slot (``chunk_elems``).
-CHUNK_BYTES = SLOT_DATA_BYTES
+# A large message's chunk (``chunk_elems``): a slot of three or more ranks.
+# Two ranks' chunks go to the start of the slots, or rotate over ``ROTATE``
+# such places in them; rank 0 picks per call from the calls' times
+# (``transport/shm/chunk_plan.py``; docs/benchmarks.md, "the two states").
+CHUNK_BYTES = 4 << 20
+ROTATE = 4
+assert CHUNK_BYTES <= SLOT_DATA_BYTES, "a chunk fits in a slot"
+assert ROTATE * CHUNK_BYTES <= PAIR_SLOT_DATA_BYTES, "two ranks' rotating chunks fit in a slot"
 # A wait spins (``sched_yield``: whoever else needs the core gets it) up to
 # this many times this rank's own work in the phase, within the cap, before
 # it sleeps (``_spin_for``).
@@ -113,7 +128,9 @@ class _Shape:
     small: bool  # one phase (else chunks)
     slot_views: list[list[torch.Tensor]]  # [parity][rank]: the slot's first elements (small)
     chunk: int  # elements per chunk (large)
-    cuts: dict[int, _Cut]  # chunk length -> its slices (large: a full chunk's, the tail's)
+    # (chunk length, place) -> its slices (large: a full chunk's and the tail's,
+    # at each of the ``ROTATE`` places for two ranks, else at place 0 only)
+    cuts: dict[tuple[int, int], _Cut]
     pair: _Pair | None  # two ranks summing a small message: its copies without torch
     pair_cut: _PairCut | None  # two ranks summing a one-chunk message: the same, sliced
 
@@ -176,7 +193,8 @@ def _new_shape(call: Call, area: SlotArea, op: OpCode, buf: torch.Tensor, red: R
         by_parity = [[views[q][p] for q in range(area.world)] for p in (0, 1)]
         return _Shape(packed, red.combine_kind, True, by_parity, chunk, {}, pair, None)
     lengths = {min(chunk, numel), numel % chunk or chunk}
-    cuts = {m: _cut(area, dtype, m) for m in lengths}
+    places = 1 if area.chunk_plan is None else ROTATE  # two ranks only may rotate
+    cuts = {(m, k): _cut(area, dtype, m, k * chunk) for m in lengths for k in range(places)}
     pair_cut = None if pair is None else _new_pair_cut(area, pair, numel)
     return _Shape(packed, red.combine_kind, False, [], chunk, cuts, None, pair_cut)
 
@@ -456,13 +474,19 @@ def _await(
 def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: OpCode) -> None:
     """The large path (module docstring): per chunk, phase A copies it in
     (but for this rank's slice), phase B reduces this rank's slice into its
-    other slot, then every rank's reduced slice is copied out."""
+    other slot, then every rank's reduced slice is copied out. Two ranks
+    place the chunks as rank 0 chose for the call (``chunk_plan.py``), more
+    at the slots' start."""
     r = area.rank
+    plan = area.chunk_plan  # two ranks only
+    # before any publish: rank 0 writes its choice for the next call there
+    places = ROTATE if plan is not None and plan.begin() else 1
     numel, step = buf.numel(), shape.chunk
     tree, kind = call.choice.tree, shape.kind
+    met = 0.0  # this thread's CPU time when every rank had arrived (the call's own time)
     for start in range(0, numel, step):
         m = min(step, numel - start)
-        cut = shape.cuts[m]
+        cut = shape.cuts[m, start // step % places]
         pieces = buf[start : start + m].split(cut.sizes)  # [q]: rank q's slice of the chunk
         # Phase A: the chunk into this rank's slot, but for the slice this
         # rank reduces itself (read from ``buf`` directly: 1/N less copying).
@@ -476,6 +500,8 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         _await(area, phase, call, op, shape.packed, began)
         if start == 0:
             _check_headers(area, call, parity, shape.packed)
+            if plan is not None:
+                met = time.thread_time()
         # Phase B: this rank's slice, reduced across every slot, into its other slot.
         began = time.perf_counter()
         parts = cut.mine_in[parity].copy()
@@ -483,9 +509,13 @@ def _chunked(call: Call, area: SlotArea, buf: torch.Tensor, shape: _Shape, op: O
         outs = cut.out[parity ^ 1]
         _combine(outs[r], parts, kind, tree, call.scratch)
         area.publish(phase + 1)
+        for q in cut.out_early:  # two ranks: its own sum out while the peer finishes its
+            pieces[q].copy_(outs[q])
         _await(area, phase + 1, call, op, shape.packed, began)
-        for q, src in enumerate(outs):  # every rank's reduced slice out
-            pieces[q].copy_(src)
+        for q in cut.out_late:  # the other reduced slices out (more ranks: all, in rank order)
+            pieces[q].copy_(outs[q])
+    if plan is not None:
+        plan.record(places > 1, numel * buf.element_size(), time.thread_time() - met)
 
 
 @dataclass(slots=True)
@@ -499,19 +529,30 @@ class _Cut:
     own_in: list[list[torch.Tensor]]  # [parity][q]: this rank's slot, slice q (copied in)
     mine_in: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, this rank's slice
     out: list[list[torch.Tensor]]  # [parity][q]: rank q's slot, slice q (its reduced slice)
+    out_early: list[int]  # the ranks whose reduced slices are copied out before the last wait
+    out_late: list[int]  # those copied out after it
 
 
-def _cut(area: SlotArea, dtype: torch.dtype, m: int) -> _Cut:
-    """The slices of an ``m``-element chunk (``chunk_bounds``: the same on every rank)."""
+def _cut(area: SlotArea, dtype: torch.dtype, m: int, at: int) -> _Cut:
+    """The slices of an ``m``-element chunk placed ``at`` elements into the
+    slots (``chunk_bounds``: the same on every rank)."""
     bounds = chunk_bounds(m, area.world)
-    views = area.views(dtype, m)  # [q][parity]
+    views = area.views(dtype, at + m)  # [q][parity]
+    if at:  # from the place on
+        views = [[v[at:] for v in rank_views] for rank_views in views]
     r = area.rank
+    # Two ranks copy their own slice out before waiting for the peer's
+    # (``_chunked``); more ranks copy every slice out after the wait, in rank
+    # order (the early copy-out was not shown level at N=4).
+    early = [r] if area.world == 2 else []
     lo, hi = bounds[r]
     return _Cut(
         sizes=[b - a for a, b in bounds],
         own_in=[[views[r][p][a:b] for a, b in bounds] for p in (0, 1)],
         mine_in=[[views[q][p][lo:hi] for q in range(area.world)] for p in (0, 1)],
         out=[[views[q][p][a:b] for q, (a, b) in enumerate(bounds)] for p in (0, 1)],
+        out_early=early,
+        out_late=[q for q in range(area.world) if q not in early],
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ...errors import PeerConnectionError
 from .ring import BLOCK_BYTES, NONCE_BYTES, ShmLink
-from .slots import AREA_BYTES, SlotArea, new_area_nonce
+from .slots import SlotArea, area_bytes, new_area_nonce
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,12 @@ class _Segment:
     area_nonce: bytes
 
 
-def _make_segment(rank: int, peers: list[int], with_area: bool = False) -> _Segment:
+def _make_segment(rank: int, peers: list[int], area_size: int = 0) -> _Segment:
+    """This rank's segment: a ring block per peer in ``peers``, then a slot
+    area of ``area_size`` bytes (none where 0)."""
+    with_area = area_size > 0
     rings = BLOCK_BYTES * len(peers)
-    size = rings + (AREA_BYTES if with_area else 0)
+    size = rings + area_size
     # memfd: no name in any filesystem (nothing in /dev/shm to leak, whatever
     # happens to the processes), reachable only through this fd, which peers
     # open as /proc/<pid>/fd/<n>: the kernel allows that to this user (and
@@ -112,8 +115,9 @@ class _Mapped:
     area: memoryview | None
 
 
-def _map_peer(offer: dict[str, object]) -> tuple[_Mapped | None, str]:
-    """Map a peer's ring block (and slot area) from its offer; (them, "") or (None, why not)."""
+def _map_peer(offer: dict[str, object], area_size: int) -> tuple[_Mapped | None, str]:
+    """Map a peer's ring block (and slot area, ``area_size`` bytes) from its
+    offer; (them, "") or (None, why not)."""
     try:
         path = f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}"  # type: ignore[call-overload]
         offset, size = int(offer["offset"]), int(offer["size"])  # type: ignore[call-overload]
@@ -126,13 +130,13 @@ def _map_peer(offer: dict[str, object]) -> tuple[_Mapped | None, str]:
     try:
         end = offset + BLOCK_BYTES
         if area_offset >= 0:
-            end = max(end, area_offset + AREA_BYTES)
+            end = max(end, area_offset + area_size)
         if os.fstat(fd).st_size < end or size < end:
             return None, "its segment is smaller than announced"
         block = memoryview(mmap.mmap(fd, BLOCK_BYTES, offset=offset))
         area = None
         if area_offset >= 0:
-            area = memoryview(mmap.mmap(fd, AREA_BYTES, offset=area_offset))
+            area = memoryview(mmap.mmap(fd, area_size, offset=area_offset))
     except (OSError, ValueError) as e:
         return None, f"cannot map its segment ({e})"
     finally:
@@ -278,7 +282,9 @@ def connect(
         return ShmPeers(local, {}, keys=every)
     # Slot areas only where the shm-native allreduce can run: every rank here.
     with_area = len(local) == len(peers)
-    seg = _make_segment(rank, local, with_area)
+    # Its size follows the group's size (``slots.area_bytes``): the same on every rank.
+    area_size = area_bytes(len(keys)) if with_area else 0
+    seg = _make_segment(rank, local, area_size)
     try:
         offers = ex.all(
             local,
@@ -298,7 +304,7 @@ def connect(
         mapped: dict[int, _Mapped] = {}
         why: dict[int, str] = {}
         for p in local:
-            got, why[p] = _map_peer(offers[p])
+            got, why[p] = _map_peer(offers[p], area_size)
             if got is not None:
                 mapped[p] = got
         verdicts = ex.all(local, {p: {"ok": p in mapped, "why": why[p]} for p in local})
@@ -330,6 +336,6 @@ def connect(
         answers = ex.all(local, {p: {"complete": complete} for p in local})
         if complete and all(answers[p].get("complete") for p in local):
             areas = {p: mapped[p].area for p in local}
-            areas[rank] = seg.view[seg.area_offset : seg.area_offset + AREA_BYTES]
+            areas[rank] = seg.view[seg.area_offset : seg.area_offset + area_size]
             slots = SlotArea(rank, areas, links, placement)  # type: ignore[arg-type]
     return ShmPeers(local, links, slots, every)

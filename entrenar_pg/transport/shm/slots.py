@@ -7,7 +7,7 @@ area*, mapped by every peer:
     one page of control words | slot 0 | slot 1
 
 Each slot is ``SLOT_HEADER_BYTES`` (a collective's 32-byte wire header,
-padded to a cache line) then ``SLOT_DATA_BYTES`` of data. A collective
+padded to a cache line) then ``slot_data_bytes(N)`` of data. A collective
 moves through *phases*: in phase k a rank writes its slot ``k % 2`` and then
 publishes k in its ``ARRIVED`` word; a rank reads the peers' slot ``k % 2``
 only once every peer published k. A rank publishes k + 1 only after it has
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ...config import SHM_SLEEP_CAP_S
+from .chunk_plan import ChunkChoice, ChunkPlan
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -55,9 +56,30 @@ SLOT_HEADER_BYTES = 64
 # Data bytes of one slot: a small allreduce (<= SMALL_MAX_BYTES) fits whole;
 # a larger one moves in chunks of this size (two phases each).
 SLOT_DATA_BYTES = 4 << 20
+# The same where the group is two ranks: its 4 MiB chunks go at the slots'
+# start or rotate over their four quarters, as rank 0 chose for the call
+# (``chunk_plan.py``). Pages are touched only as far as the calls reach.
+# Three or more ranks keep ``SLOT_DATA_BYTES`` and the chunks at the start:
+# with the rotation, N=4 read 1.11-1.28x the previous release in 4 of 8
+# cells (and took 4x the slot memory), docs/benchmarks.md.
+PAIR_SLOT_DATA_BYTES = 16 << 20
 _PAGE = mmap.PAGESIZE
-_SLOT_STRIDE = -(-(SLOT_HEADER_BYTES + SLOT_DATA_BYTES) // _PAGE) * _PAGE
-AREA_BYTES = _PAGE + 2 * _SLOT_STRIDE  # one rank's slot area (a multiple of the page)
+
+
+def slot_data_bytes(world: int) -> int:
+    """Data bytes of one slot in a group of ``world`` ranks (see above)."""
+    return PAIR_SLOT_DATA_BYTES if world == 2 else SLOT_DATA_BYTES
+
+
+def _slot_stride(world: int) -> int:
+    """Bytes from one slot's start to the next (a multiple of the page)."""
+    return -(-(SLOT_HEADER_BYTES + slot_data_bytes(world)) // _PAGE) * _PAGE
+
+
+def area_bytes(world: int) -> int:
+    """One rank's slot area in a group of ``world`` ranks: the control page, two slots."""
+    return _PAGE + 2 * _slot_stride(world)
+
 
 # Control words (indices into the area's first page viewed as 'q'), each on
 # a cache line of its own: the last phase published, and "asleep: wake me".
@@ -65,6 +87,7 @@ _ARRIVED = 64 // 8
 _SLEEPS = 128 // 8
 _FAILED = 192 // 8  # set (once) when this rank's group was aborted: its calls did not complete
 _CPU = 256 // 8  # the CPU this rank last found itself on, + 1 (``placement.Placement``)
+_CHUNK_PLAN = 320 // 8  # two words: rank 0's placement of the next chunks (``chunk_plan``)
 _HEADER_BYTES = 32  # wire.HEADER_BYTES (a plan's frame starts with one)
 _NONCE = 0  # bytes [0, 16): the area's nonce (set-up checks it, like a ring block's)
 
@@ -118,11 +141,10 @@ class SlotArea:
         self._socks = {q: links[q].sock for q in self._peers}
         self._links = [links[q] for q in self._peers]
         self._watched = list(self._peers)  # data sockets not known to have hung up
+        self.slot_bytes = slot_data_bytes(self.world)  # data bytes of one slot
+        self._stride = stride = _slot_stride(self.world)
         self._slots = [
-            [
-                a[_PAGE + p * _SLOT_STRIDE : _PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES]
-                for p in (0, 1)
-            ]
+            [a[_PAGE + p * stride : _PAGE + p * stride + SLOT_HEADER_BYTES] for p in (0, 1)]
             for a in self._areas
         ]
         # ``peer_headers[parity]``: every peer's wire header in its slot
@@ -138,6 +160,12 @@ class SlotArea:
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
         self.placement = Placement(rank, self._own, self._peer_ctl, _CPU, enabled=placement)
+        # Two ranks: where the large path's chunks go per call, rank 0's choice
+        # (``chunk_plan.py``); more ranks: always at the slots' start (None).
+        self.chunk_plan: ChunkPlan | None = None
+        if self.world == 2:
+            choice = ChunkChoice() if rank == 0 else None
+            self.chunk_plan = ChunkPlan(self._ctl[0], _CHUNK_PLAN, choice)
 
     # ---------------------------------------------------------------- data
 
@@ -147,14 +175,14 @@ class SlotArea:
         key = (dtype, numel)
         got = self._views.get(key)
         if got is None:
-            assert numel * dtype.itemsize <= SLOT_DATA_BYTES, "internal: more than a slot"
+            assert numel * dtype.itemsize <= self.slot_bytes, "internal: more than a slot"
             got = [
                 [
                     torch.frombuffer(
                         a,
                         dtype=dtype,
                         count=numel,
-                        offset=_PAGE + p * _SLOT_STRIDE + SLOT_HEADER_BYTES,
+                        offset=_PAGE + p * self._stride + SLOT_HEADER_BYTES,
                     )
                     if numel
                     else torch.empty(0, dtype=dtype)
@@ -169,8 +197,8 @@ class SlotArea:
 
     def data_bytes(self, q: int, parity: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of rank q's slot ``parity``, as bytes."""
-        assert nbytes <= SLOT_DATA_BYTES, "internal: more than a slot"
-        start = _PAGE + parity * _SLOT_STRIDE + SLOT_HEADER_BYTES
+        assert nbytes <= self.slot_bytes, "internal: more than a slot"
+        start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES
         return self._areas[q][start : start + nbytes]
 
     # ---------------------------------------------------------------- phases
