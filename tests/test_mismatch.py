@@ -31,6 +31,7 @@ import torch.distributed as dist
 from conftest import make_groups, run_ranks
 
 from entrenar_pg import CollectiveMismatchError, EntrenarProcessGroup, Options, PeerConnectionError
+from entrenar_pg.transport import options_agreement
 
 SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 SMALL = Options()
@@ -225,7 +226,15 @@ def not_mismatch(got: list[Exception | None]) -> dict[int, str]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_every_rank_raises_in_the_disagreeing_call(case: Case) -> None:
+def test_every_rank_raises_in_the_disagreeing_call(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if case.kind in ("threshold", "determ"):
+        # Set-up refuses ranks whose Options differ (tests/test_options_agree.py);
+        # the header rule still guards the call itself, for ranks set-up cannot
+        # compare (another entrenar version publishes no digest), so these cases
+        # form their groups past set-up's comparison.
+        monkeypatch.setattr(options_agreement, "alike", lambda digests: True)
     ranks = range(case.world)
     got = outcomes([case.args(r) for r in ranks], [case.options(r) for r in ranks])
     assert not not_mismatch(got), f"odd rank {case.odd_rank()}: {not_mismatch(got)}"
