@@ -15,7 +15,13 @@ from torch.distributed import distributed_c10d as c10d
 from entrenar_pg import Options
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.transport.shm import slots
-from entrenar_pg.transport.shm.chunk_plan import EXPLORE_EVERY, EXPLORE_MAX, ChunkChoice, ChunkPlan
+from entrenar_pg.transport.shm.chunk_plan import (
+    CONFIRM_AFTER,
+    EXPLORE_EVERY,
+    EXPLORE_MAX,
+    ChunkChoice,
+    ChunkPlan,
+)
 
 
 def test_choice_tries_both_keeps_the_faster_and_explores_less_while_it_holds() -> None:
@@ -29,13 +35,41 @@ def test_choice_tries_both_keeps_the_faster_and_explores_less_while_it_holds() -
     assert choice.next_rotates() is True
     choice.record(True, 1 << 20, 1.0)
     picks = [choice.next_rotates() for _ in range(400)]
-    # rotating is faster: in place explored after 16 calls, then gaps of 32, 64, 128, 128
-    assert [i for i, p in enumerate(picks) if not p] == [15, 47, 111, 239, 367], picks
-    assert EXPLORE_EVERY == 16 and EXPLORE_MAX == 128
+    # rotating is faster (a change of choice): in place tried again 2 calls
+    # later, then after gaps of 4, 8, ... up to 128
+    assert [i for i, p in enumerate(picks) if not p] == [1, 5, 13, 29, 61, 125, 253, 381], picks
+    assert (CONFIRM_AFTER, EXPLORE_EVERY, EXPLORE_MAX) == (2, 16, 128)
     for _ in range(3):  # rotating got slower (the state changed): in place wins at once
         choice.record(True, 1 << 20, 9.0)
     picks = [choice.next_rotates() for _ in range(40)]
-    assert [i for i, p in enumerate(picks) if p] == [15], picks  # and is explored often again
+    assert [i for i, p in enumerate(picks) if p] == [1, 5, 13, 29], picks  # checked soon again
+
+
+def test_a_burst_that_flips_the_choice_is_undone_within_a_few_calls() -> None:
+    """In place costs 1.0 a byte, rotating 1.5 (the near state); four calls
+    disturbed by other work (10x) flip the choice to rotating. Once the
+    burst is over the choice is back in place after at most CONFIRM_AFTER
+    rotating calls and one exploration (was: until the next exploration, 16
+    calls)."""
+    choice = ChunkChoice()
+    cost = {False: 1.0, True: 1.5}
+    for _ in range(300):  # steady: in place chosen
+        rotate = choice.next_rotates()
+        choice.record(rotate, 1 << 26, cost[rotate])
+    flipped = False
+    for _ in range(4):  # the burst
+        rotate = choice.next_rotates()
+        choice.record(rotate, 1 << 26, 10 * cost[rotate])
+        flipped = flipped or choice.next_rotates()
+    assert flipped, "the burst did not flip the choice: nothing to undo"
+    after = []
+    for _ in range(40):
+        rotate = choice.next_rotates()
+        after.append(rotate)
+        choice.record(rotate, 1 << 26, cost[rotate])
+    # the flipped choice's calls, then one confirming exploration of rotating
+    assert sum(after[:8]) <= CONFIRM_AFTER + 1, after
+    assert sum(after[8:]) <= 3, after  # then only explorations (gaps 4, 8, 16, ...)
 
 
 def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
@@ -55,7 +89,8 @@ def test_choice_follows_a_change_of_state_at_once_and_per_size_class() -> None:
     assert choice.next_rotates() is True  # its rotating not measured yet
     choice.record(True, 1 << 20, 9.0)
     choice.record(True, 1 << 20, 3.0)
-    assert choice.next_rotates() is False
+    picks = [choice.next_rotates() for _ in range(8)]  # in place, but for explorations
+    assert sum(picks) <= 2 and not any(picks[1:4]), picks
 
 
 class _Scripted(ChunkChoice):

@@ -43,13 +43,20 @@ state, so rank 0 measures:
 from __future__ import annotations
 
 # One call in EXPLORE_EVERY runs the placement not chosen; each such call
-# that does not change the choice doubles the gap (to EXPLORE_MAX), a change
-# of choice resets it. An explored call costs 1.5-1.7x in the near state
-# (docs/benchmarks.md): ~4 % of a steady state's time at 16, ~0.5 % at 128.
-# The choice follows a state that slows the placement chosen within a few
-# calls, one that only speeds up the other within EXPLORE_MAX calls.
+# that does not change the choice doubles the gap (to EXPLORE_MAX). An
+# explored call costs 1.5-1.7x in the near state (docs/benchmarks.md): ~4 %
+# of a steady state's time at 16, ~0.5 % at 128. The choice follows a state
+# that slows the placement chosen within a few calls, one that only speeds
+# up the other within EXPLORE_MAX calls.
 EXPLORE_EVERY = 16
 EXPLORE_MAX = 128
+# After a change of choice the placement left is tried again CONFIRM_AFTER
+# calls later (then the gap doubles as above): a burst of other work that
+# inflated the chosen placement's estimate (a disturbed call counts up to
+# twice it) could flip the choice to the slower one, which then ran until
+# the next exploration: measured, 16 calls at 1.5x in a near state (64 MiB,
+# 6.4 -> 10 ms). A real change of state costs a few explored calls instead.
+CONFIRM_AFTER = 2
 _WEIGHT = 0.5  # of a new time in a size's estimate (states last seconds: follow fast)
 
 
@@ -87,14 +94,15 @@ class ChunkChoice:
 
     def next_rotates(self) -> bool:
         """Rotate the next call's chunks? The faster estimate; the other while
-        it has no estimate, and once per gap (see ``EXPLORE_EVERY``)."""
+        it has no estimate, and once per gap (see ``EXPLORE_EVERY``,
+        ``CONFIRM_AFTER``)."""
         in_place = self._per_byte.get((self._size_class, False))
         rotating = self._per_byte.get((self._size_class, True))
         if in_place is None or rotating is None:
             return in_place is not None  # try the one not measured yet (in place first)
         faster = rotating < in_place
-        if faster != self._chosen:  # the state changed (or the noise did): look often again
-            self._chosen, self._gap, self._since = faster, EXPLORE_EVERY, 0
+        if faster != self._chosen:  # the state changed (or the noise did): check it soon
+            self._chosen, self._gap, self._since = faster, CONFIRM_AFTER, 0
         self._since += 1
         if self._since < self._gap:
             return faster
