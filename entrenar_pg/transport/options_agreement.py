@@ -4,10 +4,12 @@ A call's plan is chosen on each rank from its own ``Options`` (the algorithm,
 the size thresholds, determinism, transport, topology: ``config.AGREED_FIELDS``).
 Ranks that set one differently run other plans for the same call, and a plan
 that waits for a peer's connect or bytes that the peer's plan never sends
-stalls until the group's timeout. So each rank publishes these fields in the
-rendezvous' one store exchange (``rendezvous.exchange``: beside its address,
-read in the same round trip), and every rank compares what all N published:
-where a field differs, every rank raises the same ``OptionsMismatchError``
+stalls until the group's timeout. So each rank publishes a digest of these
+fields in the rendezvous' one store exchange (``rendezvous.exchange``: in
+front of its host key, so set-up reads no more keys than before), and every
+rank compares the N digests; only where they differ does every rank publish
+and read the texts (a second round trip) to name the difference: every rank
+raises the same ``OptionsMismatchError``
 naming the field, its variable and which ranks hold which value, before any
 link is made.
 The fields that may differ per rank are ``config.PER_RANK_FIELDS``.
@@ -33,9 +35,13 @@ def encode(options: Options) -> str:
     return json.dumps(values, separators=(",", ":"))
 
 
+# The digest's length: a fixed width, so it can ride in front of another value.
+DIGEST_CHARS = 16
+
+
 def digest(text: str) -> str:
     """What every rank reads of ``text`` (``encode``'s): 16 hex digits of its SHA-256."""
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]
 
 
 def alike(digests: Sequence[str]) -> bool:

@@ -59,9 +59,10 @@ SECRET_KEY = "entrenar/a{attempt}/secret"
 ADDR_KEY = "entrenar/a{attempt}/addr/{rank}"
 HOST_KEY = "entrenar/a{attempt}/host/{rank}"  # shm.offered_key: which ranks share a host
 # The Options every rank must set alike (options_agreement.py), checked here:
-# every rank reads the digests, the texts only where they differ.
+# each rank's digest rides in front of its host key (HOST_KEY's value, so
+# set-up reads no more keys than before); the texts are published and read
+# only where the digests differ.
 OPTIONS_KEY = "entrenar/a{attempt}/options/{rank}"
-OPTIONS_DIGEST_KEY = "entrenar/a{attempt}/options-digest/{rank}"
 # The listen backlog: a flood of strangers must not fill the kernel's queue
 # and make a peer's connect wait for a SYN retransmission (1 s and more).
 _BACKLOG = 1024
@@ -187,25 +188,27 @@ class Rendezvous:
             if self.rank == 0:
                 self._store.set(self.key(SECRET_KEY), secrets.token_hex(32))
             self._secret = self.store_get(self.key(SECRET_KEY), deadline)
-            self._store.set(self.key(HOST_KEY, self.rank), host_key)
             options = options_agreement.encode(self._options)
-            self._store.set(self.key(OPTIONS_KEY, self.rank), options)  # before its digest
-            self._store.set(
-                self.key(OPTIONS_DIGEST_KEY, self.rank), options_agreement.digest(options)
-            )
+            digest = options_agreement.digest(options)
+            self._store.set(self.key(HOST_KEY, self.rank), digest + host_key)
             self._store.set(self.key(ADDR_KEY, self.rank), f"{host}:{port}")
             log.debug("rank %d listening on %s:%d", self.rank, host, port)
             n = self.world
             keys = [self.key(ADDR_KEY, p) for p in range(n)]
             keys += [self.key(HOST_KEY, p) for p in range(n)]
-            keys += [self.key(OPTIONS_DIGEST_KEY, p) for p in range(n)]
             self.store_wait(keys, deadline)
             got = [bytes(raw).decode() for raw in self._store.multi_get(keys)]
-            if not options_agreement.alike(got[2 * n :]):
-                texts = self._store.multi_get([self.key(OPTIONS_KEY, p) for p in range(n)])
-                options_agreement.check(self.rank, [bytes(raw).decode() for raw in texts])
+            cut = options_agreement.DIGEST_CHARS
+            if not options_agreement.alike([v[:cut] for v in got[n:]]):
+                # Every rank sees the same digests, so every rank comes here:
+                # each publishes its text and reads all N to name the field.
+                self._store.set(self.key(OPTIONS_KEY, self.rank), options)
+                text_keys = [self.key(OPTIONS_KEY, p) for p in range(n)]
+                self.store_wait(text_keys, deadline)
+                texts = [bytes(raw).decode() for raw in self._store.multi_get(text_keys)]
+                options_agreement.check(self.rank, texts)
             self._addrs = dict(enumerate(got[:n]))
-            host_keys = got[n : 2 * n]
+            host_keys = [v[cut:] for v in got[n:]]
         except BaseException:
             self.stop()
             raise
