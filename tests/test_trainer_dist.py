@@ -104,7 +104,7 @@ def reference(reference_run: Path) -> dict:
     return end
 
 
-@pytest.mark.timeout(220)
+@pytest.mark.timeout(330)  # three runs of at most 100 s each
 @pytest.mark.parametrize("backend", ["entrenar", "gloo"])
 def test_smoke_ddp_mode_outputs(tmp_path, backend):
     """Default (DDP, overlapping) mode: loss falls, every output is written."""
@@ -112,8 +112,12 @@ def test_smoke_ddp_mode_outputs(tmp_path, backend):
     args += ["--sample-bytes", "40", "--eval-every", "5"]
     out = tmp_path / "run"
     proc = torchrun(2, [*args, "--out-dir", str(out)], timeout=100, backend=backend, check=False)
-    if backend == "gloo" and proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
-        out = tmp_path / "rerun"  # (conftest: gloo's teardown abort; a fresh run, not a resume)
+    # conftest: gloo's teardown abort; a fresh run each time, not a resume. Up
+    # to two reruns: a fresh-clone CI saw the abort twice in a row once.
+    for attempt in range(2):
+        if not (backend == "gloo" and proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr):
+            break
+        out = tmp_path / f"rerun{attempt}"
         proc = torchrun(
             2, [*args, "--out-dir", str(out)], timeout=100, backend=backend, check=False
         )
