@@ -10,22 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cost_model import LINKS
 
 from benchmarks.model import check, cli, costs, held_out, rooted, rooted_measure, wake
-from benchmarks.model.links import GLOO_WAKE, KINDS, NET, WAKE, LinkParams, LinkTable
+from benchmarks.model.links import GLOO_WAKE, NET, WAKE, LinkParams, LinkTable
 
-# A link table with every kind distinct (as test_cost_model's), net alpha 30 us.
+# test_cost_model's link table (every kind distinct), with net alpha 30 us.
 BASE = LinkTable(
-    {
-        kind: LinkParams(alpha, beta)
-        for kind, alpha, beta in zip(
-            KINDS,
-            (30e-6, 20e-6, 60e-6, 30e-6, 0.0, 50e-6, 150e-6),
-            (0.4e-9, 0.3e-9, 0.8e-9, 8.4e-9, 0.2e-9, 0.6e-9, 8.0e-9),
-            strict=True,
-        )
-    },
-    {"rate": "1gbit"},
+    {k: LinkParams(30e-6, p.beta) if k == NET else p for k, p in LINKS.params.items()},
+    dict(LINKS.meta),
 )
 META = {"rate": "1gbit", "machine": {"nproc": 2}}
 CLUSTER_WAKE_S = 320e-6  # the allreduce rows' turn (the 15:20 pair fitted 289-320 us)
