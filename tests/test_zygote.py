@@ -60,11 +60,13 @@ def _worker_pid(proc: subprocess.Popen[str]) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie). The process can be reaped between the
+    signal probe and the read of its stat: gone then too."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 @pytest.mark.parametrize(
