@@ -143,6 +143,7 @@ def test_policy_rows_for_hosts() -> None:
     three = Topology.from_keys(list("aabbcc"))
     four = Topology.from_keys(list("aabbccdd"))
     two_by_four = Topology.from_keys(list("aaaabbbb"))
+    per_rank = Topology.from_keys(list("abcdefgh"))  # 8 hosts x 1
     o, det = Options(), Options(deterministic=True)
     limit = o.host_leaders_max_bytes
     A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
@@ -191,6 +192,12 @@ def test_policy_rows_for_hosts() -> None:
         (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.CHAIN),
         (OpCode.BROADCAST, 64 << 10, Topology.flat(4), o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, (64 << 10) + 4, Topology.flat(4), o, Algo.DIRECT),
+        # One rank per host: every hop crosses hosts, so the slow hosts' rows
+        # (was: the one-host rule, 256 KiB DIRECT through the root's link).
+        (OpCode.BROADCAST, 256 << 10, per_rank, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, 1 << 20, per_rank, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, per_rank, Options(topology="flat"), Algo.DIRECT),
+        (A, 64, per_rank, o, Algo.STAR),  # the allreduce keeps its flat rows
     ]
     # A cross-host link measured loopback-class (link_probe.py): the flat rows,
     # unless topology="hosts" forces the host-aware ones.

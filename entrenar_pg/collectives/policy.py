@@ -202,8 +202,18 @@ def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> i
 def slow_contiguous_hosts(topology: Topology | None, options: Options) -> bool:
     """Several hosts over a slow link (``several_hosts``) whose ranks are
     consecutive: the broadcast's rows for a tree or chain that crosses each
-    host boundary once."""
-    return several_hosts(topology, options) and topology is not None and topology.is_contiguous
+    host boundary once. One rank per host counts too (unless
+    ``topology="flat"``): every hop crosses a host, and there is no link
+    inside a host to probe against. There the one-host rule sent 256 KiB
+    ``DIRECT``, (N - 1) x S through the root's link: 8 hosts x 1 at 1 Gbit/s,
+    14.8 ms against gloo's binomial tree's 7.2 (docs/benchmarks.md,
+    seventeenth session)."""
+    if topology is None or not topology.is_contiguous:
+        return False
+    shape = topology.shape
+    if shape is not None and shape[0] >= 2 and shape[1] == 1:
+        return options.topology != "flat"
+    return several_hosts(topology, options)
 
 
 # The flat rows' small messages from this many ranks: recursive doubling in
