@@ -179,7 +179,9 @@ def test_rooted_ops_hold_the_root_and_log_n_sockets_at_sixteen() -> None:
     assert choose(OpCode.REDUCE, 256 << 10, WORLD, OPTS).algo is Algo.DIRECT
     assert choose(OpCode.REDUCE, 4 << 10, WORLD, OPTS).algo is Algo.STAR
     assert choose(OpCode.BROADCAST, 96 << 10, WORLD, OPTS).algo is Algo.DIRECT
-    groups = make_groups(WORLD, own_hosts(WORLD))
+    # topology="flat": the one-host rule's DIRECT broadcast (one rank per host
+    # otherwise takes the dissemination tree at this size: test_hosts)
+    groups = make_groups(WORLD, own_hosts(WORLD, replace(OPTS, topology="flat")))
     try:
         run_ranks(WORLD, Rooted(root).rooted, groups=groups)
         for r, g in enumerate(groups):

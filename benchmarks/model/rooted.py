@@ -336,16 +336,30 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
     return [*phases, Phase("chain stream", {}, stream)]
 
 
+def broadcast_algo(
+    shape: Shape, topology: Topology | None = None, options: Options | None = None
+) -> Algo:
+    """The broadcast algorithm the policy picks for ``shape`` (with ``topology``)."""
+    opts = Options() if options is None else options
+    return choose(OpCode.BROADCAST, shape.nbytes, shape.world, opts, False, topology).algo
+
+
 def broadcast_flat(
-    shape: Shape, fabric: Fabric, confirm: bool = True, topology: Topology | None = None
+    shape: Shape,
+    fabric: Fabric,
+    confirm: bool = True,
+    topology: Topology | None = None,
+    algo: Algo | None = None,
 ) -> list[Phase]:
     """The one-host rule (policy.choose, BROADCAST, asked with no topology): the
     dissemination rounds with more than two ranks up to 64 KiB, direct with two ranks
     or up to ``star_max_bytes``, the chain above. With ``topology`` (what a run on
     emulated hosts ran): on slow hosts of consecutive ranks the policy takes the
     dissemination rounds up to 256 KiB and the chain above (measured,
-    ``policy.broadcast_dissemination_max_bytes``)."""
-    algo = choose(OpCode.BROADCAST, shape.nbytes, shape.world, Options(), False, topology).algo
+    ``policy.broadcast_dissemination_max_bytes``). ``algo``: the one a
+    measured run ran, where it differs from today's policy."""
+    if algo is None:
+        algo = broadcast_algo(shape, topology)
     if algo is Algo.DISSEMINATION:
         return broadcast_dissemination(shape, fabric, confirm)
     if algo is Algo.DIRECT or shape.world <= 2:

@@ -25,6 +25,8 @@ from benchmarks.model import check, costs, rooted
 from benchmarks.model.links import LinkTable
 from benchmarks.model.rooted_rank import op_names
 from benchmarks.sizes import format_bytes
+from entrenar_pg.config import Options
+from entrenar_pg.wire import Algo
 
 
 def measure(
@@ -52,6 +54,10 @@ def measure(
                 "background_cores": others,
             }
             row.update(call_stats([rec["times"][backend][name] for rec in per_rank]))
+            if backend == "entrenar" and row["op"] == "broadcast":
+                # the algorithm this tree's policy ran (the model predicts that one)
+                shape = costs.Shape(hosts, local, int(row["bytes"]))
+                row["algo"] = rooted.broadcast_algo(shape, check.topology_of(shape)).name
             rows.append(row)
     return rows
 
@@ -89,12 +95,22 @@ def _shape(row: dict[str, Any]) -> costs.Shape:
     return costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
 
 
+def _broadcast_algo_before_9dcc254(shape: costs.Shape) -> Algo:
+    """The algorithm a run that recorded none ran: before 9dcc254 one rank per
+    host took the one-host rule, which ``topology="flat"`` still gives."""
+    opts = Options(topology="flat") if shape.local == 1 else Options()
+    return rooted.broadcast_algo(shape, check.topology_of(shape), opts)
+
+
 def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
     """entrenar's flat algorithm for ``row`` under the emulated run's conditions
     (``_run_conditions``): the broadcast the policy picks with the run's topology."""
     shape = _shape(row)
     if row["op"] == "broadcast":
-        phases = rooted.broadcast_flat(shape, costs.ENTRENAR, True, check.topology_of(shape))
+        algo = Algo[row["algo"]] if "algo" in row else _broadcast_algo_before_9dcc254(shape)
+        phases = rooted.broadcast_flat(
+            shape, costs.ENTRENAR, True, check.topology_of(shape), algo=algo
+        )
     else:
         phases = rooted.FLAT[str(row["op"])](shape, costs.ENTRENAR, True)
     return costs.total_time(phases, links, _run_conditions(row, rate, cores))
