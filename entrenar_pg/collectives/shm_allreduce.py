@@ -541,10 +541,10 @@ def _cut(area: SlotArea, dtype: torch.dtype, m: int, at: int) -> _Cut:
     if at:  # from the place on
         views = [[v[at:] for v in rank_views] for rank_views in views]
     r = area.rank
-    # Two ranks copy their own slice out before waiting for the peer's
-    # (``_chunked``); more ranks copy every slice out after the wait, in rank
-    # order (the early copy-out was not shown level at N=4).
-    early = [r] if area.world == 2 else []
+    # Two ranks (the groups with a chunk plan) copy their own slice out before
+    # waiting for the peer's (``_chunked``); more ranks copy every slice out
+    # after the wait, in rank order (the early copy-out was not shown level at N=4).
+    early = [r] if area.chunk_plan is not None else []
     lo, hi = bounds[r]
     return _Cut(
         sizes=[b - a for a, b in bounds],
