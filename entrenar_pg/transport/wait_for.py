@@ -53,10 +53,19 @@ class WaitForGraph(Protocol):
     def gone(self, peer: int) -> Gone | None: ...
 
 
+SILENT = 2  # the weakest evidence: no answer (a loaded machine can make it of a live rank)
+
+
 def walk(
     graph: WaitForGraph, rank: int, waiting_on: Iterable[int], what: str, answer_s: float
 ) -> Blame:
-    """Walk the wait-for graph from the peers ``rank`` waits on (module docstring)."""
+    """Walk the wait-for graph from the peers ``rank`` waits on (module docstring).
+
+    Silence is asked twice: where a round's strongest evidence is that a rank
+    did not answer, the silent ranks are asked once more before it counts
+    (the suite under load: rank 0, alive and waiting on the culprit, missed
+    one 0.5 s window and was blamed by one rank while the rest named rank 5).
+    """
     frontier = sorted(set(waiting_on))
     if not frontier:
         return Blame(None, "")
@@ -64,46 +73,67 @@ def walk(
     path: list[str] = []
     while frontier:
         answers = graph.ask(frontier, answer_s)
-        nxt: list[int] = []
-        # The frontier's strongest evidence wins, not its lowest rank: a
-        # peer's own verdict or an ended rank's culprit, then a rank that
-        # answered it is not in the collective (or ended), and only then one
-        # that did not answer, which a loaded machine can make of a live rank
-        # (the suite: a silent rank 0 blamed beside rank 5, not in the collective).
-        found: list[tuple[int, Blame]] = []
-        for q in frontier:
-            asked.add(q)
-            state = answers.get(q)
-            if state is not None and state.blamed is not None:
-                b = state.blamed
-                found.append((0, Blame(b, "; ".join([*path, f"rank {q} found rank {b} stalled"]))))
-            elif state is None:
-                gone = graph.gone(q)
-                if gone is not None and gone.culprit not in (None, q):
-                    found.append(
-                        (0, Blame(gone.culprit, "; ".join([*path, f"rank {q} {gone.why}"])))
-                    )
-                    continue
-                why = (
-                    gone.why
-                    if gone is not None
-                    else f"does not answer within {answer_s:.1f}s (stopped or hung)"
-                )
-                silent = 2 if gone is None else 1  # silence alone is the weakest
-                found.append((silent, Blame(q, "; ".join([*path, f"rank {q} {why}"]))))
-            elif state.what is None:
-                found.append((1, Blame(
-                    q,
-                    "; ".join([*path, f"rank {q} is not inside any collective (it has not "
-                               f"issued {what}, or issued it on another group)"]),
-                )))  # fmt: skip
-            else:
-                onward = [r for r in state.waiting_on if r not in asked and r not in nxt]
-                path.append(
-                    f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}"
-                )
-                nxt.extend(onward)
+        found, nxt, hops = _judge(graph, frontier, answers, asked, path, what, answer_s)
+        if found and min(kind for kind, _ in found) == SILENT:
+            silent = [q for q in frontier if answers.get(q) is None and graph.gone(q) is None]
+            answers.update({q: s for q, s in graph.ask(silent, answer_s).items() if s is not None})
+            found, nxt, hops = _judge(graph, frontier, answers, asked, path, what, answer_s)
+        asked.update(frontier)
+        path.extend(hops)
         if found:
             return min(found, key=lambda f: f[0])[1]  # the first of the strongest kind
         frontier = sorted(nxt)
     return Blame(None, "; ".join(path) + " (a cycle: every rank waits on another)")
+
+
+def _judge(
+    graph: WaitForGraph,
+    frontier: list[int],
+    answers: dict[int, PeerState | None],
+    asked: set[int],
+    path: list[str],
+    what: str,
+    answer_s: float,
+) -> tuple[list[tuple[int, Blame]], list[int], list[str]]:
+    """One round's evidence: (strength, blame) per rank that ends the walk
+    (0 strongest), the ranks to ask next, and the round's hops for the story.
+
+    The frontier's strongest evidence wins, not its lowest rank: a peer's own
+    verdict or an ended rank's culprit, then a rank that answered it is not in
+    the collective (or ended), and only then one that did not answer (the
+    suite: a silent rank 0 blamed beside rank 5, not in the collective)."""
+    seen = asked | set(frontier)
+    found: list[tuple[int, Blame]] = []
+    nxt: list[int] = []
+    hops: list[str] = []
+    for q in frontier:
+        state = answers.get(q)
+        if state is not None and state.blamed is not None:
+            b = state.blamed
+            story = "; ".join([*path, *hops, f"rank {q} found rank {b} stalled"])
+            found.append((0, Blame(b, story)))
+        elif state is None:
+            gone = graph.gone(q)
+            if gone is not None and gone.culprit not in (None, q):
+                found.append(
+                    (0, Blame(gone.culprit, "; ".join([*path, *hops, f"rank {q} {gone.why}"])))
+                )
+                continue
+            why = (
+                gone.why
+                if gone is not None
+                else f"does not answer within {answer_s:.1f}s (stopped or hung)"
+            )
+            strength = SILENT if gone is None else 1
+            found.append((strength, Blame(q, "; ".join([*path, *hops, f"rank {q} {why}"]))))
+        elif state.what is None:
+            found.append((1, Blame(
+                q,
+                "; ".join([*path, *hops, f"rank {q} is not inside any collective (it has not "
+                           f"issued {what}, or issued it on another group)"]),
+            )))  # fmt: skip
+        else:
+            onward = [r for r in state.waiting_on if r not in seen and r not in nxt]
+            hops.append(f"rank {q} is in {state.what} waiting on rank(s) {list(state.waiting_on)}")
+            nxt.extend(onward)
+    return found, nxt, hops
