@@ -180,11 +180,12 @@ def test_policy_rows_for_hosts() -> None:
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
         # Broadcast on slow hosts of consecutive ranks: along the dissemination
-        # rounds up to 256 KiB (measured), then the chain.
+        # rounds up to 1 MiB (measured; star_max_bytes caps it), then the chain.
         (OpCode.BROADCAST, 64, two, o, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, 256 << 10, two, o, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, (256 << 10) + 4, two, o, Algo.CHAIN),
-        (OpCode.BROADCAST, (256 << 10) + 4, four, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, two, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, (1 << 20) + 4, two, o, Algo.CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, four, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=256 << 10), Algo.CHAIN),
         (OpCode.BROADCAST, 256 << 10, mixed, o, Algo.DIRECT),  # the one-host rule: 64 KiB
         (OpCode.BROADCAST, 64 << 10, mixed, o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop
@@ -194,8 +195,8 @@ def test_policy_rows_for_hosts() -> None:
         (OpCode.BROADCAST, (64 << 10) + 4, Topology.flat(4), o, Algo.DIRECT),
         # One rank per host: every hop crosses hosts, so the slow hosts' rows
         # (was: the one-host rule, 256 KiB DIRECT through the root's link).
-        (OpCode.BROADCAST, 256 << 10, per_rank, o, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, 1 << 20, per_rank, o, Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, per_rank, o, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, (1 << 20) + 4, per_rank, o, Algo.CHAIN),
         (OpCode.BROADCAST, 1 << 20, per_rank, Options(topology="flat"), Algo.DIRECT),
         (A, 64, per_rank, o, Algo.STAR),  # the allreduce keeps its flat rows
     ]
@@ -212,7 +213,8 @@ def test_policy_rows_for_hosts() -> None:
         (A, limit, fast, Options(topology="hosts", host_star_max_bytes=0), Algo.HOST_LEADERS),
         (AG, 64, fast, forced, Algo.HOST_SLICES),
         (OpCode.BROADCAST, 1 << 20, fast, o, Algo.DIRECT),
-        (OpCode.BROADCAST, 1 << 20, fast, forced, Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, fast, forced, Algo.DISSEMINATION),
+        (OpCode.BROADCAST, (1 << 20) + 4, fast, forced, Algo.CHAIN),
     ]
     for op, nbytes, topo, opts, want in rows:
         got = choose(op, nbytes, topo.world, opts, False, topo).algo
@@ -442,6 +444,38 @@ def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
             return oks
 
         assert run_ranks(n, fn, groups=gs) == [[True] * 6] * n
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["aabb", "abcd"])
+def test_broadcast_across_hosts_runs_the_rounds_to_a_mebibyte_then_the_chain(layout: str) -> None:
+    """Slow hosts of consecutive ranks (forced: the emulated link is loopback),
+    or one rank per host: 1 MiB goes along the dissemination rounds, a byte
+    more down the chain, from every root, and every rank ends with the
+    root's tensor."""
+    n = len(layout)
+    gs = _groups(layout)
+    try:
+        mib = (1 << 20) // 4  # float32 elements
+        assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4) is Algo.DISSEMINATION
+        assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4 + 4) is Algo.CHAIN
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
+            oks = []
+            for root in range(n):
+                for numel in (mib, mib + 1):
+                    t = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+                    opts = c10d.BroadcastOptions()
+                    opts.rootRank = root
+                    pg.broadcast([t], opts).wait()
+                    want = torch.arange(numel, dtype=torch.float32) * (root + 1)
+                    oks.append(torch.equal(t, want))
+            return oks
+
+        assert run_ranks(n, fn, groups=gs) == [[True] * 2 * n] * n
     finally:
         for g in gs:
             g.shutdown()

@@ -355,7 +355,7 @@ def broadcast_flat(
     dissemination rounds with more than two ranks up to 64 KiB, direct with two ranks
     or up to ``star_max_bytes``, the chain above. With ``topology`` (what a run on
     emulated hosts ran): on slow hosts of consecutive ranks the policy takes the
-    dissemination rounds up to 256 KiB and the chain above (measured,
+    dissemination rounds up to 1 MiB and the chain above (measured,
     ``policy.broadcast_dissemination_max_bytes``). ``algo``: the one a
     measured run ran, where it differs from today's policy."""
     if algo is None:

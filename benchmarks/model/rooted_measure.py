@@ -95,11 +95,16 @@ def _shape(row: dict[str, Any]) -> costs.Shape:
     return costs.Shape(int(row["hosts"]), int(row["local"]), int(row["bytes"]))
 
 
-def _broadcast_algo_before_9dcc254(shape: costs.Shape) -> Algo:
-    """The algorithm a run that recorded none ran: before 9dcc254 one rank per
-    host took the one-host rule, which ``topology="flat"`` still gives."""
+def _broadcast_algo_unrecorded(shape: costs.Shape) -> Algo:
+    """The algorithm a run that recorded none ran (those runs came before
+    3127f08): one rank per host took the one-host rule (before 9dcc254),
+    which ``topology="flat"`` still gives, and the dissemination rounds
+    stopped at 256 KiB (the chain above; 1 MiB since the eighteenth session)."""
     opts = Options(topology="flat") if shape.local == 1 else Options()
-    return rooted.broadcast_algo(shape, check.topology_of(shape), opts)
+    algo = rooted.broadcast_algo(shape, check.topology_of(shape), opts)
+    if algo is Algo.DISSEMINATION and shape.nbytes > 256 << 10:
+        return Algo.CHAIN
+    return algo
 
 
 def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> float:
@@ -107,7 +112,7 @@ def predicted(row: dict[str, Any], links: LinkTable, rate: str, cores: int) -> f
     (``_run_conditions``): the broadcast the policy picks with the run's topology."""
     shape = _shape(row)
     if row["op"] == "broadcast":
-        algo = Algo[row["algo"]] if "algo" in row else _broadcast_algo_before_9dcc254(shape)
+        algo = Algo[row["algo"]] if "algo" in row else _broadcast_algo_unrecorded(shape)
         phases = rooted.broadcast_flat(
             shape, costs.ENTRENAR, True, check.topology_of(shape), algo=algo
         )

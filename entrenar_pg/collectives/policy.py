@@ -163,10 +163,14 @@ HOST_BROADCAST_DIRECT_MAX_BYTES = 64 << 10
 # 0.79 against DIRECT's 0.94 ms, 64 KiB 0.85 against 0.86, 256 KiB 0.96
 # against 0.89: up to 64 KiB. Several hosts of consecutive ranks at 1 Gbit/s,
 # against the chain above 64 KiB: 256 KiB 1.2-1.6 against 1.9-2.0 ms at
-# 2 x 2, 4.1-5.7 against 6.9-8.0 ms at 4 x 2 (1 MiB at 4 x 2: 18-20 against
-# 25-27 ms, not taken: untried on more hosts): up to 256 KiB.
+# 2 x 2, 4.1-5.7 against 6.9-8.0 ms at 4 x 2. At 1 MiB (eighteenth session,
+# one run each, gloo in the same job): 8.1 against 8.3 ms at 2 x 2, 17.5
+# against 24.4 at 4 x 2, 34.8 against 53.1 at 8 x 1 (gloo's binomial tree
+# 40.6-42: the chain's 1 MiB segment made it store-and-forward, 1.26x gloo):
+# up to 1 MiB, the cap (``star_max_bytes``). Above it the chain's segments
+# pipeline: S/B + (N - 2) segments against the tree's log2(H) x S/B.
 BROADCAST_DISSEMINATION_MAX_BYTES = 64 << 10
-HOST_BROADCAST_DISSEMINATION_MAX_BYTES = 256 << 10
+HOST_BROADCAST_DISSEMINATION_MAX_BYTES = 1 << 20
 
 
 def broadcast_dissemination_max_bytes(topology: Topology | None, options: Options) -> int:
