@@ -108,6 +108,11 @@ PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
 # Two ranks' chunks go to the start of the slots, or rotate over ``ROTATE``
 # such places in them; rank 0 picks per call from the calls' times
 # (``transport/shm/chunk_plan.py``; docs/benchmarks.md, "the two states").
+# Larger chunks for two ranks (8 MiB over the slots' halves, or the whole
+# 16 MiB slot as DeepSpeed's 32 MiB chunks take a 16 MiB message at once)
+# measured 1.15-1.65x this size's time in the near state at 16 and 64 MiB,
+# and 0.97x at 16 MiB (1.15x at 64) in the far state (eighteenth session,
+# docs/benchmarks.md): 4 MiB kept.
 CHUNK_BYTES = 4 << 20
 ROTATE = 4
 assert CHUNK_BYTES <= SLOT_DATA_BYTES, "a chunk fits in a slot"
