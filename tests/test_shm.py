@@ -22,8 +22,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -49,7 +51,7 @@ from entrenar_pg import (
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport.shm import placement as placement_module
-from entrenar_pg.transport.shm import ring
+from entrenar_pg.transport.shm import ring, slots
 from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.transport.shm.placement import Placement
 from entrenar_pg.wire import Algo
@@ -766,6 +768,87 @@ def test_a_killed_peer_is_named_at_once_and_killed_jobs_leave_no_dev_shm_entry(
     finally:
         kill_sessions(procs)
     assert _dev_shm() - before == set()
+
+
+@dataclass
+class _PeerLink:
+    """What a slot area needs of a peer's link: its data socket, nothing in its ring."""
+
+    peer: int
+    sock: Any
+
+    def peek(self, n: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _Pace:
+    spin_s: float = 0.0
+    timeout_s: float = 0.5
+
+
+class _Gone(Exception):
+    pass
+
+
+class _Causes:
+    def peer_closed(self, peer: int, what: str) -> Exception:
+        return _Gone(f"{what}: rank {peer} closed")
+
+    def stalled(self, what: str, recv_from: list[int], send_to: list[int], t: float) -> Exception:
+        return TimeoutError(f"{what}: no progress for {t}s from {recv_from}")
+
+
+@dataclass
+class _HangUpAfterPublish:
+    """The progress loop's sleep for one slot wait (``slots.Sleeper``): in its
+    first sleep, the peer publishes the awaited phase and its socket hangs up
+    (a rank killed just after it did its part); later sleeps hear nothing."""
+
+    peer_area: slots.SlotArea
+    phase: int
+    causes: _Causes = dataclasses.field(default_factory=_Causes)
+    sleeps: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def sleep_on(self, waiting_on: list[int], peers: list[int], what: str, s: float) -> list[int]:
+        self.sleeps.append(list(peers))
+        if len(self.sleeps) == 1:
+            self.peer_area.publish(self.phase)
+            return [1]
+        time.sleep(min(s, 0.01))
+        return []
+
+    def forget(self, fd: int) -> None:
+        pass
+
+    def done_sleeping(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_hung_up_after_its_part_is_named_in_the_next_wait_at_once() -> None:
+    """Regression (CI: ``test_a_killed_peer_is_named_at_once...[16384]`` took the
+    60 s timeout): rank 1 published phase 1 and its data socket hung up while
+    rank 0 slept on it; rank 0 finished phase 1 and stopped watching the
+    socket, so its wait for phase 2 slept to the timeout (``stalled``, here
+    0.5 s). It now names rank 1 at once, without sleeping."""
+    a, b = socket.socketpair()
+    try:
+        size = slots.area_bytes(2)
+        areas = {q: memoryview(bytearray(size)) for q in (0, 1)}
+        mine = slots.SlotArea(0, areas, {1: _PeerLink(1, a)}, placement=False)  # type: ignore[dict-item]
+        peer = slots.SlotArea(1, areas, {0: _PeerLink(0, b)}, placement=False)  # type: ignore[dict-item]
+        sleeper = _HangUpAfterPublish(peer, 1)
+        mine.wait(1, sleeper, "allreduce#1", _Pace())  # returns: rank 1 did its part
+        assert sleeper.sleeps == [[1]]
+        t0 = time.monotonic()
+        with pytest.raises(_Gone, match="allreduce#2: rank 1 closed"):
+            mine.wait(2, sleeper, "allreduce#2", _Pace())
+        assert time.monotonic() - t0 < 0.25
+        assert sleeper.sleeps == [[1]]  # named before any sleep
+    finally:
+        a.close()
+        b.close()
 
 
 def _dev_shm() -> set[str]:

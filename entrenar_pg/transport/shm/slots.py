@@ -141,6 +141,10 @@ class SlotArea:
         self._socks = {q: links[q].sock for q in self._peers}
         self._links = [links[q] for q in self._peers]
         self._watched = list(self._peers)  # data sockets not known to have hung up
+        # Peers whose data socket hung up after they did their part of a call
+        # (they left, or died, between calls): a later wait for one of them
+        # names it at once, where nothing would wake it before the timeout.
+        self._hung_up: set[int] = set()
         self.slot_bytes = slot_data_bytes(self.world)  # data bytes of one slot
         self._stride = stride = _slot_stride(self.world)
         self._slots = [
@@ -348,6 +352,9 @@ class SlotArea:
                 lock.acquire()  # fence, Dekker: our flag before their words (see ``publish``)
                 lock.release()
                 now_missing = self.missing(phase)
+                for q in now_missing:
+                    if q in self._hung_up:  # its socket closed in an earlier call
+                        raise progress.causes.peer_closed(q, what)
                 if now_missing:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -361,8 +368,12 @@ class SlotArea:
                     for q in closed:
                         if q in now_missing:  # gone before doing its part: name it now
                             raise progress.causes.peer_closed(q, what)
-                        # It published and left (its last call): stop watching it.
+                        # It published and left (its last call): stop watching
+                        # it, and name it in any later wait for it (CI: a rank
+                        # killed just after it published phase p; the next
+                        # call waited for it to the 60 s timeout).
                         self._watched.remove(q)
+                        self._hung_up.add(q)
                         progress.forget(self._socks[q].fileno())
                 if len(now_missing) < len(missing):  # progress: the timeout starts again
                     deadline = time.monotonic() + timeout_s
