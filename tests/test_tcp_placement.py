@@ -122,10 +122,17 @@ def test_two_tcp_ranks_put_on_one_core_move_apart() -> None:
     the first call after the release is run again (as test_shm's
     placement test does), up to ``APART_TRIES`` times."""
     assert ctypes.CDLL(None).sched_getcpu() >= 0
-    for _ in range(APART_TRIES):
+    for attempt in range(APART_TRIES):
         rows = _apart_once()
         pairs = list(zip(rows[0][1], rows[1][1], strict=True))
         shared = sum(a == b for a, b in pairs[-500:]) / 500
+        if shared >= 0.5 and attempt < APART_TRIES - 1:
+            # The suite's other workers can keep the second CPU busy, and the
+            # scheduler then puts the ranks back together after a move (seen
+            # once in a full run on 2 cores): another job, and only the last
+            # one's verdict counts. A placement that never moves fails on
+            # every job (here, or at ``moves >= 1`` below).
+            continue
         assert shared < 0.5, f"the ranks shared a CPU after {shared:.0%} of the last 500 calls"
         assert rows[0][0] == 0, {r: m for r, (m, _) in rows.items()}  # rank 0 never moves
         if any(a == b for a, b in pairs[:20]):  # together after the release: placement's case
