@@ -77,6 +77,22 @@ def went_thin(pg: EntrenarProcessGroup, paths: Paths, *args: Any) -> tuple[bool,
     return thin, work
 
 
+def wait_idle(pg: EntrenarProcessGroup, timeout_s: float = 10.0) -> None:
+    """Until nothing is queued or running on ``pg``: the thin path's condition.
+
+    A job the comm thread ran completes its Work before the thread gives the
+    token back (a future callback runs holding it, ``Engine.drain_until``),
+    so the caller woken by ``wait()`` can issue its next call while the token
+    is still held; that call then takes the long path, rightly (the suite
+    under load: a call this test expects thin went long once in nine runs).
+    """
+    engine = pg._runtime.engine
+    deadline = time.monotonic() + timeout_s
+    while engine._owner is not None or engine._queue:
+        assert time.monotonic() < deadline, "the group stayed busy"
+        time.sleep(0.0005)
+
+
 # ---------------------------------------------------------------------- the count
 
 
@@ -253,7 +269,9 @@ def test_every_other_call_takes_the_long_path() -> None:
         paths = Paths(pg)
         seen: dict[str, bool] = {}
 
-        def check(name: str, *args: Any, want: float | None = 3.0) -> None:
+        def check(name: str, *args: Any, want: float | None = 3.0, idle: bool = True) -> None:
+            if idle:
+                wait_idle(pg)
             thin, w = went_thin(pg, paths, *args)
             w.wait()
             seen[name] = thin
@@ -266,6 +284,7 @@ def test_every_other_call_takes_the_long_path() -> None:
         check("common", [torch.full((8,), rank + 1.0)], blocking())
         check("2-d", [torch.full((2, 4), rank + 1.0)], blocking())
         grad = torch.full((8,), rank + 1.0, requires_grad=True)
+        wait_idle(pg)
         thin, w = went_thin(pg, paths, [grad], blocking())
         w.wait()
         seen["requires_grad"] = thin
@@ -306,7 +325,7 @@ def test_every_other_call_takes_the_long_path() -> None:
             while groups[0]._runtime.seq < issued and time.monotonic() < deadline:
                 time.sleep(0.001)
         first = pg.allreduce([slow], async_opts)
-        check("busy group", [torch.full((8,), rank + 1.0)], blocking())
+        check("busy group", [torch.full((8,), rank + 1.0)], blocking(), idle=False)
         first.wait()
         assert float(slow[0]) == 3.0
         return seen
