@@ -122,7 +122,7 @@ def _judge(
             why = (
                 gone.why
                 if gone is not None
-                else f"does not answer within {answer_s:.1f}s (stopped or hung)"
+                else f"does not answer within {answer_s:.1f}s, asked twice (stopped or hung)"
             )
             strength = SILENT if gone is None else 1
             found.append((strength, Blame(q, "; ".join([*path, *hops, f"rank {q} {why}"]))))
