@@ -52,6 +52,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
+from test_dissemination import BroadcastFrom
 
 from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
 from entrenar_pg.collectives import hierarchical
@@ -463,19 +464,11 @@ def test_broadcast_across_hosts_runs_the_rounds_to_a_mebibyte_then_the_chain(lay
         assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4) is Algo.DISSEMINATION
         assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4 + 4) is Algo.CHAIN
 
-        def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
-            oks = []
-            for root in range(n):
-                for numel in (mib, mib + 1):
-                    t = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-                    opts = c10d.BroadcastOptions()
-                    opts.rootRank = root
-                    pg.broadcast([t], opts).wait()
-                    want = torch.arange(numel, dtype=torch.float32) * (root + 1)
-                    oks.append(torch.equal(t, want))
-            return oks
-
-        assert run_ranks(n, fn, groups=gs) == [[True] * 2 * n] * n
+        for root in range(n):
+            for numel in (mib, mib + 1):
+                got = run_ranks(n, BroadcastFrom(root, numel, torch.float32).run, groups=gs)
+                want = torch.arange(numel, dtype=torch.float32) * (root + 1)
+                assert all(torch.equal(t, want) for t in got), (root, numel)
     finally:
         for g in gs:
             g.shutdown()

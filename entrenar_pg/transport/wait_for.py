@@ -75,7 +75,7 @@ def walk(
         answers = graph.ask(frontier, answer_s)
         found, nxt, hops = _judge(graph, frontier, answers, asked, path, what, answer_s)
         if found and min(kind for kind, _ in found) == SILENT:
-            silent = [q for q in frontier if answers.get(q) is None and graph.gone(q) is None]
+            silent = [b.culprit for kind, b in found if kind == SILENT and b.culprit is not None]
             answers.update({q: s for q, s in graph.ask(silent, answer_s).items() if s is not None})
             found, nxt, hops = _judge(graph, frontier, answers, asked, path, what, answer_s)
         asked.update(frontier)

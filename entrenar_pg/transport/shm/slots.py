@@ -140,11 +140,10 @@ class SlotArea:
         self._pair_ctl = self._ctl[self._peers[0]] if self.world == 2 else self._own
         self._socks = {q: links[q].sock for q in self._peers}
         self._links = [links[q] for q in self._peers]
-        self._watched = list(self._peers)  # data sockets not known to have hung up
-        # Peers whose data socket hung up after they did their part of a call
-        # (they left, or died, between calls): a later wait for one of them
-        # names it at once, where nothing would wake it before the timeout.
-        self._hung_up: set[int] = set()
+        # Data sockets not known to have hung up. A peer left out hung up after
+        # it did its part of a call (it left, or died, between calls): a later
+        # wait for it names it at once, where nothing would wake it before the timeout.
+        self._watched = list(self._peers)
         self.slot_bytes = slot_data_bytes(self.world)  # data bytes of one slot
         self._stride = stride = _slot_stride(self.world)
         self._slots = [
@@ -353,7 +352,7 @@ class SlotArea:
                 lock.release()
                 now_missing = self.missing(phase)
                 for q in now_missing:
-                    if q in self._hung_up:  # its socket closed in an earlier call
+                    if q not in self._watched:  # its socket closed in an earlier call
                         raise progress.causes.peer_closed(q, what)
                 if now_missing:
                     left = deadline - time.monotonic()
@@ -373,7 +372,6 @@ class SlotArea:
                         # killed just after it published phase p; the next
                         # call waited for it to the 60 s timeout).
                         self._watched.remove(q)
-                        self._hung_up.add(q)
                         progress.forget(self._socks[q].fileno())
                 if len(now_missing) < len(missing):  # progress: the timeout starts again
                     deadline = time.monotonic() + timeout_s
