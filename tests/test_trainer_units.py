@@ -29,6 +29,7 @@ from trainer.data import (
     val_windows,
     windows_to_batch,
 )
+from trainer.distributed import pick_device
 from trainer.metrics import read_metrics
 from trainer.model import GPT, GPTConfig
 from trainer.optim import CosineWithWarmup
@@ -244,6 +245,19 @@ def test_cosine_with_warmup():
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
     vals = [f(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(vals, vals[1:], strict=False))
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_more_ranks_than_gpus_share_them_round_robin(monkeypatch, gpus):
+    # torchrun --nproc_per_node=2 on a one-GPU machine (the README's command):
+    # local rank 1 once asked for cuda:1 and failed with "invalid device ordinal".
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    cfg = parse_args(["--device", "cuda"])
+    picked = [pick_device(cfg, local_rank) for local_rank in range(4)]
+    assert [d.index for d in picked] == [r % gpus for r in range(4)]
+    assert chosen == picked
 
 
 def test_parse_args_maps_onto_frozen_config():

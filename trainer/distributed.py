@@ -62,8 +62,12 @@ def set_threads_and_determinism(cfg: TrainConfig, local_world: int) -> int:
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # More ranks than GPUs share them round-robin: entrenar stages CUDA
+        # tensors through host memory, so two ranks on one GPU is a valid job
+        # (NCCL alone refuses it, with its own error).
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
     if cfg.backend == "nccl":
         raise ValueError("--backend nccl needs CUDA devices")
     return torch.device("cpu")

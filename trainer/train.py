@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.register_step_post_hook(BitFlip(cfg.flip_bit_at_step, step))
     # DDP checks shapes and broadcasts rank 0's parameters (a fresh run's init
     # or a checkpoint's, identical anyway). GPT has no buffers to keep in sync.
-    ddp = DDP(model, device_ids=[proc.local_rank] if proc.device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[proc.device] if proc.device.type == "cuda" else None)
     params = [p for p in model.parameters() if p.requires_grad]
     metrics = MetricsWriter(cfg.metrics_path, enabled=proc.master, append=resumed is not None)
     if proc.master:
