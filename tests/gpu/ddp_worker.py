@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=0.1)  # several buckets per step
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--compile", action="store_true", help="train torch.compile(ddp)")
+    p.add_argument("--profile", action="store_true", help="under torch.profiler (CPU and CUDA)")
     args = p.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -67,6 +69,16 @@ def main() -> None:
         bucket_cap_mb=args.bucket_cap_mb,
     )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    # torch.compile over DDP: DDP's reducer calls the process group from C++
+    # while the tracer is active (docs/api.md); its optimizer splits the graph
+    # at bucket boundaries.
+    step_model = torch.compile(ddp) if args.compile else ddp
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities) if args.profile else None
+    if profiler is not None:
+        profiler.start()
 
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     losses = []
@@ -74,7 +86,7 @@ def main() -> None:
         data = torch.randint(0, 256, (args.batch, cfg.block_size + 1), generator=gen)
         x = data[:, :-1].contiguous().to(device, non_blocking=True)
         y = data[:, 1:].contiguous().to(device, non_blocking=True)
-        _, loss = ddp(x, y)
+        _, loss = step_model(x, y)
         assert loss is not None
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -82,6 +94,12 @@ def main() -> None:
         losses.append(loss.detach())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    events: dict[str, int] = {}
+    if profiler is not None:
+        profiler.stop()
+        for e in profiler.events():
+            if ":" in e.name and e.name.split(":")[0] in ("entrenar", "gloo"):
+                events[e.name] = events.get(e.name, 0) + 1
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +112,7 @@ def main() -> None:
             "stats": stats,
             "device": str(device),
             "world": world,
+            "profiled_collectives": events,
         },
         out / f"rank{rank}.pt",
     )

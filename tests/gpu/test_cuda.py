@@ -390,6 +390,29 @@ def test_ddp_cuda_matches_gloo(tmp_path: Path, world: int) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_ddp_cuda_compiled_and_profiled_matches_gloo(tmp_path: Path) -> None:
+    # torch.compile(DDP) on CUDA (inductor's GPU kernels, DDP's graph split at
+    # buckets) under a CPU+CUDA profiler: the same training as compiled gloo,
+    # and every bucket's allreduce is one profiler event named as gloo's.
+    # 1 MB buckets: with the worker's 0.1 MB, torch's DDPOptimizer asserts its
+    # first bucket (1 MB) is no larger than the rest, on gloo as well.
+    steps, args = 6, ("--compile", "--bucket-cap-mb", "1", "--steps", "6")
+    ours = _ddp(tmp_path, "entrenar", 2, *args, "--profile")
+    ref = _ddp(tmp_path, "gloo", 2, *args)
+    for k, v in ours[0]["state"].items():
+        assert torch.equal(v, ours[1]["state"][k]), f"rank 1 differs from rank 0 in {k}"
+        torch.testing.assert_close(v, ref[0]["state"][k], rtol=1e-3, atol=1e-5, msg=k)
+    torch.testing.assert_close(
+        torch.tensor(ours[0]["losses"]), torch.tensor(ref[0]["losses"]), rtol=1e-3, atol=1e-4
+    )
+    calls = ours[0]["stats"].get("allreduce_calls", 0)
+    assert calls >= steps, ours[0]["stats"]
+    for r in range(2):
+        seen = ours[r]["profiled_collectives"]
+        assert seen.get("entrenar:all_reduce", 0) >= steps, (r, seen)
+
+
+@pytest.mark.timeout(600)
 def test_ddp_cuda_deterministic_and_checked_runs_bit_identical(tmp_path: Path) -> None:
     env = {"ENTRENAR_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     a = _ddp(tmp_path, "entrenar", 3, "--deterministic", env={**env, "ENTRENAR_ALGO": "ring"})
