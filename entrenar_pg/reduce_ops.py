@@ -109,7 +109,7 @@ def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
         else:
             kind = Kind(inner.value)
         if kind is Kind.PREMUL_SUM:
-            raw = getattr(op, "factor", None)
+            raw = _premul_factor(op)
             if isinstance(raw, torch.Tensor):
                 if raw.numel() != 1:
                     raise ValueError(f"{where}: PREMUL_SUM factor must be a scalar")
@@ -124,6 +124,16 @@ def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
     if dtype not in _ALLOWED[kind]:
         raise ValueError(f"{where}: reduce op {kind.name} is not defined for dtype {dtype}")
     return Reduction(kind, factor)
+
+
+def _premul_factor(op: dist.ReduceOp) -> object:
+    """PREMUL_SUM's factor (a number or a one-element tensor; None if unset).
+    torch 2.12 on has it as ``op.factor``; before (2.11 is what CUDA images
+    ship) only pickling's ``(op, factor)`` state holds it."""
+    try:
+        return op.factor
+    except AttributeError:
+        return op.__getstate__()[1]
 
 
 _KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {

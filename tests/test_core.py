@@ -206,6 +206,26 @@ def test_every_op_and_dtype_against_reference(algo: str, transport: str) -> None
         assert all(torch.equal(results[0][i], results[r][i]) for r in range(world))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factor", [0.5, torch.tensor(0.5)])
+def test_premul_sum_on_a_torch_without_reduce_op_factor(monkeypatch, factor) -> None:
+    # torch before 2.12 (2.11 is what CUDA images ship) has no ReduceOp.factor:
+    # the factor lives only in the op's pickle state. There every PREMUL_SUM
+    # once failed with "PREMUL_SUM without a factor".
+    monkeypatch.delattr(dist.ReduceOp, "factor")
+    op = dist._make_nccl_premul_sum(factor)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
+        t = _input(rank, torch.float32)
+        allreduce(pg, t, op)
+        return t
+
+    results = run_ranks(2, fn)
+    ref = _reference("PREMUL_SUM", [_input(r, torch.float32) for r in range(2)])
+    for got in results:
+        torch.testing.assert_close(got, ref)
+
+
 # ---------------------------------------------------------------- other collectives
 
 
