@@ -32,6 +32,11 @@ class Variant:
     # entrenar only: the ENTRENAR_TRANSPORT its group is created with ("": the
     # environment's, unchanged). Set by with_transports(), which also names it.
     transport: str = ""
+    # How the sweep calls it: "dist" is ``dist.all_reduce(t, group=g)``, what a
+    # program writes; "method" is the group's own ``g.allreduce([t], opts).wait()``,
+    # which skips torch.distributed's Python wrapper (~2 us a call here), as
+    # DeepSpeed's ``inference_all_reduce`` skips it for its op.
+    call: str = "dist"
 
 
 # Allreduce sweep variants, keyed by the short names --algos takes.
@@ -44,6 +49,7 @@ SWEEP_VARIANTS: dict[str, Variant] = {
         "entrenar-auto-inline", "entrenar", {"algorithm": "auto", "inline_max_bytes": 262144}
     ),
     "auto": Variant("entrenar-auto", "entrenar", {"algorithm": "auto"}),
+    "method": Variant("entrenar-auto-method", "entrenar", {"algorithm": "auto"}, call="method"),
     "det": Variant("entrenar-det", "entrenar", {"algorithm": "auto", "deterministic": True}),
     # DeepSpeed's same-host shared-memory allreduce (SUM only, whole world only):
     # the peer of entrenar's shm transport. Skipped, with a note, where deepspeed

@@ -77,6 +77,19 @@ class _GroupAllreduce:
         dist.all_reduce(t, group=self.group)
 
 
+class _GroupMethod:
+    """The same group called through its own method (``Variant.call == "method"``):
+    what ``dist.all_reduce`` runs for it, without torch's Python wrapper around it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.opts = dist.AllreduceOptions()
+        self.opts.asyncOp = False  # as dist.all_reduce's blocking form sets it
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.group.allreduce([t], self.opts).wait()
+
+
 class Contestant(Protocol):
     """What the sweep times: one blocking in-place float32 SUM allreduce over the world."""
 
@@ -416,7 +429,7 @@ def rank_main(
         ctrl = dist.group.WORLD
         assert ctrl is not None
         groups: dict[str, Contestant] = {
-            v.name: _GroupAllreduce(_new_group(v, world))
+            v.name: (_GroupMethod if v.call == "method" else _GroupAllreduce)(_new_group(v, world))
             for v in variants
             if v.backend != "deepspeed"
         }

@@ -126,14 +126,15 @@ def _resolve(op: object, dtype: torch.dtype, where: str) -> Reduction:
     return Reduction(kind, factor)
 
 
-def _premul_factor(op: dist.ReduceOp) -> object:
+def _premul_factor(op: dist.ReduceOp) -> float | torch.Tensor | None:
     """PREMUL_SUM's factor (a number or a one-element tensor; None if unset).
     torch 2.12 on has it as ``op.factor``; before (2.11 is what CUDA images
     ship) only pickling's ``(op, factor)`` state holds it."""
     try:
         return op.factor
     except AttributeError:
-        return op.__getstate__()[1]
+        state: tuple[Any, float | torch.Tensor | None] = op.__getstate__()  # type: ignore[assignment]
+        return state[1]
 
 
 _KERNELS: dict[Kind, Callable[..., torch.Tensor]] = {

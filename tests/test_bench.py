@@ -34,7 +34,7 @@ from benchmarks.config import (
     BenchConfig,
     with_transports,
 )
-from benchmarks.goals import SHM, TCP, issue17_goals
+from benchmarks.goals import METHOD, SHM, TCP, same_host_goals
 from benchmarks.machine import entrenar_available
 from benchmarks.report import baseline_table, report_lines
 from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
@@ -255,18 +255,22 @@ def _row(world: int, variant: str, size: int, seconds: float) -> dict:
     return allreduce_row(world, variant, size, [seconds])
 
 
-def test_issue17_goals_pass_fail_and_missing_rows() -> None:
-    k4, m1 = 4096, 1 << 20
+def test_same_host_goals_pass_fail_and_missing_rows() -> None:
+    k4, k64, m1 = 4096, 1 << 16, 1 << 20
     rows = [
-        # N=2, 4 KiB: shm 1.4x DeepSpeed (limit 1.5) and faster than TCP.
+        # N=2, 4 KiB: shm 2.9x DeepSpeed (limit 3) and faster than TCP; the method row beside.
         _row(2, DEEPSPEED, k4, 10e-6),
-        _row(2, SHM, k4, 14e-6),
+        _row(2, SHM, k4, 29e-6),
         _row(2, TCP, k4, 100e-6),
+        _row(2, METHOD, k4, 8e-6),
+        # N=2, 64 KiB: 1.02x DeepSpeed, over the limit of 1 from 64 KiB on.
+        _row(2, DEEPSPEED, k64, 50e-6),
+        _row(2, SHM, k64, 51e-6),
         # N=2, 1 MiB: shm slower than DeepSpeed (busbw below), and slower than TCP.
         _row(2, DEEPSPEED, m1, 200e-6),
         _row(2, SHM, m1, 250e-6),
         _row(2, TCP, m1, 240e-6),
-        # N=4, 4 KiB: 0.6x DeepSpeed, over the 0.5x limit.
+        # N=4, 4 KiB: 0.6x DeepSpeed (limit 1) and faster than TCP.
         _row(4, DEEPSPEED, k4, 5e-3),
         _row(4, SHM, k4, 3e-3),
         _row(4, TCP, k4, 4e-3),
@@ -275,16 +279,19 @@ def test_issue17_goals_pass_fail_and_missing_rows() -> None:
         _row(4, TCP, m1, 2e-3),
         _row(4, GLOO, m1, 9e-3),
     ]
-    goals = {(g["world_size"], g["size_bytes"]): g for g in issue17_goals(rows)}
-    assert set(goals) == {(2, k4), (2, m1), (4, k4), (4, m1)}
+    goals = {(g["world_size"], g["size_bytes"]): g for g in same_host_goals(rows)}
+    assert set(goals) == {(2, k4), (2, k64), (2, m1), (4, k4), (4, m1)}
     g = goals[(2, k4)]
-    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("PASS", "PASS", 1.5)
-    assert g["shm_vs_ds_time"] == pytest.approx(1.4)
+    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("PASS", "PASS", 3.0)
+    assert g["shm_vs_ds_time"] == pytest.approx(2.9)
+    assert g["method_vs_ds_time"] == pytest.approx(0.8)
+    g = goals[(2, k64)]
+    assert (g["vs_deepspeed"], g["ds_limit"], g["method_vs_ds_time"]) == ("FAIL", 1.0, None)
     g = goals[(2, m1)]
     assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("FAIL", "FAIL", 1.0)
     assert g["shm_vs_ds_busbw"] == pytest.approx(0.8)
     g = goals[(4, k4)]
-    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("FAIL", "PASS", 0.5)
+    assert (g["vs_deepspeed"], g["vs_tcp"], g["ds_limit"]) == ("PASS", "PASS", 1.0)
     g = goals[(4, m1)]
     assert (g["vs_deepspeed"], g["vs_tcp"]) == ("n/a", "n/a")
     assert g["tcp_vs_ds_time"] == pytest.approx(2.0) and g["shm_s"] is None
