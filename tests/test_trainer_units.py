@@ -260,6 +260,12 @@ def test_more_ranks_than_gpus_share_them_round_robin(monkeypatch, gpus):
     assert chosen == picked
 
 
+def test_device_cuda_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        pick_device(parse_args(["--device", "cuda"]), 0)
+
+
 def test_parse_args_maps_onto_frozen_config():
     cfg = parse_args(["--backend", "gloo", "--steps", "7", "--deterministic", "--no-progress"])
     assert isinstance(cfg, TrainConfig)

@@ -24,7 +24,7 @@ def _opt(default: Any, help: str) -> Any:
 class TrainConfig:
     # distributed
     backend: str = _opt("entrenar", "process-group backend")
-    device: str = _opt("auto", "auto: CUDA when available (local ranks take the GPUs in turn), else cpu")
+    device: str = _opt("auto", "auto: CUDA if available (local ranks take GPUs in turn), else cpu")
     deterministic: bool = _opt(False, "bitwise reproducible, world-size invariant (see docstring)")
     threads: int = _opt(
         0, "intra-op threads per process; 0: cores / local procs; 1 if deterministic"
