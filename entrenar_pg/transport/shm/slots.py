@@ -345,15 +345,15 @@ class SlotArea:
         missing = self.missing(phase)
         deadline = time.monotonic() + timeout_s
         try:
+            for q in missing:
+                if q not in self._watched:  # it hung up after its part of an earlier call
+                    raise progress.causes.peer_closed(q, what)
             while missing:
                 self._foreign_traffic(phase)
                 own[_SLEEPS] = 1
                 lock.acquire()  # fence, Dekker: our flag before their words (see ``publish``)
                 lock.release()
                 now_missing = self.missing(phase)
-                for q in now_missing:
-                    if q not in self._watched:  # its socket closed in an earlier call
-                        raise progress.causes.peer_closed(q, what)
                 if now_missing:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -368,9 +368,7 @@ class SlotArea:
                         if q in now_missing:  # gone before doing its part: name it now
                             raise progress.causes.peer_closed(q, what)
                         # It published and left (its last call): stop watching
-                        # it, and name it in any later wait for it (CI: a rank
-                        # killed just after it published phase p; the next
-                        # call waited for it to the 60 s timeout).
+                        # it; a later wait for it names it at once (``_watched``).
                         self._watched.remove(q)
                         progress.forget(self._socks[q].fileno())
                 if len(now_missing) < len(missing):  # progress: the timeout starts again
