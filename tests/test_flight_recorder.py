@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, kill_sessions, make_groups, rank_env, run_ranks
+from preloaded import start_script
 
 import entrenar_pg
 from entrenar_pg import Options, flight_recorder, trace
@@ -148,14 +149,12 @@ def run_scenario(mode: str, tmp_path: Path, cli: bool = False) -> Scenario:
         TORCH_FR_DUMP_TEMP_FILE=str(dumps / "rank_"),
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
+    # forked with torch imported (tests/preloaded.py), each in a session of its own
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCENARIO), mode, str(VICTIM), str(K)],
+        start_script(
+            [str(SCENARIO), mode, str(VICTIM), str(K)],
             env=rank_env(r, 3, port, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+            new_session=True,
         )
         for r in range(3)
     ]

@@ -31,7 +31,7 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     same ranks; then both again on groups of the first 2 ranks. Its output dir."""
     out = tmp_path_factory.mktemp("ddp")
     args = ["--backends", "entrenar", "gloo", "--members", "3", "2", "--out", str(out)]
-    _ok(torchrun(SCRIPTS / "ddp_check.py", 3, *args, timeout_s=240))
+    _ok(torchrun(SCRIPTS / "ddp_check.py", 3, *args, timeout_s=240, forked=True))
     return out
 
 
@@ -60,7 +60,7 @@ def test_ddp_matches_gloo_and_ranks_agree(members: int, ddp_job: Path) -> None:
 @pytest.mark.timeout(200)
 def test_allreduce_against_gloo() -> None:
     """At N = 3 (the job's group) and 2 (groups of its first two ranks): one job."""
-    out = _ok(torchrun(SCRIPTS / "allreduce_vs_gloo.py", 3, timeout_s=150))
+    out = _ok(torchrun(SCRIPTS / "allreduce_vs_gloo.py", 3, timeout_s=150, forked=True))
     # ranks share one stdout pipe, so lines may run together: match tokens, not lines
     rows = re.findall(r"DIFF (\d+) (\d+) (\d+) (\d+) (\d+)", out)
     got = sorted((int(n), int(rank)) for n, rank, *_ in rows)
