@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import run_session
 
 from benchmarks.calls import Pair
 from entrenar_pg.collectives.common import Call
 from entrenar_pg.runtime.thin import ThinPath
-from tests.conftest import REPO
 
 
 @pytest.fixture(params=["shm", "tcp"])
@@ -81,13 +80,9 @@ def test_an_added_call_raises_the_count_by_its_calls(
 @pytest.mark.timeout(120)
 def test_command_line_writes_both_transports(tmp_path: Any) -> None:
     out = tmp_path / "calls.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "benchmarks.calls", "--repeats", "2", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    # run_session: a process of its own, started from the fork server (torch imported)
+    cmd = [sys.executable, "-m", "benchmarks.calls", "--repeats", "2", "--json", str(out)]
+    p = run_session(cmd, timeout=100, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["transports"]) == {"shm", "tcp"}
