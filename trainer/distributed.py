@@ -62,12 +62,13 @@ def set_threads_and_determinism(cfg: TrainConfig, local_world: int) -> int:
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        if torch.cuda.device_count() == 0:
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
             raise ValueError("--device cuda, but torch sees no CUDA device")
         # More ranks than GPUs share them round-robin: entrenar stages CUDA
         # tensors through host memory, so two ranks on one GPU is a valid job
         # (NCCL alone refuses it, with its own error).
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
         return device
     if cfg.backend == "nccl":

@@ -27,6 +27,6 @@ timeout 75 "${TORCHRUN[@]}" tests/gpu/bench_cuda.py --sizes 4K:16M:x4 --ddp-step
     --json "$OUT/bench2.json" 2>&1 | tee "$OUT/bench.log" | tail -n 40
 if [[ "${FULL:-0}" == 1 ]]; then
     echo "== 4. the whole suite on this machine's torch (FULL=1; tests/gpu/README.md lists what differed on 2.11)"
-    timeout 290 "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark -n 14 \
+    timeout 290 "$PY" -m pytest -q -p no:cacheprovider -n 14 \
         --junitxml "$OUT/suite.xml" 2>&1 | tee "$OUT/suite.log" | tail -n 60
 fi
