@@ -285,6 +285,18 @@ def run_in_session(
     return preloaded.run_in_session(cmd[1:], timeout_s=timeout_s, env=full_env, cwd=REPO)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Bytecode caches on, for this run and every process it starts (before
+    xdist starts its workers). Some images set PYTHONDONTWRITEBYTECODE (this
+    one and its CI do); then each of the suite's ~70 fresh interpreters
+    (torchrun's ranks, the launch scripts, the benchmarks' jobs) compiles our
+    modules again, and every xdist worker rewrites every test module. The
+    caches go where Python puts them, in ``__pycache__/`` beside the sources
+    (ignored by git)."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The long tests first: slow-marked ones and xdist groups (a module-scoped
     job), each kept in its file's order, then the rest. xdist hands tests out
