@@ -204,13 +204,12 @@ def torchrun(
     timeout_s: float = 240,
     env: dict[str, str] | None = None,
     extra: list[str] | None = None,
-    forked: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under torchrun --standalone with ``nproc`` workers; output captured.
 
-    ``forked``: torchrun's workers are forked from a process that imported torch
+    torchrun's workers are forked from a process that imported torch
     (``tests/zygote.py``: ~2 s less CPU each) instead of fresh interpreters.
-    Not for the trainer on gloo (test_trainer_dist): there the DDP model, freed
+    Not so the trainer on gloo (test_trainer_dist's own helper): there the DDP model, freed
     as ``main()`` returns right after ``destroy_process_group``, drops gloo's
     group, whose destructor joins its run loop with the GIL held while the loop,
     freeing its last work's tensors, waits for the GIL (py-spy's stacks; 2-4 of
@@ -222,10 +221,7 @@ def torchrun(
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
-    stand_in = []
-    if forked:
-        full_env.update(zygote.job_env())
-        stand_in = [str(zygote.STAND_IN)]
+    full_env.update(zygote.job_env())
     cmd = [
         sys.executable,
         "-m",
@@ -233,7 +229,7 @@ def torchrun(
         "--standalone",
         f"--nproc_per_node={nproc}",
         *(extra or []),
-        *stand_in,
+        str(zygote.STAND_IN),
         str(script),
         *args,
     ]
@@ -285,7 +281,7 @@ def run_in_session(
     return preloaded.run_in_session(cmd[1:], timeout_s=timeout_s, env=full_env, cwd=REPO)
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def pytest_configure() -> None:
     """Bytecode caches on, for this run and every process it starts (before
     xdist starts its workers). Some images set PYTHONDONTWRITEBYTECODE (this
     one and its CI do); then each of the suite's ~70 fresh interpreters

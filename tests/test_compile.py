@@ -38,7 +38,6 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         "--out",
         str(out),
         timeout_s=JOB_TIMEOUT_S,
-        forked=True,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]

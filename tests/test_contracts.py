@@ -952,9 +952,7 @@ def _ddp_run(tmp_path: Path, fault: str) -> str:
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    proc = torchrun(
-        script, 2, fault, str(out), env={"ENTRENAR_CHECK": "1"}, timeout_s=70, forked=True
-    )
+    proc = torchrun(script, 2, fault, str(out), env={"ENTRENAR_CHECK": "1"}, timeout_s=70)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return "\n".join(
         (out / f"rank{r}.txt").read_text() for r in range(2) if (out / f"rank{r}.txt").exists()

@@ -37,7 +37,6 @@ def test_lightning_fit_logs_and_weights_match_gloo(tmp_path: Path) -> None:
         "--out",
         str(tmp_path),
         timeout_s=180,
-        forked=True,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     runs = {

@@ -282,7 +282,6 @@ def _job(out: Path, mode: str, setting: str) -> dict[int, dict[str, Any]]:
             "ENTRENAR_TOPOLOGY": "hosts",
             "ENTRENAR_HOST_STAR_MAX_BYTES": "0",
         },
-        forked=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}

@@ -31,7 +31,7 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     same ranks; then both again on groups of the first 2 ranks. Its output dir."""
     out = tmp_path_factory.mktemp("ddp")
     args = ["--backends", "entrenar", "gloo", "--members", "3", "2", "--out", str(out)]
-    _ok(torchrun(SCRIPTS / "ddp_check.py", 3, *args, timeout_s=240, forked=True))
+    _ok(torchrun(SCRIPTS / "ddp_check.py", 3, *args, timeout_s=240))
     return out
 
 
@@ -60,7 +60,7 @@ def test_ddp_matches_gloo_and_ranks_agree(members: int, ddp_job: Path) -> None:
 @pytest.mark.timeout(200)
 def test_allreduce_against_gloo() -> None:
     """At N = 3 (the job's group) and 2 (groups of its first two ranks): one job."""
-    out = _ok(torchrun(SCRIPTS / "allreduce_vs_gloo.py", 3, timeout_s=150, forked=True))
+    out = _ok(torchrun(SCRIPTS / "allreduce_vs_gloo.py", 3, timeout_s=150))
     # ranks share one stdout pipe, so lines may run together: match tokens, not lines
     rows = re.findall(r"DIFF (\d+) (\d+) (\d+) (\d+) (\d+)", out)
     got = sorted((int(n), int(rank)) for n, rank, *_ in rows)
@@ -74,7 +74,7 @@ def test_allreduce_against_gloo() -> None:
 @pytest.mark.timeout(400)
 def test_256mib_allreduce_completes() -> None:
     """At N = 4 (the job's group), 3 and 2 (groups of its first ranks): one job."""
-    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", 4, timeout_s=300, forked=True))
+    out = _ok(torchrun(SCRIPTS / "big_allreduce.py", 4, timeout_s=300))
     # ranks share one stdout pipe, so lines may run together: match tokens, not lines
     checks = re.findall(r"CHECK (\d+) (\d+) (ok|bad)", out)
     expected = [(str(n), str(r), "ok") for n in (2, 3, 4) for r in range(n)]
@@ -128,9 +128,7 @@ def test_different_collectives_raise_mismatch_on_both() -> None:
 @pytest.mark.timeout(240)
 def test_torchrun_restart_forms_a_fresh_group() -> None:
     """torchrun reuses one store across restart attempts; entrenar namespaces its keys."""
-    proc = torchrun(
-        SCRIPTS / "restart_probe.py", 2, timeout_s=180, extra=["--max-restarts=1"], forked=True
-    )
+    proc = torchrun(SCRIPTS / "restart_probe.py", 2, timeout_s=180, extra=["--max-restarts=1"])
     out = _ok(proc)
     done = sorted(re.findall(r"DONE (\d+) (\d+)", out))
     assert done == [("1", "0"), ("1", "1")], out + proc.stderr[-3000:]

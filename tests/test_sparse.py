@@ -363,12 +363,12 @@ def test_ddp_with_a_sparse_embedding_trains_to_gloos_weights(tmp_path: Path) -> 
     script = REPO / "tests" / "scripts" / "ddp_sparse.py"
     # One job: entrenar is the default group, gloo a group of the same ranks.
     job = (script, 2, "--backends", "entrenar", "gloo", "--out", str(tmp_path))
-    proc = torchrun(*job, timeout_s=180, forked=True)
+    proc = torchrun(*job, timeout_s=180)
     if proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
         # The reference, not the subject: gloo now and then aborts in its own
         # teardown after the script finished (seen under the parallel suite's
         # load); one rerun of the job, which must then pass.
-        proc = torchrun(*job, timeout_s=180, forked=True)
+        proc = torchrun(*job, timeout_s=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     states = {
         b: [torch.load(tmp_path / b / f"rank{r}.pt") for r in range(2)]

@@ -51,7 +51,7 @@ def torchrun(
     backend: str = BACKEND,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    # entrenar's workers forked with torch imported (conftest.torchrun's ``forked``;
+    # entrenar's workers forked with torch imported (as conftest.torchrun's are;
     # not gloo's: its teardown can deadlock there)
     forked = backend == "entrenar"
     cmd = [
