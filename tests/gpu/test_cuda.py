@@ -428,3 +428,13 @@ def test_ddp_cuda_deterministic_and_checked_runs_bit_identical(tmp_path: Path) -
 @pytest.mark.timeout(10)
 def test_worker_script_exists() -> None:
     assert WORKER.is_file() and (REPO / "trainer" / "model.py").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_cuda_bf16_compress_hook_on_entrenar() -> None:
+    """torch's bf16 compression hook (accepted on a CUDA build whatever the
+    backend) runs its bf16 allreduce over entrenar: gradients equal on every
+    rank and within bf16's rounding of the fp32 allreduce's."""
+    proc = torchrun(Path(__file__).with_name("bf16_hook_worker.py"), 2, timeout_s=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count("equal on every rank True") == 2, proc.stdout
