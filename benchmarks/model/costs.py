@@ -411,7 +411,7 @@ def _shm_all_gather(s: int) -> list[Phase]:
 def shm(shape: Shape, fabric: Fabric) -> list[Phase]:
     """The shm-native allreduce (collectives/shm_allreduce.py), one host (H must be 1).
 
-    Up to ``small_max_bytes(L)`` (a float32 sum: 128 KiB for two ranks, else 1 MiB), one
+    Up to ``small_max_bytes(L)`` (a float32 sum: 2 MiB for two ranks, else 1 MiB), one
     phase: 1 publish, S copied in per rank, (L-1) x S combined per rank.
     Above, per slot-sized chunk: copy in, each rank sums its 1/L slice
     across the L slots, copy out: 2 publishes per chunk,

@@ -9,7 +9,7 @@ end before this rank publishes q + 1, so double-buffered slots suffice).
 A wait spins for a multiple of this rank's own work in the phase before it
 sleeps (``_spin_for``).
 
-- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 128 KiB for two
+- Small (<= ``small_max_bytes(N)``: 256 KiB for two ranks, 2 MiB for two
   ranks summing with numpy, else 1 MiB), one
   phase: each rank writes its 32-byte wire header and its input into its
   slot, publishes, waits for every peer, compares every peer's header byte
@@ -37,9 +37,9 @@ sleeps (``_spin_for``).
   chunks) was measured 10-25% slower here at 4-64 MiB (the reduction then
   reads a chunk copied in a phase earlier, after another chunk went
   through the caches), so the chunks stay in sequence.
-  Two ranks slice above 256 KiB, or above 128 KiB when they sum with numpy
-  (the reduction halves; measured in the comments of ``PAIR_SMALL_MAX_BYTES``
-  and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
+  Two ranks slice above 256 KiB, or above 2 MiB when they sum with numpy
+  (the reduction halves, but the ranks meet twice; measured in the comments
+  of ``PAIR_SMALL_MAX_BYTES`` and ``PAIR_SUM_SMALL_MAX_BYTES``); more ranks on this 2-core machine
   gain nothing from it below 1 MiB.
 - Two ranks summing (SUM, AVG, PREMUL_SUM) a dtype numpy adds alike
   (``_NUMPY_SUM``), small or one chunk: the same phases with no torch op.
@@ -94,16 +94,19 @@ SMALL_MAX_BYTES = 1 << 20
 PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # The same for two ranks summing with numpy (``_Pair``: the one phase adds the
 # peer's slot into the caller's buffer in place, their sliced phase B is one
-# np.add, no torch op). One phase against sliced, ``benchmarks/shm_ab.py``
-# (2026-11-26, interleaved, ranks on cores of their own (``--pin``), load
-# 2-8 from other jobs): 0.88x at 32 KiB, 0.85x at 64 KiB, 0.84x at 128 KiB,
-# 0.91-0.96x at 256 KiB, 0.95x at 512 KiB, 1.02x at 1 MiB; an add in place
-# streams two arrays, not three (~30% less time at 64 KiB). One phase up to
-# 128 KiB: at 256 KiB the sliced path measured 0.83x of the three-array one
-# phase on a quiet machine, more than the add in place saves. With both
-# ranks sharing one core under other jobs' load the sliced path was 1.2x
-# faster from 64 KiB: a loaded machine's scheduling, not a quiet one's.
-PAIR_SUM_SMALL_MAX_BYTES = 1 << 17
+# np.add, no torch op). One phase against sliced, quiet 2-core VM (twenty-third
+# session, 2026-11-27, docs/benchmarks.md "Two ranks sum in one phase up to
+# 2 MiB"): ``benchmarks/shm_ab.py`` (both in one job) 0.74x at 192 KiB, 0.70x
+# at 256 KiB, 0.58-0.60x at 384-512 KiB, 0.55-0.57x at 1 MiB, 0.67-0.70x at
+# 1.5-2 MiB, 0.97x at 3 MiB, 1.43x at 4 MiB (0.90-0.94x at 64-128 KiB, where
+# both ran the same code: the harness's own lean); ``bench --baseline-tree``
+# (``dist.all_reduce``, the two trees' jobs taking turns) 0.68x at 256 KiB,
+# 0.62x at 512 KiB and 1 MiB, 0.73x at 2 MiB, 0.99x at 3 MiB. The sliced path
+# halves the reduction but meets twice; the add in place streams two arrays,
+# not three, and the caller's buffer is warm. (Before the add in place the
+# sliced path measured 0.83x of a three-array one phase at 256 KiB; under
+# other jobs' heavy memory load it was 1.15-1.24x faster at 64-256 KiB.)
+PAIR_SUM_SMALL_MAX_BYTES = 2 << 20
 # A large message's chunk (``chunk_elems``): a slot of three or more ranks.
 # Two ranks' chunks go to the start of the slots, or rotate over ``ROTATE``
 # such places in them; rank 0 picks per call from the calls' times
