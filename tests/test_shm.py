@@ -430,6 +430,38 @@ def _with_nans(rank: int, n: int) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
+def test_two_rank_sums_rotate_over_the_slots_and_keep_the_bits() -> None:
+    """Two ranks summing with numpy put each call's data in the next of
+    ``_pair_places`` places in their slots (16 at 64 KiB, 4 at 512 KiB, the
+    two parities at 4 KiB): two full turns and a call more, each call's
+    inputs new, give the rank-order sum's bits on both ranks every time
+    (a place laid over another, or the peer's read from the wrong one,
+    shows as another call's data)."""
+    sizes = [(4 << 10) // 4, (64 << 10) // 4, (512 << 10) // 4]
+    turns = [2 * shm_allreduce._pair_places(n * 4) + 1 for n in sizes]
+    assert turns == [5, 33, 9], turns
+    opts = _opts(c10d.AllreduceOptions, reduceOp=R.SUM)  # dist.all_reduce's: the thin path
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for n, calls in zip(sizes, turns, strict=True):
+            for k in range(calls):
+                t = _data(rank + 2 * k, n, torch.float32)
+                pg.allreduce([t], opts).wait()
+                out.append(t)
+        return out
+
+    got = _run(2, Options(transport="shm"), fn, True)
+    i = 0
+    for n, calls in zip(sizes, turns, strict=True):
+        for k in range(calls):
+            want = _data(2 * k, n, torch.float32) + _data(2 * k + 1, n, torch.float32)
+            for rank in (0, 1):
+                assert torch.equal(got[rank][i], want), (n, k, rank)
+            i += 1
+
+
+@pytest.mark.timeout(120)
 def test_two_rank_sums_in_one_phase_in_place_then_sliced(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks summing with numpy: up to ``PAIR_SUM_SMALL_MAX_BYTES`` one
     phase, each rank adding the peer's slot into its own buffer in place (64

@@ -107,6 +107,23 @@ PAIR_SMALL_MAX_BYTES = 1 << 18  # the same, for two ranks
 # sliced path measured 0.83x of a three-array one phase at 256 KiB; under
 # other jobs' heavy memory load it was 1.15-1.24x faster at 64-256 KiB.)
 PAIR_SUM_SMALL_MAX_BYTES = 2 << 20
+# Where two ranks summing with numpy put a call's data: not the same two
+# places (the parities) every call, but a rotation over up to
+# ``PAIR_PLACES_MAX`` places, as many as fit in ``PAIR_PLACES_BYTES``
+# (``_pair_places``). A rank's copy into a place the peer read two calls ago
+# must first take those cache lines back from the peer's core; a place last
+# used 16 calls ago has left both cores' private caches. A two-process numpy
+# model of the one phase (twenty-third session, docs/benchmarks.md "Two
+# ranks' sums rotate over the slots"), time by places 2 / 4 / 8 / 16: 64 KiB
+# 10-14 / 10-14 / 9.7 / 6.1 us, 128 KiB 21-27 / 17 / 10 / 9-10, 256 KiB
+# 28-33 / 19-20 / 14-18 / 15, 512 KiB 30-36 / 28-36 / 37 / 36, 1 MiB 55-57
+# / 58-61 / 80 / 130-140 (beyond the caches the rotation only adds misses).
+# Below 32 KiB the model gained nothing (16 KiB 3.4-3.6 us at 2 or 16
+# places), and a two-job A/B read 4 KiB 1.14x slower rotating: the two places.
+PAIR_PLACES_MAX = 16
+PAIR_PLACES_BYTES = 2 << 20
+PAIR_PLACES_MIN_BYTES = 32 << 10
+_PLACE_ALIGN = 4096  # a place starts a whole page after the one before
 # A large message's chunk (``chunk_elems``): a slot of three or more ranks.
 # Two ranks' chunks go to the start of the slots, or rotate over ``ROTATE``
 # such places in them; rank 0 picks per call from the calls' times
@@ -254,7 +271,7 @@ def allreduce_shm_pair(
     packed = shape.packed
     stamp_seq(packed, call.seq)
     phase = area.phase + 1
-    own, peer, peer_header = pair.slots[phase & 1]
+    own, peer, peer_header = pair.slots[phase & pair.mask]
     raw, mine = pair.host.get(buf.data_ptr()) or _host_views(pair, buf)
     own[:] = raw  # memcpy
     # ``_meet`` for two ranks: one call where the peer is already there
@@ -345,10 +362,13 @@ class _Pair:
     """The two-rank SUM small path's views of the slots, and of callers' buffers."""
 
     area: SlotArea  # the group's (two ranks)
-    raw: list[list[memoryview]]  # [parity][rank]: the slot data, as bytes
-    # [parity]: this rank's slot data as bytes, the peer's as an array, and
-    # the peer's wire header in its slot (one index per call for the three)
+    raw: list[list[memoryview]]  # [parity][rank]: the slot data from its start, as bytes
+    # [phase & mask]: this rank's place for the phase's data as bytes, the
+    # peer's as an array, and the peer's wire header in its slot (one index
+    # per call for the three). Place i is in slot i & 1 (the phase's parity,
+    # as the protocol needs), (i >> 1) strides in (``_pair_places``).
     slots: list[tuple[memoryview, np.ndarray, memoryview]]
+    mask: int  # places - 1 (a power of two, at least 2)
     first: bool  # this rank is rank 0: its input is the sum's left operand
     dtype: type  # numpy's
     nbytes: int
@@ -369,11 +389,27 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=_QUIET_MODULE)
     r = area.rank
     raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
-    slots: list[tuple[memoryview, np.ndarray, memoryview]] = [
-        (raw[p][r], np.frombuffer(raw[p][1 - r], dtype=np_dtype), area.peer_headers[p][0])
-        for p in (0, 1)
-    ]
-    return _Pair(area, raw, slots, r == 0, np_dtype, nbytes, {})
+    places = _pair_places(nbytes)
+    stride = -(-nbytes // _PLACE_ALIGN) * _PLACE_ALIGN
+    slots: list[tuple[memoryview, np.ndarray, memoryview]] = []
+    for i in range(places):
+        p, offset = i & 1, (i >> 1) * stride
+        peer: np.ndarray = np.frombuffer(area.data_bytes(1 - r, p, nbytes, offset), dtype=np_dtype)
+        slots.append((area.data_bytes(r, p, nbytes, offset), peer, area.peer_headers[p][0]))
+    return _Pair(area, raw, slots, places - 1, r == 0, np_dtype, nbytes, {})
+
+
+def _pair_places(nbytes: int) -> int:
+    """How many places in the slots a two-rank sum of ``nbytes`` rotates its
+    data over: the most, up to ``PAIR_PLACES_MAX``, a power of two, whose
+    bytes together stay within ``PAIR_PLACES_BYTES``; at least the two
+    parities, and only those below ``PAIR_PLACES_MIN_BYTES``."""
+    places = 2
+    if nbytes < PAIR_PLACES_MIN_BYTES:
+        return places
+    while places < PAIR_PLACES_MAX and 2 * places * nbytes <= PAIR_PLACES_BYTES:
+        places *= 2
+    return places
 
 
 def _host_views(pair: _Pair, buf: torch.Tensor) -> tuple[memoryview, np.ndarray]:

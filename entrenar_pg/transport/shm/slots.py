@@ -198,10 +198,10 @@ class SlotArea:
             self._views[key] = got
         return got
 
-    def data_bytes(self, q: int, parity: int, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of rank q's slot ``parity``, as bytes."""
-        assert nbytes <= self.slot_bytes, "internal: more than a slot"
-        start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES
+    def data_bytes(self, q: int, parity: int, nbytes: int, offset: int = 0) -> memoryview:
+        """``nbytes`` of rank q's slot ``parity`` from ``offset``, as bytes."""
+        assert offset + nbytes <= self.slot_bytes, "internal: more than a slot"
+        start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES + offset
         return self._areas[q][start : start + nbytes]
 
     # ---------------------------------------------------------------- phases
