@@ -47,7 +47,11 @@ sleeps (``_spin_for``).
   views made once per shape (``_Pair``, ``_PairCut``); the one phase adds
   the peer's slot into the caller's buffer in place, in rank order (each
   rank still reads the peer's slot of phase q before it publishes q + 1,
-  so the double buffering above covers it); the caller's buffer
+  so the double buffering above covers it). From 32 KiB a call's data goes
+  to the next of up to 16 places in the slots (``_pair_places``: place i in
+  slot i & 1, so consecutive phases still use both slots), not to the
+  slot's start: a copy into lines the peer read two calls ago must take
+  them back from its core first (0.60-0.82x the time at 32-256 KiB). The caller's buffer
   is viewed through its address (remembered per shape), which is right for
   whatever contiguous tensor of the shape's size lies there. At 4 KiB a
   torch op costs ~0.7-0.9 us of dispatch and these ~0.1-0.3 us; at 1 MiB the
@@ -114,7 +118,8 @@ PAIR_SUM_SMALL_MAX_BYTES = 2 << 20
 # must first take those cache lines back from the peer's core; a place last
 # used 16 calls ago has left both cores' private caches. A two-process numpy
 # model of the one phase (twenty-third session, docs/benchmarks.md "Two
-# ranks' sums rotate over the slots"), time by places 2 / 4 / 8 / 16: 64 KiB
+# ranks' sums rotate over the slots"; in the library 0.60-0.82x the time at
+# 32-256 KiB), time by places 2 / 4 / 8 / 16: 64 KiB
 # 10-14 / 10-14 / 9.7 / 6.1 us, 128 KiB 21-27 / 17 / 10 / 9-10, 256 KiB
 # 28-33 / 19-20 / 14-18 / 15, 512 KiB 30-36 / 28-36 / 37 / 36, 1 MiB 55-57
 # / 58-61 / 80 / 130-140 (beyond the caches the rotation only adds misses).
