@@ -124,7 +124,8 @@ PAIR_SUM_SMALL_MAX_BYTES = 2 << 20
 # 28-33 / 19-20 / 14-18 / 15, 512 KiB 30-36 / 28-36 / 37 / 36, 1 MiB 55-57
 # / 58-61 / 80 / 130-140 (beyond the caches the rotation only adds misses).
 # Below 32 KiB the model gained nothing (16 KiB 3.4-3.6 us at 2 or 16
-# places), and a two-job A/B read 4 KiB 1.14x slower rotating: the two places.
+# places; a two-job A/B read 4 KiB 1.14x rotating, and 1.03x later with the
+# same code on both sides): the two places there.
 PAIR_PLACES_MAX = 16
 PAIR_PLACES_BYTES = 2 << 20
 PAIR_PLACES_MIN_BYTES = 32 << 10
