@@ -434,13 +434,20 @@ def test_two_rank_sums_rotate_over_the_slots_and_keep_the_bits() -> None:
     """Two ranks summing with numpy put each call's data in the next of
     ``_pair_places`` places in their slots (16 at 64 KiB, 4 at 512 KiB, the
     two parities at 4 KiB): two full turns and a call more, each call's
-    inputs new, give the rank-order sum's bits on both ranks every time
-    (a place laid over another, or the peer's read from the wrong one,
-    shows as another call's data)."""
+    inputs new, then the sizes interleaved with a sliced one, give the
+    rank-order sum's bits on both ranks every time (a place laid over
+    another, or the peer's read from the wrong one, shows as another
+    call's data)."""
     sizes = [(4 << 10) // 4, (64 << 10) // 4, (512 << 10) // 4]
     turns = [2 * shm_allreduce._pair_places(n * 4) + 1 for n in sizes]
     assert turns == [5, 33, 9], turns
     opts = _opts(c10d.AllreduceOptions, reduceOp=R.SUM)  # dist.all_reduce's: the thin path
+
+    # Then the sizes interleaved, with the sliced path's (3 MiB) among them:
+    # consecutive calls of other shapes, each rotating its own way, must
+    # never write where the peer still reads.
+    small, mid, large, sliced = *sizes, (3 << 20) // 4
+    mixed = [small, mid, large, sliced, mid, sliced, small, large, mid] * 3
 
     def fn(rank: int, pg: EntrenarProcessGroup) -> list[torch.Tensor]:
         out = []
@@ -449,16 +456,21 @@ def test_two_rank_sums_rotate_over_the_slots_and_keep_the_bits() -> None:
                 t = _data(rank + 2 * k, n, torch.float32)
                 pg.allreduce([t], opts).wait()
                 out.append(t)
+        for k, n in enumerate(mixed):
+            t = _data(rank + 2 * k, n, torch.float32)
+            pg.allreduce([t], opts).wait()
+            out.append(t)
         return out
 
     got = _run(2, Options(transport="shm"), fn, True)
     i = 0
-    for n, calls in zip(sizes, turns, strict=True):
-        for k in range(calls):
-            want = _data(2 * k, n, torch.float32) + _data(2 * k + 1, n, torch.float32)
-            for rank in (0, 1):
-                assert torch.equal(got[rank][i], want), (n, k, rank)
-            i += 1
+    cases = [(n, k) for n, calls in zip(sizes, turns, strict=True) for k in range(calls)]
+    for n, k in cases + [(n, k) for k, n in enumerate(mixed)]:
+        want = _data(2 * k, n, torch.float32) + _data(2 * k + 1, n, torch.float32)
+        for rank in (0, 1):
+            assert torch.equal(got[rank][i], want), (n, k, rank)
+        i += 1
+    assert len(set(mixed)) == 4 and i == len(got[0]), (sorted(set(mixed)), i)
 
 
 @pytest.mark.timeout(120)
