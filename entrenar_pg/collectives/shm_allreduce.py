@@ -129,7 +129,6 @@ PAIR_SUM_SMALL_MAX_BYTES = 2 << 20
 PAIR_PLACES_MAX = 16
 PAIR_PLACES_BYTES = 2 << 20
 PAIR_PLACES_MIN_BYTES = 32 << 10
-_PLACE_ALIGN = 4096  # a place starts a whole page after the one before
 # A large message's chunk (``chunk_elems``): a slot of three or more ranks.
 # Two ranks' chunks go to the start of the slots, or rotate over ``ROTATE``
 # such places in them; rank 0 picks per call from the calls' times
@@ -372,9 +371,9 @@ class _Pair:
     # [phase & mask]: this rank's place for the phase's data as bytes, the
     # peer's as an array, and the peer's wire header in its slot (one index
     # per call for the three). Place i is in slot i & 1 (the phase's parity,
-    # as the protocol needs), (i >> 1) strides in (``_pair_places``).
+    # as the protocol needs; ``SlotArea.place_bytes``), ``_pair_places`` of them.
     slots: list[tuple[memoryview, np.ndarray, memoryview]]
-    mask: int  # places - 1 (a power of two, at least 2)
+    mask: int  # len(slots) - 1 (a power of two): one AND per call, no len()
     first: bool  # this rank is rank 0: its input is the sum's left operand
     dtype: type  # numpy's
     nbytes: int
@@ -396,12 +395,14 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
     r = area.rank
     raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
     places = _pair_places(nbytes)
-    stride = -(-nbytes // _PLACE_ALIGN) * _PLACE_ALIGN
-    slots: list[tuple[memoryview, np.ndarray, memoryview]] = []
-    for i in range(places):
-        p, offset = i & 1, (i >> 1) * stride
-        peer: np.ndarray = np.frombuffer(area.data_bytes(1 - r, p, nbytes, offset), dtype=np_dtype)
-        slots.append((area.data_bytes(r, p, nbytes, offset), peer, area.peer_headers[p][0]))
+    slots: list[tuple[memoryview, np.ndarray, memoryview]] = [
+        (
+            area.place_bytes(r, i, nbytes),
+            np.frombuffer(area.place_bytes(1 - r, i, nbytes), dtype=np_dtype),
+            area.peer_headers[i & 1][0],
+        )
+        for i in range(places)
+    ]
     return _Pair(area, raw, slots, places - 1, r == 0, np_dtype, nbytes, {})
 
 

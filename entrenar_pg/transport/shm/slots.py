@@ -71,9 +71,14 @@ def slot_data_bytes(world: int) -> int:
     return PAIR_SLOT_DATA_BYTES if world == 2 else SLOT_DATA_BYTES
 
 
+def _whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of the page."""
+    return -(-nbytes // _PAGE) * _PAGE
+
+
 def _slot_stride(world: int) -> int:
     """Bytes from one slot's start to the next (a multiple of the page)."""
-    return -(-(SLOT_HEADER_BYTES + slot_data_bytes(world)) // _PAGE) * _PAGE
+    return _whole_pages(SLOT_HEADER_BYTES + slot_data_bytes(world))
 
 
 def area_bytes(world: int) -> int:
@@ -203,6 +208,12 @@ class SlotArea:
         assert offset + nbytes <= self.slot_bytes, "internal: more than a slot"
         start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES + offset
         return self._areas[q][start : start + nbytes]
+
+    def place_bytes(self, q: int, place: int, nbytes: int) -> memoryview:
+        """Place ``place`` of a rotation of ``nbytes`` messages over rank q's
+        slots, as bytes: in slot ``place & 1`` (so consecutive phases still
+        alternate slots), ``place >> 1`` whole-page strides from its data's start."""
+        return self.data_bytes(q, place & 1, nbytes, (place >> 1) * _whole_pages(nbytes))
 
     # ---------------------------------------------------------------- phases
 
