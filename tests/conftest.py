@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -291,6 +292,25 @@ def pytest_configure() -> None:
     (ignored by git)."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+
+
+def pytest_collection_finish() -> None:
+    """What collection imported (torch, dynamo, Lightning, torchft, DeepSpeed and
+    the test modules: about a million objects that live as long as the
+    worker) out of the collector's reach (``gc.freeze``), so the worker's full
+    collections walk only what the tests make (each walk of the frozen set
+    costs about 0.1 s of CPU, and a worker does dozens). Its collections still
+    free every cycle a test leaves."""
+    gc.freeze()
+
+
+def pytest_unconfigure() -> None:
+    """The same at the end, for exit: the interpreter's last collections skip
+    what is alive then (about 1.4 s of CPU in each of the run's four
+    processes, the main one and three xdist workers, when the run has nothing
+    left to overlap it with). The modules are still torn down, and atexit
+    handlers and finalizers still run."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

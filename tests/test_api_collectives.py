@@ -15,6 +15,7 @@ result is computed from every rank's inputs instead (they are reproducible).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -68,6 +69,7 @@ def spawn_ranks(world: int, fn: Callable[..., None], *args: Any, timeout_s: floa
 
 
 def _entry(rank: int, world: int, env: dict[str, str], fn: Callable[..., None], args: Any) -> None:
+    gc.freeze()  # torch's objects, from the fork server: as in preloaded._run
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)

@@ -57,3 +57,22 @@ def test_a_module_in_its_session_and_a_hang_is_stopped(tmp_path: Path) -> None:
     hang = ["-c", "import time; time.sleep(60)"]
     stopped = run_in_session(hang, timeout_s=1, env=env, cwd=tmp_path)
     assert stopped.returncode == 124  # TIMED_OUT: SIGTERM to its session ended it
+
+
+@pytest.mark.timeout(60)
+def test_a_script_starts_with_the_preloaded_heap_frozen_and_still_collects_its_own() -> None:
+    """The objects the fork server preloaded are out of the collector's reach (the
+    script's full collections walk only what it makes), and a cycle the script
+    makes is still collected."""
+    code = (
+        "import gc, torch, weakref\n"
+        "class Node: pass\n"
+        "a = Node(); a.me = a; alive = weakref.ref(a); del a\n"
+        "print(gc.get_freeze_count(), gc.collect() > 0, alive() is None)\n"
+    )
+    p = start_script(["-c", code], env=dict(os.environ))
+    out, err = p.communicate(timeout=50)
+    assert p.returncode == 0, err
+    frozen, collected, freed = out.split()
+    assert int(frozen) > 100_000, out  # torch, torch.distributed, torch._dynamo
+    assert collected == freed == "True", out
