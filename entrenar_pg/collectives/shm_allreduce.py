@@ -73,7 +73,7 @@ from __future__ import annotations
 import ctypes
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -373,7 +373,7 @@ class _Pair:
     # per call for the three). Place i is in slot i & 1 (the phase's parity,
     # as the protocol needs; ``SlotArea.place_bytes``), ``_pair_places`` of them.
     slots: list[tuple[memoryview, np.ndarray, memoryview]]
-    mask: int  # len(slots) - 1 (a power of two): one AND per call, no len()
+    mask: int = field(init=False)  # len(slots) - 1 (a power of two): one AND per call, no len()
     first: bool  # this rank is rank 0: its input is the sum's left operand
     dtype: type  # numpy's
     nbytes: int
@@ -381,6 +381,9 @@ class _Pair:
     # address alone, so right for whatever tensor lies there now: a contiguous
     # buffer of this shape's size at that address is exactly those bytes.
     host: dict[int, tuple[memoryview, np.ndarray]]
+
+    def __post_init__(self) -> None:
+        self.mask = len(self.slots) - 1
 
 
 def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _Pair | None:
@@ -403,7 +406,7 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
         )
         for i in range(places)
     ]
-    return _Pair(area, raw, slots, places - 1, r == 0, np_dtype, nbytes, {})
+    return _Pair(area, raw, slots, r == 0, np_dtype, nbytes, {})
 
 
 def _pair_places(nbytes: int) -> int:
