@@ -73,6 +73,7 @@ class Algo(enum.IntEnum):
     HOST_LEADERS = 8  # host-aware: reduce to the host's leader, leaders exchange, broadcast
     DOUBLING = 9  # recursive doubling in the canonical tree's shape (collectives/doubling.py)
     DISSEMINATION = 10  # log2 N rounds, rank r to r + 2^k (barrier; small broadcast on its tree)
+    HOST_CHAIN = 11  # large broadcast on several hosts: a chain of one head per host
 
 
 class Flags(enum.IntFlag):

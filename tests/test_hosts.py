@@ -51,16 +51,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 from test_dissemination import BroadcastFrom
 
-from entrenar_pg import EntrenarError, EntrenarProcessGroup, Options
+from entrenar_pg import CollectiveMismatchError, EntrenarError, EntrenarProcessGroup, Options
 from entrenar_pg.collectives import hierarchical
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
 from entrenar_pg.transport import link_probe
 from entrenar_pg.transport.link_probe import Verdict
+from entrenar_pg.transport.plan import Plan
 from entrenar_pg.transport.topology import Topology
 from entrenar_pg.wire import Algo, Header, OpCode
 
@@ -181,17 +183,21 @@ def test_policy_rows_for_hosts() -> None:
         (AG, 64, mixed, o, Algo.HOST_SLICES),
         (AG, 64, Topology.from_keys(list("aaab")), o, Algo.RING),
         # Broadcast on slow hosts of consecutive ranks: along the dissemination
-        # rounds up to 1 MiB (measured; star_max_bytes caps it), then the chain.
+        # rounds up to 1 MiB (measured; star_max_bytes caps it), then the chain
+        # through one head per host.
         (OpCode.BROADCAST, 64, two, o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, 1 << 20, two, o, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, (1 << 20) + 4, two, o, Algo.CHAIN),
-        (OpCode.BROADCAST, (1 << 20) + 4, four, o, Algo.CHAIN),
-        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=256 << 10), Algo.CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, two, o, Algo.HOST_CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, four, o, Algo.HOST_CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, mixed, o, Algo.HOST_CHAIN),  # any uniform layout
+        (OpCode.BROADCAST, (1 << 20) + 4, Topology.from_keys(list("aaab")), o, Algo.CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, two, Options(topology="flat"), Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=256 << 10), Algo.HOST_CHAIN),
         (OpCode.BROADCAST, 256 << 10, mixed, o, Algo.DIRECT),  # the one-host rule: 64 KiB
         (OpCode.BROADCAST, 64 << 10, mixed, o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop
         (OpCode.BROADCAST, 1 << 20, two, Options(topology="flat"), Algo.DIRECT),
-        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.CHAIN),
+        (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.HOST_CHAIN),
         (OpCode.BROADCAST, 64 << 10, Topology.flat(4), o, Algo.DISSEMINATION),
         (OpCode.BROADCAST, (64 << 10) + 4, Topology.flat(4), o, Algo.DIRECT),
         # One rank per host: every hop crosses hosts, so the slow hosts' rows
@@ -215,7 +221,8 @@ def test_policy_rows_for_hosts() -> None:
         (AG, 64, fast, forced, Algo.HOST_SLICES),
         (OpCode.BROADCAST, 1 << 20, fast, o, Algo.DIRECT),
         (OpCode.BROADCAST, 1 << 20, fast, forced, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, (1 << 20) + 4, fast, forced, Algo.CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, fast, forced, Algo.HOST_CHAIN),
+        (OpCode.BROADCAST, (1 << 20) + 4, fast, o, Algo.CHAIN),
     ]
     for op, nbytes, topo, opts, want in rows:
         got = choose(op, nbytes, topo.world, opts, False, topo).algo
@@ -451,18 +458,20 @@ def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout", ["aabb", "abcd"])
-def test_broadcast_across_hosts_runs_the_rounds_to_a_mebibyte_then_the_chain(layout: str) -> None:
+@pytest.mark.parametrize(("layout", "chain"), [("aabb", Algo.HOST_CHAIN), ("abcd", Algo.CHAIN)])
+def test_broadcast_across_hosts_runs_the_rounds_to_a_mebibyte_then_the_chain(
+    layout: str, chain: Algo
+) -> None:
     """Slow hosts of consecutive ranks (forced: the emulated link is loopback),
     or one rank per host: 1 MiB goes along the dissemination rounds, a byte
-    more down the chain, from every root, and every rank ends with the
-    root's tensor."""
+    more down the chain (through one head per host where hosts hold several
+    ranks), from every root, and every rank ends with the root's tensor."""
     n = len(layout)
     gs = _groups(layout)
     try:
         mib = (1 << 20) // 4  # float32 elements
         assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4) is Algo.DISSEMINATION
-        assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4 + 4) is Algo.CHAIN
+        assert _algo_of(gs[0], OpCode.BROADCAST, mib * 4 + 4) is chain
 
         for root in range(n):
             for numel in (mib, mib + 1):
@@ -472,6 +481,80 @@ def test_broadcast_across_hosts_runs_the_rounds_to_a_mebibyte_then_the_chain(lay
     finally:
         for g in gs:
             g.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["abab", "abcabc", "aaabbb"])
+def test_the_hosts_chain_carries_the_message_once_per_host_in_any_placement(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broadcast above the chain's threshold on several hosts goes through one
+    head per host (``HOST_CHAIN``): every rank ends with the root's tensor,
+    from every root, and the data crosses host boundaries exactly H - 1 times
+    in all, whatever the placement (the rank-order chain: at every hop where
+    ranks interleave, 3 times the message at ``abab``)."""
+    n = len(layout)
+    hosts = len(set(layout))
+    # The chain from 64 KiB, in 64 KiB segments (several per message).
+    gs = _groups(layout, star_max_bytes=64 << 10, segment_bytes=64 << 10)
+    numel = 50_000 + n  # float32: 4 segments and a bit
+    sent: list[tuple[int, int, int]] = []  # (rank, peer, bytes) of every data send
+    lock = threading.Lock()
+    real_send = Plan._send
+
+    def spy(self: Plan, peer: int, view: memoryview, ready: Any = None) -> None:
+        """``Plan.send``, recording the group ranks of each data send's ends."""
+        to = peer if self.members is None else self.members[peer]
+        if len(view) > 1:  # data, not a round's 1-byte token
+            with lock:
+                sent.append((self.rank, to, len(view)))
+        real_send(self, to, view, ready)
+
+    try:
+        assert _algo_of(gs[0], OpCode.BROADCAST, numel * 4) is Algo.HOST_CHAIN
+        monkeypatch.setattr(Plan, "send", spy)
+        for root in range(n):
+            sent.clear()
+            got = run_ranks(n, BroadcastFrom(root, numel, torch.float32).run, groups=gs)
+            want = torch.arange(numel, dtype=torch.float32) * (root + 1)
+            assert all(torch.equal(t, want) for t in got), root
+            across = sum(b for r, p, b in sent if layout[r] != layout[p])
+            assert across == (hosts - 1) * numel * 4, (root, across)
+            assert sum(b for _, _, b in sent) == (n - 1) * numel * 4, root
+    finally:
+        for g in gs:
+            g.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("odd", ["root", "dtype"])
+def test_a_rank_that_disagrees_fails_the_hosts_chain_on_every_rank(odd: str) -> None:
+    """2 x 2, a broadcast down the hosts' chain where rank 3 names another root
+    (so another tree) or another dtype: every rank raises CollectiveMismatchError
+    in that call; none returns, none hangs (the header confirmed through the
+    dissemination rounds, as the rank-order chain does)."""
+    gs = _groups("aabb", star_max_bytes=64 << 10, segment_bytes=64 << 10)
+    numel = 50_000
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> Any:
+        root, dtype = 0, torch.float32
+        if rank == 3:
+            root, dtype = (2, dtype) if odd == "root" else (root, torch.float64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        try:
+            pg.broadcast([torch.ones(numel, dtype=dtype)], opts).wait()
+        except EntrenarError as e:
+            return e
+        return None
+
+    try:
+        assert _algo_of(gs[0], OpCode.BROADCAST, numel * 4) is Algo.HOST_CHAIN
+        got = run_ranks(4, fn, groups=gs, timeout_s=60)
+    finally:
+        for g in gs:
+            g.abort()
+    assert all(isinstance(e, CollectiveMismatchError) for e in got), got
 
 
 # ---------------------------------------------------------------------- same bits

@@ -49,6 +49,10 @@ The candidates (root = its host's leader; "leader" = one rank per host):
 - ``broadcast_hosts_chain``: the leaders' chain, segment by segment, each
   leader fanning every segment out to its L-1 ranks as it forwards it:
   H-1 cross-host hops + 1 local hop in sequence (the flat chain: N-1).
+  Built since the twenty-fifth session (``HOST_CHAIN``, the policy's pick
+  where the chain runs on several hosts; it confirms through the rounds, as
+  the flat chain does): this model has it never slower than the flat chain,
+  at any shape and size, which is why it was built.
 
 A candidate keeps the flat broadcast's header confirmation (``confirm=True``,
 what building it on the same ``Plan`` would do) unless asked to confirm only
@@ -316,10 +320,13 @@ def broadcast_hosts_tree(shape: Shape, fabric: Fabric, confirm: bool = True) -> 
 
 
 def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) -> list[Phase]:
-    """Candidate: the leaders' chain, segment by segment, each leader handing every
-    segment to its L-1 ranks as it forwards it: H-1 cross-host hops and 1 local hop
-    store and forward the first segment; the rest streams, S per host link per
-    direction, (L-1) x S out of a leader over its local links."""
+    """The hosts' chain (``HOST_CHAIN``, collectives/broadcast.py; a candidate
+    until the twenty-fifth session): the heads' chain, segment by segment,
+    each head handing every segment to its L-1 ranks as it forwards it: H-1
+    cross-host hops and 1 local hop store and forward the first segment; the
+    rest streams, S per host link per direction, (L-1) x S out of a head over
+    its local links. It confirms through the dissemination rounds, as the
+    rank-order chain does."""
     h, local, s = shape.hosts, shape.local, shape.nbytes
     if shape.world == 1:
         return []
@@ -332,7 +339,7 @@ def broadcast_hosts_chain(shape: Shape, fabric: Fabric, confirm: bool = True) ->
     stream = _on(shape, fabric, (local - 1) * (s - seg), s - seg)
     stream[FRAME] = (local + 1) * count
     if confirm:
-        stream = _add(stream, _confirm_peers(shape, fabric))
+        stream = _add(stream, _confirm_rounds(shape, fabric))
     return [*phases, Phase("chain stream", {}, stream)]
 
 
@@ -364,6 +371,8 @@ def broadcast_flat(
         return broadcast_dissemination(shape, fabric, confirm)
     if algo is Algo.DIRECT or shape.world <= 2:
         return broadcast_direct(shape, fabric, confirm)
+    if algo is Algo.HOST_CHAIN:
+        return broadcast_hosts_chain(shape, fabric, confirm)
     return broadcast_chain(shape, fabric, confirm)
 
 

@@ -99,10 +99,11 @@ def _broadcast_algo_unrecorded(shape: costs.Shape) -> Algo:
     """The algorithm a run that recorded none ran (those runs came before
     3127f08): one rank per host took the one-host rule (before 9dcc254),
     which ``topology="flat"`` still gives, and the dissemination rounds
-    stopped at 256 KiB (the chain above; 1 MiB since the eighteenth session)."""
+    stopped at 256 KiB (the chain above; 1 MiB since the eighteenth session),
+    and the chain ran in rank order (the hosts' chain came in the twenty-fifth)."""
     opts = Options(topology="flat") if shape.local == 1 else Options()
     algo = rooted.broadcast_algo(shape, check.topology_of(shape), opts)
-    if algo is Algo.DISSEMINATION and shape.nbytes > 256 << 10:
+    if algo is Algo.DISSEMINATION and shape.nbytes > 256 << 10 or algo is Algo.HOST_CHAIN:
         return Algo.CHAIN
     return algo
 

@@ -1,6 +1,7 @@
 """Broadcast: along the dissemination rounds' binomial tree for small messages
 (collectives/dissemination.py), direct from the root for mid-sized ones, a
-pipelined chain for large ones."""
+pipelined chain for large ones: in rank order on one host, through one head
+per host on several (``HOST_CHAIN``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     order from the root, each rank forwarding segment k as soon as it has it;
     every rank sends and receives nbytes once, and the time is about
     nbytes/bandwidth + (N-2) segments instead of (N-1) x nbytes/bandwidth.
+    ``HOST_CHAIN`` (larger messages on several hosts): the same pipeline on a
+    tree (``chain_links``): one head per host in a chain across the hosts,
+    each head forwarding every segment to the next host first and then to its
+    own host's ranks. A host link carries nbytes once per direction whatever
+    the ranks' placement (the rank-order chain: once per host boundary when
+    each host's ranks are consecutive, up to L times with ranks interleaved),
+    and the first segment makes H-1 cross-host hops and one local hop, not
+    N-1 hops.
 
     With ``DIRECT`` or ``CHAIN`` no rank hears from every other, and the root
     hears from none: with ``DIRECT`` every rank also confirms its header as
@@ -38,7 +47,7 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
         disseminate(call, op, buf, root)
         return
     n, r = call.world, call.rank
-    algo = Algo.CHAIN if call.choice.algo is Algo.CHAIN else Algo.DIRECT
+    algo = call.choice.algo if call.choice.algo in _CHAINS else Algo.DIRECT
     header = call.header(op, algo, buf.dtype, numel=buf.numel(), aux=root)
     raw = bytes_of(buf)
     plan = call.plan()
@@ -52,21 +61,52 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
             plan.open(root, header, send=False)
             plan.recv(root, raw)
     else:
-        pos = (r - root) % n
-        prev, nxt = (r - 1) % n, (r + 1) % n
+        parent, children = chain_links(call, root, algo)
         size = buf.element_size()
         segs = segments(0, buf.numel(), call.segment_elems(buf.dtype))
-        have = [pos == 0] * len(segs)
-        if pos > 0:
-            plan.open(prev, header, send=False)
-            for k, (a, b) in enumerate(segs):
-                plan.recv(prev, raw[a * size : b * size], setter(have, k), chain=True)
-        if pos < n - 1:
-            plan.open(nxt, header, recv=False)
-            for k, (a, b) in enumerate(segs):
-                plan.send(nxt, raw[a * size : b * size], is_set(have, k))
+        pieces = [raw[a * size : b * size] for a, b in segs]
+        have = [parent is None] * len(pieces)
+        if parent is not None:
+            plan.open(parent, header, send=False)
+            for k, piece in enumerate(pieces):
+                plan.recv(parent, piece, setter(have, k), chain=True)
+        for child in children:
+            plan.open(child, header, recv=False)
+            for k, piece in enumerate(pieces):
+                plan.send(child, piece, is_set(have, k))
     if algo is Algo.DIRECT:
         run_rooted(call, plan, root, header, op)
         return
     confirm_in_rounds(call, plan, header)
     call.mesh.run(plan, call.what(op), call)
+
+
+_CHAINS = (Algo.CHAIN, Algo.HOST_CHAIN)
+
+
+def chain_links(call: Call, root: int, algo: Algo) -> tuple[int | None, list[int]]:
+    """This rank's place in a chain broadcast from ``root``: the rank it receives
+    from (None: the root) and the ranks it forwards to, in the order it feeds them.
+
+    ``CHAIN``: rank order from the root, one next rank each. ``HOST_CHAIN``
+    (the whole group, its ``Mesh.topology``): the hosts in order from the
+    root's; each host's *head* is the root on the root's host and the lowest
+    rank on every other. A head receives from the previous host's head and
+    forwards to the next host's head first (the cross-host link is the slow
+    one, and every later host waits on it), then to the other ranks of its
+    host; those receive from their head and forward nothing.
+    """
+    n, r = call.world, call.rank
+    if algo is Algo.CHAIN:
+        pos = (r - root) % n
+        return (None if pos == 0 else (r - 1) % n), ([] if pos == n - 1 else [(r + 1) % n])
+    assert call.team is None, "the hosts' chain runs on the whole group"
+    hosts = call.mesh.topology.hosts
+    first = call.mesh.topology.host_of[root]
+    order = [hosts[(first + j) % len(hosts)] for j in range(len(hosts))]
+    heads = [root] + [members[0] for members in order[1:]]
+    j = (call.mesh.topology.host_of[r] - first) % len(hosts)
+    if r != heads[j]:
+        return heads[j], []
+    nxt = [heads[j + 1]] if j + 1 < len(heads) else []
+    return (None if j == 0 else heads[j - 1]), nxt + [p for p in order[j] if p != r]

@@ -15,7 +15,11 @@ Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - deterministic: the host-aware group's bits equal the flat deterministic
   group's and the canonical tree sum of every rank's input, computed here
   in one process from the same seeds (``tree_sum``); the same for the
-  deterministic reduce-scatter, which runs host-aware (HOST_SLICES).
+  deterministic reduce-scatter, which runs host-aware (HOST_SLICES);
+- a broadcast above 1 MiB runs the hosts' chain (HOST_CHAIN: one head per
+  host) on the host-aware group and the rank-order chain on the flat one,
+  and every rank ends with the root's tensor, from a host's first rank and
+  from a rank that is not.
 """
 
 import os
@@ -107,6 +111,16 @@ for n in SIZES:
     want = tree_sum(src)[rank * n : (rank + 1) * n]
     assert torch.equal(scattered["det"], want), n
     assert torch.equal(scattered["det_flat"], want), n
+
+# Broadcast above 1 MiB: the hosts' chain, from a head (2) and a non-head root (1).
+BIG = (1 << 20) // 4 + 4321  # float32 elements
+assert algo(hosts, BIG * 4, OpCode.BROADCAST) is Algo.HOST_CHAIN
+assert algo(flat, BIG * 4, OpCode.BROADCAST) is Algo.CHAIN
+for root in (1, 2):
+    for g in (hosts, flat):
+        t = torch.arange(BIG, dtype=torch.float32) * (rank + 1)
+        dist.broadcast(t, src=root, group=g)
+        assert torch.equal(t, torch.arange(BIG, dtype=torch.float32) * (root + 1)), root
 
 # One write per line: under PYTHONUNBUFFERED (set on CI) print writes the text
 # and its newline apart, and two ranks' lines interleaved in the node's log.
