@@ -193,9 +193,10 @@ def test_policy_rows_for_hosts() -> None:
         (OpCode.BROADCAST, (1 << 20) + 4, Topology.from_keys(list("aaab")), o, Algo.CHAIN),
         (OpCode.BROADCAST, (1 << 20) + 4, two, Options(topology="flat"), Algo.CHAIN),
         (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=256 << 10), Algo.HOST_CHAIN),
-        (OpCode.BROADCAST, 256 << 10, mixed, o, Algo.DIRECT),  # the one-host rule: 64 KiB
-        (OpCode.BROADCAST, 64 << 10, mixed, o, Algo.DISSEMINATION),
-        (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.DIRECT),  # the chain would cross every hop
+        (OpCode.BROADCAST, 64 << 10, mixed, o, Algo.DISSEMINATION),  # the one-host rule: 64 KiB
+        (OpCode.BROADCAST, (64 << 10) + 4, mixed, o, Algo.HOST_CHAIN),  # not DIRECT: the
+        (OpCode.BROADCAST, 1 << 20, mixed, o, Algo.HOST_CHAIN),  # hosts' chain crosses once
+        (OpCode.BROADCAST, 1 << 20, mixed, Options(topology="flat"), Algo.DIRECT),
         (OpCode.BROADCAST, 1 << 20, two, Options(topology="flat"), Algo.DIRECT),
         (OpCode.BROADCAST, 1 << 20, two, Options(star_max_bytes=1 << 10), Algo.HOST_CHAIN),
         (OpCode.BROADCAST, 64 << 10, Topology.flat(4), o, Algo.DISSEMINATION),

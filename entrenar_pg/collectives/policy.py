@@ -40,8 +40,8 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   ``star_max_bytes``: ``broadcast_dissemination_max_bytes``):
   ``DISSEMINATION`` (the binomial tree on the barrier's rounds); else
   ``DIRECT`` from the root with two ranks or up to
-  ``star_max_bytes`` (several hosts of consecutive ranks over a slow link:
-  up to 64 KiB, measured: ``broadcast_direct_max_bytes``);
+  ``star_max_bytes`` (several hosts over a slow link: up to 64 KiB,
+  measured: ``broadcast_direct_max_bytes``);
   ``CHAIN`` (pipelined, in rank order from the root) above; on several
   hosts (``several_hosts``, as the allreduce's host-aware rows) the chain
   through one head per host instead (``HOST_CHAIN``: a host link carries the
@@ -196,15 +196,17 @@ def broadcast_dissemination_max_bytes(topology: Topology | None, options: Option
 
 def broadcast_direct_max_bytes(topology: Topology | None, options: Options) -> int:
     """The largest broadcast the root sends to every rank itself (``DIRECT``);
-    larger ones go down the ``CHAIN`` (pipelined, rank order from the root).
+    larger ones go down a chain (``CHAIN``, or ``HOST_CHAIN`` on several hosts).
 
     One host: ``star_max_bytes`` (measured on loopback). Several hosts over a
-    slow link (``several_hosts``) whose ranks are consecutive, so that the
-    chain crosses each host boundary once (S on a host link, where ``DIRECT``
-    puts (N - L) x S on the root host's, for N - 2 more hops):
-    ``HOST_BROADCAST_DIRECT_MAX_BYTES``.
+    slow link where the chain crosses each host boundary once (S on a host
+    link, where ``DIRECT`` puts (N - L) x S on the root host's):
+    ``HOST_BROADCAST_DIRECT_MAX_BYTES``. That is every uniform layout
+    (``several_hosts``: the hosts' chain, whatever the placement; the cost
+    model puts its crossover with ``DIRECT`` at 16-64 KiB from 2 x 2 to
+    8 x 8) and one rank per host (the rank-order chain).
     """
-    if slow_contiguous_hosts(topology, options):
+    if slow_contiguous_hosts(topology, options) or several_hosts(topology, options):
         return min(options.star_max_bytes, HOST_BROADCAST_DIRECT_MAX_BYTES)
     return options.star_max_bytes
 
