@@ -558,6 +558,39 @@ def test_a_rank_that_disagrees_fails_the_hosts_chain_on_every_rank(odd: str) -> 
     assert all(isinstance(e, CollectiveMismatchError) for e in got), got
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [2, 3])
+def test_a_rank_that_aborts_in_the_hosts_chain_is_named_on_every_rank(victim: int) -> None:
+    """2 x 2, a broadcast down the hosts' chain from rank 0; the next host's
+    head (2) or a rank it feeds (3) aborts instead of joining: every other
+    rank fails naming it, well before the group's timeout (the chain's links
+    and the rounds' reach every rank)."""
+    gs = _groups("aabb", star_max_bytes=64 << 10, segment_bytes=64 << 10)
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> tuple[str, Any, float]:
+        t0 = time.monotonic()
+        if rank == victim:
+            time.sleep(0.5)
+            pg.abort()
+            return ("aborted", None, 0.0)
+        try:
+            pg.broadcast([torch.ones(200_000)], dist.BroadcastOptions()).wait()
+        except EntrenarError as e:
+            return (type(e).__name__, getattr(e, "culprit", None), time.monotonic() - t0)
+        return ("returned", None, 0.0)
+
+    try:
+        assert _algo_of(gs[0], OpCode.BROADCAST, 800_000) is Algo.HOST_CHAIN
+        got = run_ranks(4, fn, groups=gs, timeout_s=30)
+    finally:
+        for g in gs:
+            g.shutdown()
+    for rank, (what, culprit, took) in enumerate(got):
+        if rank != victim:
+            assert what == "PeerConnectionError" and culprit == victim, (rank, what, culprit)
+            assert took < 10, (rank, took)
+
+
 # ---------------------------------------------------------------------- same bits
 
 
