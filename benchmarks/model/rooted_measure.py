@@ -103,7 +103,7 @@ def _broadcast_algo_unrecorded(shape: costs.Shape) -> Algo:
     and the chain ran in rank order (the hosts' chain came in the twenty-fifth)."""
     opts = Options(topology="flat") if shape.local == 1 else Options()
     algo = rooted.broadcast_algo(shape, check.topology_of(shape), opts)
-    if algo is Algo.DISSEMINATION and shape.nbytes > 256 << 10 or algo is Algo.HOST_CHAIN:
+    if (algo is Algo.DISSEMINATION and shape.nbytes > 256 << 10) or algo is Algo.HOST_CHAIN:
         return Algo.CHAIN
     return algo
 

@@ -47,8 +47,8 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   through one head per host instead (``HOST_CHAIN``: a host link carries the
   message once whatever the ranks' placement, and the first segment makes
   H-1 + 1 hops where the rank-order chain makes N-1; in the cost model never
-  slower, 0.94-0.97x at L = 2 and 0.68-0.80x at L = 8 for 2-64 MiB from 8
-  hosts: docs/benchmarks.md).
+  slower; 2-64 MiB on 64 hosts 0.94-0.97x its time with 2 ranks per host,
+  0.68-0.80x with 8: docs/benchmarks.md).
 - ``REDUCE``: ``STAR`` with two ranks or up to ``star_max_bytes``; above, a
   reduce-scatter, ``RING`` (``DIRECT``, the tree halving, when
   deterministic), then each rank's chunk straight to the root.
