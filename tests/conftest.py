@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -177,7 +178,37 @@ def kill_sessions(procs: Iterable[Any]) -> None:
         p.wait(timeout=10)
 
 
+# Ports for the tests' own listeners (a job's store, slurmctld) come from below
+# the kernel's ephemeral range, from a block of this xdist worker's own. A port
+# that ``bind(0)`` picked lies in the ephemeral range, where an outgoing
+# connection of a test running beside this one may take it between the pick and
+# the listener's bind (EADDRINUSE: seen once, in a fresh clone's run); the
+# blocks keep the workers' picks apart.
+_PORTS_FROM = 10_000
+_PORT_BLOCK = 2_000
+_PORT_RANDOM = random.Random()  # its own: tests that seed ``random`` do not fix the picks
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
 def free_port() -> int:
+    """A port no socket is bound to now, below the kernel's ephemeral range, in
+    this xdist worker's block (a random one); the kernel's pick if none is free."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = _PORTS_FROM + (int(worker) if worker.isdigit() else 0) * _PORT_BLOCK
+    high = min(low + _PORT_BLOCK, _ephemeral_low())
+    for port in _PORT_RANDOM.sample(range(low, high), k=min(64, max(high - low, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # bound, or lingering (TIME_WAIT): another
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -11,13 +11,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import netns_allowed, run_session
+from conftest import free_port, netns_allowed, run_session
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -60,6 +61,26 @@ def without_exit_barrier_race(log: str) -> str:
     logger's ``file:line]`` tag); every other line, any other traceback, kept."""
     tags = {m.group(1) for m in _EXIT_BARRIER.finditer(log)}
     return "\n".join(line for line in log.splitlines() if not any(t in line for t in tags))
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_in_this_workers_block() -> None:
+    """The launch tests' ports (a job's store, slurmctld) are picked outside the
+    range the kernel hands outgoing connections, in a block per xdist worker,
+    so a test beside this one cannot take the port before the listener binds
+    it (it did once: EADDRINUSE on a ``bind(0)`` pick)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ranges.exists():
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral = int(ranges.read_text().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = 10_000 + (int(worker) if worker.isdigit() else 0) * 2_000
+    ports = [free_port() for _ in range(20)]
+    assert all(low <= p < min(low + 2_000, ephemeral) for p in ports), (low, ports)
+    assert len(set(ports)) > 1, ports  # random picks, not one port for every job
+    for p in set(ports):  # each one free: a listener can take it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+            s.listen()
 
 
 def test_only_torchs_exit_barrier_race_is_left_out_of_a_node_log() -> None:
@@ -173,7 +194,7 @@ def test_local_sh_trains(tmp_path):
 def test_multinode_sh_two_nodes_on_loopback(tmp_path):
     """Two torchruns joined by the c10d rendezvous, as on two hosts."""
     out = tmp_path / "run"
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         env = dict(
@@ -212,12 +233,6 @@ def test_multinode_sh_two_nodes_on_loopback(tmp_path):
     assert [p.returncode for p in ps] == [0, 0], "\n".join(x[-4000:] for x in logs)
     end = end_record(out / "metrics.jsonl")
     assert end["world_size"] == 2 and end["replicas_agree"] and end["step"] == 4
-
-
-def _free_port() -> int:
-    from trainer.common import free_port
-
-    return free_port()
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from test_launch import TINY, end_record
 
 # xdist_group: one worker runs this module, so its module-scoped Slurm cluster runs once.
@@ -59,12 +60,6 @@ def usable_cpus() -> int:
     """CPUs this process may run on: the node's CPUs in slurm.conf (configuring
     more than slurmd finds would drain the node)."""
     return len(os.sched_getaffinity(0))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _node_name() -> str:
@@ -127,8 +122,8 @@ class SlurmCluster:
             f"""\
 ClusterName=entrenartest
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
