@@ -12,6 +12,8 @@ from .common import Call, bytes_of, is_set, segments, setter
 from .dissemination import confirm_in_rounds, disseminate
 from .rooted import run_rooted
 
+_CHAINS = (Algo.CHAIN, Algo.HOST_CHAIN)  # the pipelined plans (``chain_links`` places a rank)
+
 
 def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROADCAST) -> None:
     """Copy the root's flat CPU tensor ``buf`` into every rank's ``buf``.
@@ -81,9 +83,6 @@ def broadcast(call: Call, buf: torch.Tensor, root: int, op: OpCode = OpCode.BROA
     call.mesh.run(plan, call.what(op), call)
 
 
-_CHAINS = (Algo.CHAIN, Algo.HOST_CHAIN)
-
-
 def chain_links(call: Call, root: int, algo: Algo) -> tuple[int | None, list[int]]:
     """This rank's place in a chain broadcast from ``root``: the rank it receives
     from (None: the root) and the ranks it forwards to, in the order it feeds them.
@@ -101,11 +100,11 @@ def chain_links(call: Call, root: int, algo: Algo) -> tuple[int | None, list[int
         pos = (r - root) % n
         return (None if pos == 0 else (r - 1) % n), ([] if pos == n - 1 else [(r + 1) % n])
     assert call.team is None, "the hosts' chain runs on the whole group"
-    hosts = call.mesh.topology.hosts
-    first = call.mesh.topology.host_of[root]
+    topology = call.mesh.topology
+    hosts, first = topology.hosts, topology.host_of[root]
     order = [hosts[(first + j) % len(hosts)] for j in range(len(hosts))]
     heads = [root] + [members[0] for members in order[1:]]
-    j = (call.mesh.topology.host_of[r] - first) % len(hosts)
+    j = (topology.host_of[r] - first) % len(hosts)
     if r != heads[j]:
         return heads[j], []
     nxt = [heads[j + 1]] if j + 1 < len(heads) else []
