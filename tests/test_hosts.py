@@ -851,13 +851,16 @@ def test_netns_two_hosts_of_two(tmp_path: Path) -> None:
     1 Gbit/s): the topology seen by every rank, shared memory only inside a
     namespace, the host-aware algorithms chosen and on the wire, results
     equal to the flat group's, and deterministic bits equal to the flat
-    algorithms' and to the single-process tree sum (tests/scripts/hosts_job.py)."""
+    algorithms' and to the single-process tree sum; then host 1's link
+    taken down in an allreduce: every rank fails within seconds of the
+    group's timeout naming a rank of the other host, and the job ends once
+    the link is back up (tests/scripts/hosts_job.py)."""
     if not netns_allowed():
         pytest.skip("cannot create network namespaces here (needs root and `ip netns`)")
     prefix = f"enrh{os.getpid() % 100000}"
     node_cmd = (
         f"ENTRENAR_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 PYTHONPATH={REPO} OMP_NUM_THREADS=1 "
-        f"{sys.executable} "
+        f"PARTITION_DIR={tmp_path} {sys.executable} "
         "-m torch.distributed.run --nnodes=2 --nproc_per_node=2 --node_rank=$NODE "
         f"--master_addr=$HEAD_ADDR --master_port={free_port()} {JOB}"
     )
@@ -884,6 +887,10 @@ def test_netns_two_hosts_of_two(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
     ok = sorted(int(line.split()[1]) for line in logs.splitlines() if line.startswith("HOSTS-OK "))
     assert ok == [0, 1, 2, 3], logs[-4000:]
+    cut = sorted(
+        int(line.split()[1]) for line in logs.splitlines() if line.startswith("PARTITION ")
+    )
+    assert cut == [0, 1, 2, 3], logs[-4000:]
 
 
 def test_cluster_trainer_verdict_reads_ranks_and_compares_runs(tmp_path: Path) -> None:

@@ -19,17 +19,28 @@ Each rank checks, and prints ``HOSTS-OK <rank>`` when all hold:
 - a broadcast above 1 MiB runs the hosts' chain (HOST_CHAIN: one head per
   host) on the host-aware group and the rank-order chain on the flat one,
   and every rank ends with the root's tensor, from a host's first rank and
-  from a rank that is not.
+  from a rank that is not;
+- a partition: host 1's link goes down (rank 3 takes its namespace's eth0
+  down, as a failed switch port would) before a large allreduce (the host
+  slices: each rank's only cross-host link is to its partner) of a group
+  with a 3 s timeout: every rank raises ``PeerConnectionError`` within a few
+  seconds of the timeout, naming a rank of the other host as the culprit
+  (each side sees the other stop answering); then the link comes back up
+  and the job ends normally (``PARTITION_DIR``: a directory every host
+  sees, where the ranks leave flags for each other).
 """
 
 import os
+import subprocess
 import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from entrenar_pg import Options, tree_sum
+from entrenar_pg import Options, PeerConnectionError, tree_sum
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.wire import Algo, OpCode
 
@@ -121,6 +132,52 @@ for root in (1, 2):
         t = torch.arange(BIG, dtype=torch.float32) * (rank + 1)
         dist.broadcast(t, src=root, group=g)
         assert torch.equal(t, torch.arange(BIG, dtype=torch.float32) * (root + 1)), root
+
+
+# A partition: host 1's link down while every rank is in one allreduce.
+PARTITION_S = 3.0  # the group's timeout
+flags = Path(os.environ["PARTITION_DIR"])
+
+
+def await_flags(*names: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not all((flags / n).exists() for n in names):
+        assert time.monotonic() < deadline, f"rank {rank}: no flags {names} in {within_s}s"
+        time.sleep(0.02)
+
+
+part = dist.new_group(backend="entrenar", timeout=timedelta(seconds=PARTITION_S))
+t = torch.ones(SIZES[1])  # the host slices: shared memory in a host, partners across
+assert algo(part, t.nbytes) is Algo.HOST_SLICES
+dist.all_reduce(t, group=part)  # its links made, its path warm
+assert torch.equal(t, torch.full_like(t, 4.0)), t
+# Every rank out of gloo's barrier (one that is still in it when the link
+# goes down never issues the allreduce, and is rightly blamed for that),
+# then the link down, then the call.
+dist.barrier()
+(flags / f"ready.{rank}").touch()
+if rank == 3:
+    await_flags(*(f"ready.{r}" for r in range(world)))
+    subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+    (flags / "down").touch()
+await_flags("down")
+began = time.monotonic()
+try:
+    dist.all_reduce(t, group=part)
+except PeerConnectionError as e:
+    took = time.monotonic() - began
+    other_host = (2, 3) if rank < 2 else (0, 1)
+    assert e.culprit in other_host, (rank, e.culprit, str(e))
+    assert took < PARTITION_S + 10, (rank, took, str(e))
+    sys.stdout.write(f"PARTITION {rank} {took:.1f}s culprit {e.culprit}: {e}\n")  # one write
+    sys.stdout.flush()
+    (flags / f"failed.{rank}").touch()
+else:
+    raise AssertionError(f"rank {rank}: an allreduce completed across a link that is down")
+if rank == 3:
+    await_flags(*(f"failed.{r}" for r in range(world)))
+    subprocess.run(["ip", "link", "set", "eth0", "up"], check=True)
+dist.barrier()  # gloo's links, idle while the link was down, carry on
 
 # One write per line: under PYTHONUNBUFFERED (set on CI) print writes the text
 # and its newline apart, and two ranks' lines interleaved in the node's log.
