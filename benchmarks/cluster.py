@@ -46,7 +46,7 @@ from benchmarks.cluster_config import (
     DEFAULT_VARIANTS,
     ClusterConfig,
 )
-from benchmarks.cluster_load import background_cores
+from benchmarks.cluster_load import background_cores, job_cores
 from benchmarks.cluster_report import report_lines, write_outputs
 from benchmarks.config import GLOO
 from benchmarks.machine import git_revision, machine_info
@@ -89,12 +89,11 @@ def _link_per_call(
     return {d: (sum(b[d] for b in blocks) - len(blocks) * fence[d]) / calls for d in ("tx", "rx")}
 
 
-def _background(
+def _blocks(
     ranks: Sequence[dict[str, Any]], variant: str | None = None, size: int | None = None
-) -> float | None:
-    """Cores the rest of the machine took during the blocks of ``variant`` at ``size``
-    (every block if None): ``cluster_load.background_cores``; None for records without it."""
-    picked = [
+) -> list[list[dict[str, Any]]]:
+    """Every rank's load records of the blocks of ``variant`` at ``size`` (every block if None)."""
+    return [
         [
             b
             for b in r.get("load", [])
@@ -102,7 +101,14 @@ def _background(
         ]
         for r in ranks
     ]
-    return background_cores(picked)
+
+
+def _background(
+    ranks: Sequence[dict[str, Any]], variant: str | None = None, size: int | None = None
+) -> float | None:
+    """Cores the rest of the machine took during the blocks of ``variant`` at ``size``
+    (every block if None): ``cluster_load.background_cores``; None for records without it."""
+    return background_cores(_blocks(ranks, variant, size))
 
 
 def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -145,6 +151,8 @@ def combine(cfg: ClusterConfig, ranks: Sequence[dict[str, Any]]) -> dict[str, An
                 sockets_per_rank=statistics.fmean(r["sockets"][name] for r in ranks),
                 # Cores other processes took meanwhile (the cost model's load term).
                 background_cores=_background(ranks, name, size),
+                # Cores the job's own ranks took meanwhile (``cluster_load.job_cores``).
+                job_cores=job_cores(_blocks(ranks, name, size)),
                 # every call (the slowest rank's), in order: a median that moved between
                 # two runs shows here whether the calls are bimodal (the cost model's check)
                 samples_s=samples,

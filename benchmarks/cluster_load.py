@@ -78,3 +78,17 @@ def background_cores(blocks_per_rank: Sequence[Sequence[dict[str, Any]]]) -> flo
     busy = sum(b["busy_s"] for b in reader)
     job = sum(b["cpu_s"] for blocks in blocks_per_rank for b in blocks)
     return max(0.0, (busy - job) / wall)
+
+
+def job_cores(blocks_per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | None:
+    """Cores the job's own ranks took over some blocks: every rank's CPU (all its
+    threads, not the kernel's softirq work for its sockets) summed, over the
+    blocks' wall on the first rank. Where ranks outnumber cores, a variant near
+    the machine's core count is contending for them (docs/benchmarks.md, 4 x 2
+    at 64 MiB). None without records."""
+    if not blocks_per_rank or not blocks_per_rank[0]:
+        return None
+    wall = sum(b["wall_s"] for b in blocks_per_rank[0])
+    if wall <= 0:
+        return None
+    return sum(b["cpu_s"] for blocks in blocks_per_rank for b in blocks) / wall

@@ -22,6 +22,7 @@ HEADER = [
     "bound",
     "xhost/bound",
     "sockets/rank",
+    "ranks' CPU (cores)",
 ]
 
 
@@ -65,6 +66,7 @@ def table(result: dict[str, Any], markdown: bool = False) -> list[str]:
                 f"{r['bound_bytes_per_host']:.0f}",
                 f"{r['xhost_bytes_per_host'] / r['bound_bytes_per_host']:.3f}",
                 f"{r['sockets_per_rank']:.1f}",
+                "-" if r.get("job_cores") is None else f"{r['job_cores']:.2f}",
             ]
         )
     return _render(HEADER, body, markdown)

@@ -40,6 +40,7 @@ ROW_KEYS = {
     "bound_bytes_per_host": float,
     "sockets_per_rank": float,
     "background_cores": float,
+    "job_cores": float,
     "samples_s": list,
 }
 
@@ -115,6 +116,8 @@ def test_combine_max_over_ranks_fences_subtracted_busiest_link() -> None:
     assert rows[GLOO]["background_cores"] == pytest.approx(0.5)
     assert rows[ENTRENAR]["background_cores"] == 0.0
     assert part["background_cores"] == pytest.approx(0.2)  # (2.4 - 2.0) busy s over 2 s
+    # the cores the job's own ranks took: 4 x 0.25 s of CPU in each 1 s block
+    assert rows[GLOO]["job_cores"] == rows[ENTRENAR]["job_cores"] == pytest.approx(1.0)
     ranks[3] = _rank(3, 1, 1, verified=False)
     with pytest.raises(BenchError, match="rank 3: results never checked"):
         combine(cfg, ranks)
