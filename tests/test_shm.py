@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
 import os
 import signal
 import socket
@@ -51,7 +53,7 @@ from entrenar_pg import (
 from entrenar_pg.collectives import shm_allreduce
 from entrenar_pg.runtime import jobs
 from entrenar_pg.transport.shm import placement as placement_module
-from entrenar_pg.transport.shm import ring, slots
+from entrenar_pg.transport.shm import populate, ring, slots
 from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.transport.shm.placement import Placement
 from entrenar_pg.wire import Algo
@@ -471,6 +473,48 @@ def test_two_rank_sums_rotate_over_the_slots_and_keep_the_bits() -> None:
             assert torch.equal(got[rank][i], want), (n, k, rank)
         i += 1
     assert len(set(mixed)) == 4 and i == len(got[0]), (sorted(set(mixed)), i)
+
+
+def _resident_pages(view: memoryview) -> list[bool]:
+    """mincore(2) of the pages under ``view``: which are in memory (a shared
+    page is once any mapping of it faulted it in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    page = mmap.PAGESIZE
+    address = populate.address_of(view)
+    start = address - address % page
+    pages = -(-(address + len(view) - start) // page)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+    return [bool(b & 1) for b in vec.raw]
+
+
+@pytest.mark.timeout(60)
+def test_a_two_rank_sum_faults_in_its_whole_rotation_at_its_first_call() -> None:
+    """The first 64 KiB sum of two ranks leaves every page of all 16 places
+    of both ranks' slots in memory (``SlotArea.populate_places``), not only
+    the place it used: the first call at each place paid that place's page
+    faults, 3-5x a warm call on this VM (the first 16 calls of a size, a
+    benchmark's first rounds). Fails where the places are left to their
+    first touch (checked: only the first call's place was in)."""
+    n = (64 << 10) // 4
+    places = shm_allreduce._pair_places(n * 4)
+    assert places == 16
+    opts = _opts(c10d.AllreduceOptions, reduceOp=R.SUM)  # dist.all_reduce's: the thin path
+
+    def fn(rank: int, pg: EntrenarProcessGroup) -> list[list[bool]]:
+        t = _data(rank, n, torch.float32)
+        pg.allreduce([t], opts).wait()
+        area = pg._runtime.mesh.slots
+        assert area is not None
+        return [
+            _resident_pages(area.place_bytes(q, i, n * 4)) for q in (0, 1) for i in range(places)
+        ]
+
+    got = _run(2, Options(transport="shm"), fn, True)
+    for rank in (0, 1):
+        missing = [k for k, pages in enumerate(got[rank]) if not all(pages)]
+        assert missing == [], (rank, missing)
 
 
 @pytest.mark.timeout(120)

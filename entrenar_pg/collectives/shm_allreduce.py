@@ -398,6 +398,7 @@ def _new_pair(area: SlotArea, dtype: torch.dtype, nbytes: int, kind: Kind) -> _P
     r = area.rank
     raw = [[area.data_bytes(q, p, nbytes) for q in (0, 1)] for p in (0, 1)]  # [parity][rank]
     places = _pair_places(nbytes)
+    area.populate_places(places, nbytes)  # now, not a page fault per page in each first call
     slots: list[tuple[memoryview, np.ndarray, memoryview]] = [
         (
             area.place_bytes(r, i, nbytes),
