@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BASELINE, DDP_VARIANTS, SWEEP_VARIANTS, BenchConfig, base_name
-from benchmarks.results import combine_ranks
+from benchmarks.results import block_medians, combine_ranks
 from benchmarks.sizes import ddp_per_block, plan_for
 from benchmarks.spawn import BenchError, run_jobs
 
@@ -129,18 +129,10 @@ def job_ratios(
             if twin not in base[0][section]:
                 continue
             per_block = plan_for(int(size), cfg).per_block if size else ddp_per_block(cfg)
-            mine = _block_medians(combine_ranks([x[section][key] for x in new]), per_block)
-            theirs = _block_medians(combine_ranks([x[section][twin] for x in base]), per_block)
+            mine = block_medians(combine_ranks([x[section][key] for x in new]), per_block)
+            theirs = block_medians(combine_ranks([x[section][twin] for x in base]), per_block)
             out[prefix + key] = [a / b for a, b in zip(mine, theirs, strict=True)]
     return out
-
-
-def _block_medians(samples: list[float], per_block: int) -> list[float]:
-    """The median of each block of ``per_block`` consecutive samples (a job's
-    samples of one key are its blocks', in order)."""
-    return [
-        statistics.median(samples[i : i + per_block]) for i in range(0, len(samples), per_block)
-    ]
 
 
 def add_baseline_ratios(

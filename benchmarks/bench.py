@@ -101,7 +101,7 @@ from benchmarks.machine import (
 )
 from benchmarks.report import report_lines, write_outputs
 from benchmarks.results import add_ratios, allreduce_row, combine_world, ratio_to
-from benchmarks.sizes import parse_bytes, parse_sizes
+from benchmarks.sizes import parse_bytes, parse_sizes, plan_for
 from benchmarks.spawn import BenchError, run_mpi, run_world
 
 log = logging.getLogger("benchmarks.bench")
@@ -124,6 +124,8 @@ def _measure_worlds(
             result["meta"]["baseline"].setdefault("entrenar_pg_file", {})[world] = files
             result["meta"]["baseline"].setdefault("round_ratios", {})[world] = per_round
         part = combine_world(world, ranks, order)
+        for row in part["allreduce"]:  # its samples' blocks, for the goals' round-by-round ratios
+            row["rounds"] = plan_for(row["size_bytes"], cfg).rounds
         for r in ranks:
             for name, why in r.get("unavailable", {}).items():
                 result["meta"]["unavailable"].setdefault(name, f"N={world}: {why}")

@@ -15,6 +15,14 @@ World sizes other than 2 and 4 get the TCP goal only. Where the run has the
 ``method`` variant (``entrenar-auto-method[shm]``: the group's own method,
 without torch.distributed's Python wrapper, as DeepSpeed's op is called), its
 ratio to DeepSpeed is shown beside, judged by nothing.
+
+Beside the ratio of the two medians, the ratio round by round
+(``shm_vs_ds_rounds``: the median of each round's block of entrenar-shm over
+the same round's block of DeepSpeed's, the two blocks run moments apart):
+the machine's state, which moves both sides 3-5x for seconds at a time on
+the VMs here, cancels out of each pair, and a round that stands apart
+shows (the first two rounds of 64 KiB at 3-7x were entrenar's page faults,
+docs/benchmarks.md, twenty-sixth session). Judged by nothing either.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.config import DEEPSPEED, KiB
+from benchmarks.results import block_medians
 
 CONTENDER = "entrenar-auto"  # the variant the goals judge: entrenar's default algorithm
 SHM = f"{CONTENDER}[shm]"
@@ -57,6 +66,23 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> floa
     return None if a is None or b is None else float(a[key] / b[key])
 
 
+def _round_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float] | None:
+    """Round k's block median of ``a`` over round k's of ``b``, for every round;
+    None where either row lacks its samples or its rounds (``rounds``: the
+    interleaved blocks its samples came in, in order, equally many each)."""
+    if a is None or b is None:
+        return None
+    rounds = a.get("rounds")
+    if not rounds or rounds != b.get("rounds") or "samples_s" not in a or "samples_s" not in b:
+        return None
+    mine, theirs = a["samples_s"], b["samples_s"]
+    if len(mine) % rounds or len(theirs) % rounds:
+        return None
+    ours = block_medians(mine, len(mine) // rounds)
+    others = block_medians(theirs, len(theirs) // rounds)
+    return [x / y for x, y in zip(ours, others, strict=True)]
+
+
 def same_host_goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (world size, message size) that has a DeepSpeed or an entrenar-shm row.
 
@@ -86,6 +112,7 @@ def same_host_goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tcp_s": None if tcp is None else tcp["median_s"],
                 "shm_vs_ds_time": shm_vs_ds,
                 "shm_vs_ds_busbw": _ratio(shm, ds, "busbw_GBps"),
+                "shm_vs_ds_rounds": _round_ratios(shm, ds),
                 "tcp_vs_ds_time": _ratio(tcp, ds, "median_s"),
                 "method_vs_ds_time": _ratio(method, ds, "median_s"),
                 "shm_vs_tcp_time": shm_vs_tcp,

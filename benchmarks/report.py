@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ def _fmt_time(s: float) -> str:
 
 def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _fmt_rounds(ratios: list[float] | None) -> str:
+    """Round-by-round ratios as their median and range: "0.71 (0.52-1.08)"."""
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def allreduce_table(result: dict[str, Any], world: int, markdown: bool = False) -> list[str]:
@@ -193,6 +201,7 @@ def goals_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
         "tcp/DS time",
         "shm/tcp time",
         "method/DS time",
+        "shm/DS by round",
         "goal vs DS",
         "vs DS",
         "vs tcp",
@@ -219,6 +228,7 @@ def goals_table(result: dict[str, Any], markdown: bool = False) -> list[str]:
                 _fmt_ratio(g["tcp_vs_ds_time"]),
                 _fmt_ratio(g["shm_vs_tcp_time"]),
                 _fmt_ratio(g.get("method_vs_ds_time")),
+                _fmt_rounds(g.get("shm_vs_ds_rounds")),
                 goal,
                 g["vs_deepspeed"],
                 g["vs_tcp"],

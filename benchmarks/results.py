@@ -50,6 +50,14 @@ def shape_row(
     }
 
 
+def block_medians(samples: Sequence[float], per_block: int) -> list[float]:
+    """The median of each block of ``per_block`` consecutive samples (a job's
+    samples of one key are its blocks', in order)."""
+    return [
+        statistics.median(samples[i : i + per_block]) for i in range(0, len(samples), per_block)
+    ]
+
+
 def allreduce_row(world: int, variant: str, size: int, samples: Sequence[float]) -> dict[str, Any]:
     """One allreduce result row with nccl-tests bandwidths."""
     row: dict[str, Any] = {"world_size": world, "variant": variant, "size_bytes": size}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from conftest import make_groups, run_ranks, run_session
 
-from benchmarks import bench, deepspeed_peer
+from benchmarks import bench, deepspeed_peer, report
 from benchmarks.baseline import (
     add_baseline_ratios,
     copy_baseline_package,
@@ -295,6 +295,23 @@ def test_same_host_goals_pass_fail_and_missing_rows() -> None:
     g = goals[(4, m1)]
     assert (g["vs_deepspeed"], g["vs_tcp"]) == ("n/a", "n/a")
     assert g["tcp_vs_ds_time"] == pytest.approx(2.0) and g["shm_s"] is None
+
+
+def test_same_host_goals_ratio_round_by_round() -> None:
+    """Each round's block of entrenar-shm over the same round's block of
+    DeepSpeed's (their medians), so a round that stands apart shows; none
+    where a row has no rounds recorded."""
+    k64 = 1 << 16
+    ours = allreduce_row(2, SHM, k64, [1.0, 1.0, 2.0, 2.2, 3.0, 2.8, 4.0, 4.0])
+    theirs = allreduce_row(2, DEEPSPEED, k64, [2.0, 2.0, 2.0, 2.2, 1.0, 1.0, 8.0, 8.0])
+    for row in (ours, theirs):
+        row["rounds"] = 4
+    (g,) = same_host_goals([ours, theirs])
+    assert g["shm_vs_ds_rounds"] == pytest.approx([0.5, 1.0, 2.9, 0.5])
+    assert report._fmt_rounds(g["shm_vs_ds_rounds"]) == "0.75 (0.50-2.90)"
+    del ours["rounds"]
+    (g,) = same_host_goals([ours, theirs])
+    assert g["shm_vs_ds_rounds"] is None and report._fmt_rounds(None) == "-"
 
 
 def test_missing_deepspeed_and_transport_are_reported_not_dropped(
