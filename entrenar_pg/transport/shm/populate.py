@@ -24,6 +24,8 @@ import ctypes
 import mmap
 import sys
 
+import numpy as np
+
 # madvise(2)'s advice values (Linux uapi; Python's mmap names them from 3.12 only).
 POPULATE_READ = 22
 POPULATE_WRITE = 23
@@ -36,12 +38,9 @@ if _madvise is not None:
 
 
 def address_of(view: memoryview) -> int:
-    """The address of a writable memoryview's first byte (its export is released at once)."""
-    holder = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
+    """The address of a memoryview's first byte, read-only or not (numpy's view
+    of it holds the buffer only for this call)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def populate(address: int, nbytes: int, advice: int) -> bool:
