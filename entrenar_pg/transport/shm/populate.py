@@ -26,7 +26,8 @@ import sys
 
 import numpy as np
 
-# madvise(2)'s advice values (Linux uapi; Python's mmap names them from 3.12 only).
+# madvise(2)'s advice values (Linux uapi, include/uapi/asm-generic/mman-common.h): this
+# Python's mmap module has no names for them.
 POPULATE_READ = 22
 POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
