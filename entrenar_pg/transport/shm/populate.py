@@ -44,12 +44,12 @@ def address_of(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def populate(address: int, nbytes: int, advice: int) -> bool:
-    """Fault in the pages of ``[address, address + nbytes)`` with ``advice``
-    (``POPULATE_READ`` or ``POPULATE_WRITE``); the range is widened to whole
-    pages. True if the kernel did it, False where it cannot (nothing happened)."""
-    if _madvise is None or nbytes <= 0:
-        return False
+def populate(view: memoryview, advice: int) -> None:
+    """Fault in the pages under ``view`` (widened to whole pages) with
+    ``advice`` (``POPULATE_READ`` or ``POPULATE_WRITE``); where the kernel
+    cannot, nothing happens (best effort: the first touches fault them)."""
+    if _madvise is None or not len(view):
+        return
+    address = address_of(view)
     start = address - address % _PAGE
-    end = address + nbytes
-    return _madvise(start, end - start, advice) == 0
+    _madvise(start, address + len(view) - start, advice)

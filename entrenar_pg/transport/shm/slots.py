@@ -46,7 +46,7 @@ import torch
 from ...config import SHM_SLEEP_CAP_S
 from .chunk_plan import ChunkChoice, ChunkPlan
 from .placement import Placement
-from .populate import POPULATE_READ, POPULATE_WRITE, address_of, populate
+from .populate import POPULATE_READ, POPULATE_WRITE, populate
 
 if TYPE_CHECKING:
     from ..control import Causes
@@ -210,20 +210,17 @@ class SlotArea:
         start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES + offset
         return self._areas[q][start : start + nbytes]
 
-    def populate_places(self, places: int, nbytes: int) -> bool:
+    def populate_places(self, places: int, nbytes: int) -> None:
         """Fault in every rank's pages of places ``0 .. places - 1`` of a rotation
         of ``nbytes`` messages (``place_bytes``): this rank's own as a write
         would, the peers' as a read, contents untouched (``populate.py``: what
         the first call at each place paid). Per rank and slot the places lie
-        back to back, so one ``madvise`` each. True if every one was done."""
+        back to back from the slot's data, so one ``madvise`` each."""
         length = ((places + 1) // 2 - 1) * _whole_pages(nbytes) + nbytes
-        done = True
-        for q, area in enumerate(self._areas):
+        for q in range(self.world):
             advice = POPULATE_WRITE if q == self.rank else POPULATE_READ
             for parity in range(min(places, 2)):
-                start = _PAGE + parity * self._stride + SLOT_HEADER_BYTES
-                done &= populate(address_of(area[start : start + length]), length, advice)
-        return done
+                populate(self.data_bytes(q, parity, length), advice)
 
     def place_bytes(self, q: int, place: int, nbytes: int) -> memoryview:
         """Place ``place`` of a rotation of ``nbytes`` messages over rank q's
