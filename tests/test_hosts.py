@@ -420,57 +420,6 @@ def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatc
             g.shutdown()
 
 
-@pytest.mark.timeout(60)
-def test_the_host_slices_build_each_next_plan_while_the_links_wait(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The pipelined host slices (five plans for three pieces) build plan t+1
-    inside plan t's run, while its links wait (``Progress.run``'s
-    ``meanwhile``), not after it with the host link idle; the sums stay
-    exact. Before the change every plan was built between runs."""
-    from entrenar_pg.transport.loop import Progress
-
-    inside = threading.local()
-    built: dict[int, list[tuple[int, bool]]] = {}
-    run, plan = Progress.run, hierarchical._SlicesSteps.plan
-
-    def run_spy(self: Progress, *args: Any) -> None:
-        inside.on = True
-        try:
-            run(self, *args)
-        finally:
-            inside.on = False
-
-    def plan_spy(self: Any, t: int) -> Plan:
-        built.setdefault(self.call.mesh.rank, []).append((t, getattr(inside, "on", False)))
-        return plan(self, t)
-
-    monkeypatch.setattr(Progress, "run", run_spy)
-    monkeypatch.setattr(hierarchical._SlicesSteps, "plan", plan_spy)
-    groups = _groups("aabb")
-    try:
-        assert _algo(groups[0], PIPELINED * 4) is Algo.HOST_SLICES
-        count = hierarchical.piece_count(PIPELINED * 4, 2)
-        assert count == 3
-
-        def fn(rank: int, pg: EntrenarProcessGroup) -> torch.Tensor:
-            t = torch.arange(PIPELINED, dtype=torch.int32) * (rank + 1)
-            pg.allreduce([t]).wait()
-            return t
-
-        got = run_ranks(4, fn, groups=groups)
-    finally:
-        for g in groups:
-            g.shutdown()
-    want = torch.arange(PIPELINED, dtype=torch.int32) * 10
-    for r in range(4):
-        assert torch.equal(got[r], want), r
-        steps = built[r]
-        assert [t for t, _ in steps] == list(range(count + 2)), steps
-        assert not steps[0][1], "the first plan is built before any run"
-        assert any(ahead for _, ahead in steps[1:]), f"rank {r}: no plan built ahead: {steps}"
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["aabb", "abab", "aabbcc"])
 def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:

@@ -20,8 +20,7 @@ a team unchanged):
   all-gather inside the host. Each host link carries 2(H-1)/H x S each way,
   the bound (the flat ring: 2(N-1)/N x S), in L parallel streams. Large
   buffers go in pieces, pipelined so the local phases hide behind the
-  cross-host one; each next piece's plan is built while the current plan's
-  links wait (``Progress.run``'s ``meanwhile``), not between them.
+  cross-host one.
 - ``reduce_scatter_hosts`` / ``allgather_hosts`` (FSDP across hosts): the
   reduce-scatter reduces inside the host first (local rank i ends with its
   host's sum of the chunks of the ranks at position i on every host), then
@@ -67,13 +66,11 @@ every rank's result depends on data sent after every other rank's checks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..reduce_ops import Kind, Reduction, finish_
-from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .broadcast import broadcast
 from .common import Call, bytes_of, chunk_bounds
@@ -125,8 +122,7 @@ def allreduce_host_slices(
     t-1's cross-host allreduce and piece t-2's all-gather (on different
     links, so they overlap), and the slower local phases hide behind the
     network's. Rings everywhere (2(L-1) local hops, 2(H-1) cross-host hops
-    per piece). Plan t+1 is built inside plan t's run (``_PlanAhead``), while
-    its links wait. Deterministic: ``_slices_in_tree_order``.
+    per piece). Deterministic: ``_slices_in_tree_order``.
     """
     if call.choice.tree:
         _slices_in_tree_order(call, buf, red, op)
@@ -134,6 +130,7 @@ def allreduce_host_slices(
     topology = call.mesh.topology
     me = call.mesh.rank
     host = call.on(topology.local_peers(me))
+    kind = red.combine_kind
     nbytes = buf.numel() * buf.element_size()
     count = piece_count(nbytes, len(topology.hosts))
     pieces = [buf[a:b] for a, b in chunk_bounds(buf.numel(), count)]
@@ -146,40 +143,12 @@ def allreduce_host_slices(
     segment = max(
         MIN_SEGMENT_BYTES, min(call.choice.segment_bytes, chunk_bytes // SEGMENTS_PER_CHUNK)
     )
-    steps = _SlicesSteps(call, host, call.on(team, segment), buf, slices, red, op)
-    plan = steps.plan(0)
+    across = call.on(team, segment)
+    mine = [s[host.rank] for s in slices]
+    n = call.world
     for t in range(count + 2):
-        ahead = _PlanAhead(steps, t + 1) if t + 1 < count + 2 else None
-        call.mesh.run(plan, call.what(op), call, ahead)
-        if ahead is not None:
-            plan = ahead.built if ahead.built is not None else steps.plan(t + 1)
-
-
-@dataclass(slots=True)
-class _SlicesSteps:
-    """The pipelined host slices' plans: ``plan(t)`` holds piece t's
-    reduce-scatter inside the host, piece t-1's allreduce across hosts and
-    piece t-2's all-gather inside the host (``allreduce_host_slices``)."""
-
-    call: Call
-    host: Call  # this rank's host's ranks
-    across: Call  # this rank's counterparts on every host, with the cross-host segment
-    buf: torch.Tensor
-    slices: list[list[torch.Tensor]]  # per piece, one slice per local rank
-    red: Reduction
-    op: OpCode
-
-    def plan(self, t: int) -> Plan:
-        call, host, across, slices = self.call, self.host, self.across, self.slices
-        count, kind = len(slices), self.red.combine_kind
-        buf = self.buf
         header = call.header(
-            self.op,
-            Algo.HOST_SLICES,
-            buf.dtype,
-            reduce_op=int(self.red.kind),
-            numel=buf.numel(),
-            aux=t,
+            op, Algo.HOST_SLICES, buf.dtype, reduce_op=int(red.kind), numel=buf.numel(), aux=t
         )
         plan = call.plan()
         inside = plan.on(host.team)
@@ -192,9 +161,8 @@ class _SlicesSteps:
                 host, inside, slices[t], reduce_steps=last, gather_steps=0, shift=-1, kind=kind
             )
         if 0 <= t - 1 < count:  # 2. piece t-1: this rank's slice across hosts
-            mine = slices[t - 1][host.rank]
             outside = plan.on(across.team)
-            chunks = [mine[a:b] for a, b in chunk_bounds(mine.numel(), across.world)]
+            chunks = [mine[t - 1][a:b] for a, b in chunk_bounds(mine[t - 1].numel(), across.world)]
             open_ring(across, outside, header, chunks)
             steps = across.world - 1
             ring_pass(
@@ -204,28 +172,12 @@ class _SlicesSteps:
                 reduce_steps=steps,
                 gather_steps=steps,
                 kind=kind,
-                on_reduced=partial(finish_, red=self.red, world=call.world),
+                on_reduced=partial(finish_, red=red, world=n),
                 scratch_name="across",
             )
         if 0 <= t - 2 < count:  # 3. piece t-2: all-gather inside the host
             ring_pass(host, inside, slices[t - 2], reduce_steps=0, gather_steps=host.world - 1)
-        plan.links()  # the progress loop's view of it, built now too
-        return plan
-
-
-@dataclass(slots=True)
-class _PlanAhead:
-    """Plan t of the host slices, built while plan t-1 waits on its links
-    (``Progress.run``'s ``meanwhile``): the host link keeps carrying plan t-1's
-    bytes meanwhile, where building after it left the link idle for the
-    build (0.4-0.7 ms a plan, 17 plans a call at 4 x 2: 1 % of a 64 MiB call)."""
-
-    steps: _SlicesSteps
-    t: int
-    built: Plan | None = None
-
-    def __call__(self) -> None:
-        self.built = self.steps.plan(self.t)
+        call.mesh.run(plan, call.what(op), call)
 
 
 def _slices_in_tree_order(call: Call, buf: torch.Tensor, red: Reduction, op: OpCode) -> None:

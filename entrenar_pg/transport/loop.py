@@ -32,7 +32,7 @@ import os
 import select
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -352,15 +352,9 @@ class Links:
 class Progress(Links):
     """The progress loop of a collective: runs one plan to completion (module docstring)."""
 
-    def run(
-        self, plan: Plan, what: str, pace: Pace, meanwhile: Callable[[], None] | None = None
-    ) -> None:
+    def run(self, plan: Plan, what: str, pace: Pace) -> None:
         """Execute ``plan``: all its sends and receives, overlapped, in order per link.
 
-        ``meanwhile``: work to do the first time every link waits on its peer
-        (the kernel holds what this rank sent, nothing new has arrived): the
-        pipelined host slices build their next plan there, while the host
-        link still carries this one, instead of after it, with the link idle.
         Raises PeerConnectionError if a peer closes, errors, or nothing moves
         for ``pace.timeout_s``; exceptions from ``done`` callbacks propagate.
         """
@@ -401,29 +395,25 @@ class Progress(Links):
                         assert placement is not None
                         placement.shared_core()
                     continue
-                if meanwhile is not None:
-                    meanwhile()  # it took a while: every link again (below), then spin
-                    meanwhile = None
-                else:
-                    spinning = False
-                    if spin_s:
-                        # Busy-poll a little before sleeping in poll(). Each turn
-                        # yields the core, so a peer (or a thread of ours) waiting
-                        # for it runs first.
-                        now = time.perf_counter()
-                        if spin_until == 0.0:
-                            spin_until = now + spin_s
-                        spinning = now < spin_until
-                        if spinning:
-                            os.sched_yield()
-                            if placement is not None:
-                                away = time.perf_counter() - now > GAVE_AWAY_S
-                    if not spinning:
-                        self._wait(sending, receiving, what, pace.timeout_s)
-                        waited = True
-                        spin_until = 0.0
-                        away = False
-                for st in sending:  # after a spin, a wait or meanwhile: every link again
+                spinning = False
+                if spin_s:
+                    # Busy-poll a little before sleeping in poll(). Each turn
+                    # yields the core, so a peer (or a thread of ours) waiting
+                    # for it runs first.
+                    now = time.perf_counter()
+                    if spin_until == 0.0:
+                        spin_until = now + spin_s
+                    spinning = now < spin_until
+                    if spinning:
+                        os.sched_yield()
+                        if placement is not None:
+                            away = time.perf_counter() - now > GAVE_AWAY_S
+                if not spinning:
+                    self._wait(sending, receiving, what, pace.timeout_s)
+                    waited = True
+                    spin_until = 0.0
+                    away = False
+                for st in sending:  # after a spin or a wait, try every link again
                     st.blocked = False
                 for st in receiving:
                     st.blocked = False

@@ -195,16 +195,13 @@ class Mesh:
         self.topology = dataclasses.replace(self.topology, fast_links=self.probe.fast)
         log.info("rank %d: %s", rank, self.probe.describe())
 
-    def run(
-        self, plan: Plan, what: str, pace: Pace, meanwhile: Callable[[], None] | None = None
-    ) -> None:
-        """Run a collective's plan (``loop.Progress.run``, which does ``meanwhile``
-        while the links wait), first making the data sockets it needs that do
-        not exist yet (``data_links.py``). The collectives' entry point (tests
-        spy on it)."""
+    def run(self, plan: Plan, what: str, pace: Pace) -> None:
+        """Run a collective's plan (``loop.Progress.run``), first making the data
+        sockets it needs that do not exist yet (``data_links.py``). The
+        collectives' entry point (tests spy on it)."""
         if not plan.connected:
             self._connect(plan, what, pace)
-        self.progress.run(plan, what, pace, meanwhile)
+        self.progress.run(plan, what, pace)
 
     def _connect(self, plan: Plan, what: str, pace: Pace) -> None:
         """Make the data sockets ``plan`` needs that do not exist yet (once per
