@@ -81,9 +81,12 @@ class DeepSpeedShm:
         self._comm.inference_all_reduce(t)
 
 
-def remove_segments(port: int, world: int, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink the segments a DeepSpeed job on ``port`` left behind; returns their names."""
-    prefix = f"{SEGMENT_PREFIX}_{os.getuid()}_{ADDR}_{port}_"
+def remove_segments(
+    port: int, world: int, shm_dir: str = "/dev/shm", addr: str = ADDR
+) -> list[str]:
+    """Unlink the segments a DeepSpeed job on ``addr``:``port`` (its
+    ``MASTER_ADDR`` and ``MASTER_PORT``) left behind; returns their names."""
+    prefix = f"{SEGMENT_PREFIX}_{os.getuid()}_{addr}_{port}_"
     removed = []
     for rank in range(world):
         path = Path(shm_dir) / f"{prefix}{rank}"

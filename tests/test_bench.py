@@ -441,6 +441,32 @@ def test_deepspeed_column_smoke(tmp_path: Path) -> None:
         assert f"unavailable: {DEEPSPEED}:" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_shm_pairs_times_both_in_pairs_and_cleans_up(tmp_path: Path) -> None:
+    """``torchrun -m benchmarks.shm_pairs``: entrenar and DeepSpeed's SHM in
+    pairs of blocks, each pair's medians and the cross-core probe, checked
+    sums, DeepSpeed's segments unlinked; without DeepSpeed it says so."""
+    out = tmp_path / "pairs.json"
+    before = _ds_segments()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "benchmarks.shm_pairs", "--size", "4K", "--pairs", "2", "--calls", "20"]
+    proc = run_session([*cmd, "--out", str(out)], timeout=150, check=False)
+    if not deepspeed_peer.deepspeed_available()[0]:
+        assert proc.returncode != 0 and "deepspeed" in proc.stderr, proc.stderr[-3000:]
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    assert result["nbytes"] == 4096 and result["calls"] == 20
+    assert len(result["pairs"]) == 2
+    for pair in result["pairs"]:
+        assert 0 < pair["entrenar_s"] < 1 and 0 < pair["deepspeed_s"] < 1, pair
+        assert pair["round_trip_ns"] is None or pair["round_trip_ns"] > 0, pair
+    assert "pairs; ratio median" in proc.stdout, proc.stdout
+    left = _ds_segments() - before - _mapped_ds_segments()
+    assert not left, f"shm_pairs left DeepSpeed's segments in /dev/shm: {sorted(left)}"
+
+
 def test_transport_variant_refuses_an_entrenar_without_the_option(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,0 +1,134 @@
+"""entrenar's shared-memory allreduce against DeepSpeed's, in pairs of blocks moments apart.
+
+``torchrun --standalone --nproc_per_node=2 -m benchmarks.shm_pairs [--size 64K]
+[--pairs 40] [--calls 3000] [--out pairs.json]``
+
+This 2-vCPU VM changes state every few seconds to minutes (docs/benchmarks.md,
+"the two states of the machine", and the twenty-seventh session's "three
+states"), and a shared-memory allreduce of 64 KiB takes 11, 15, 19 or 37 us
+with the state, ours and DeepSpeed's alike but not by the same factor. The
+bench's short blocks (a few calls each, every contestant in turn) mix the
+states, so one job's medians can favour either side. Here each pair is one
+block of ``--calls`` blocking calls of each, back to back, both after a
+barrier, so both blocks of a pair nearly always ran in one state; the
+cross-core round trip (``benchmarks/cross_core.py``) after each pair says
+which. The report: each pair's medians and ratio, how many pairs ours won,
+and the ratios' median and range.
+
+Both run on one process group each over the same two ranks: the default
+gloo group (DeepSpeed wraps it) and an entrenar group. DeepSpeed's segments
+are unlinked at the end (``deepspeed_peer.remove_segments``). Without
+DeepSpeed (``bash benchmarks/install_peers.sh``) it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .cross_core import round_trip_ns
+from .deepspeed_peer import DeepSpeedShm, deepspeed_available, remove_segments
+from .sizes import format_bytes, parse_bytes
+
+WARMUP_CALLS = 200
+
+
+def _block(allreduce: Callable[[torch.Tensor], None], t: torch.Tensor, calls: int) -> float:
+    """Median seconds of ``calls`` blocking allreduces of ``t``."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        allreduce(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _check(allreduce: Callable[[torch.Tensor], None], t: torch.Tensor, who: str) -> None:
+    """One summed call: every element must be 1 + 2 (a wrong sum is not timed)."""
+    t.fill_(dist.get_rank() + 1)
+    allreduce(t)
+    if not bool(torch.all(t == 3)):
+        raise AssertionError(f"{who}: rank {dist.get_rank()}: wrong sum {t[:4].tolist()}")
+    t.fill_(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.shm_pairs", description=__doc__)
+    ap.add_argument("--size", default="64K", help="message size (default 64K)")
+    ap.add_argument("--pairs", type=int, default=40, help="pairs of blocks (default 40)")
+    ap.add_argument("--calls", type=int, default=3000, help="calls per block (default 3000)")
+    ap.add_argument("--out", type=Path, help="write the pairs as JSON here (rank 0)")
+    args = ap.parse_args(argv)
+    ok, why = deepspeed_available()
+    if not ok:
+        print(f"shm_pairs: {why}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2:
+        raise SystemExit("shm_pairs: two ranks (torchrun --nproc_per_node=2)")
+    deepspeed = DeepSpeedShm(rank)
+    group = dist.new_group(backend="entrenar")
+
+    def ours(t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=group)
+
+    nbytes = parse_bytes(args.size)
+    t = torch.ones(nbytes // 4)
+    try:
+        _check(ours, t, "entrenar")
+        _check(deepspeed.all_reduce, t, "deepspeed")
+        for _ in range(WARMUP_CALLS):
+            ours(t)
+            deepspeed.all_reduce(t)
+        pairs = []
+        for _ in range(args.pairs):
+            dist.barrier()
+            a = _block(ours, t, args.calls)
+            dist.barrier()
+            b = _block(deepspeed.all_reduce, t, args.calls)
+            dist.barrier()  # the probe pins a process to each CPU: no rank spins meanwhile
+            probe = round_trip_ns(5000) if rank == 0 else None
+            dist.barrier()
+            pairs.append({"entrenar_s": a, "deepspeed_s": b, "round_trip_ns": probe})
+    finally:
+        dist.barrier()
+        if rank == 0:
+            # Named after torchrun's MASTER_ADDR ("localhost" with --standalone).
+            remove_segments(int(os.environ["MASTER_PORT"]), world, addr=os.environ["MASTER_ADDR"])
+    if rank == 0:
+        _report(pairs, nbytes, args)
+    dist.destroy_process_group()
+    return 0
+
+
+def _report(pairs: list[dict[str, float | None]], nbytes: int, args: argparse.Namespace) -> None:
+    ratios = [float(p["entrenar_s"] or 0) / float(p["deepspeed_s"] or 1) for p in pairs]
+    print(f"{format_bytes(nbytes)}, N=2, {len(pairs)} pairs of {args.calls} calls each")
+    print("pair  entrenar  deepspeed  ratio  round trip")
+    for i, (p, r) in enumerate(zip(pairs, ratios, strict=True)):
+        probe = p["round_trip_ns"]
+        where = "-" if probe is None else f"{probe:.0f} ns"
+        us = 1e6 * float(p["entrenar_s"] or 0), 1e6 * float(p["deepspeed_s"] or 0)
+        print(f"{i:4d}  {us[0]:6.1f} us  {us[1]:6.1f} us  {r:5.2f}  {where}")
+    won = sum(r <= 1 for r in ratios)
+    print(
+        f"entrenar at or under DeepSpeed's time in {won} of {len(ratios)} pairs; "
+        f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"nbytes": nbytes, "calls": args.calls, "pairs": pairs}))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
