@@ -24,12 +24,15 @@ DeepSpeed (``bash benchmarks/install_peers.sh``) it says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +43,19 @@ from .deepspeed_peer import DeepSpeedShm, deepspeed_available, remove_segments
 from .sizes import format_bytes, parse_bytes
 
 WARMUP_CALLS = 200
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One pair of blocks: each side's median seconds a call, then the probe."""
+
+    entrenar_s: float
+    deepspeed_s: float
+    round_trip_ns: float | None  # rank 0's probe after the pair (None: not both CPUs)
+
+    @property
+    def ratio(self) -> float:
+        return self.entrenar_s / self.deepspeed_s
 
 
 def _block(allreduce: Callable[[torch.Tensor], None], t: torch.Tensor, calls: int) -> float:
@@ -78,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if world != 2:
         raise SystemExit("shm_pairs: two ranks (torchrun --nproc_per_node=2)")
     deepspeed = DeepSpeedShm(rank)
-    group = dist.new_group(backend="entrenar")
-
-    def ours(t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=group)
-
+    ours = partial(dist.all_reduce, group=dist.new_group(backend="entrenar"))
     nbytes = parse_bytes(args.size)
     t = torch.ones(nbytes // 4)
     try:
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(WARMUP_CALLS):
             ours(t)
             deepspeed.all_reduce(t)
-        pairs = []
+        pairs: list[Pair] = []
         for _ in range(args.pairs):
             dist.barrier()
             a = _block(ours, t, args.calls)
@@ -100,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()  # the probe pins a process to each CPU: no rank spins meanwhile
             probe = round_trip_ns(5000) if rank == 0 else None
             dist.barrier()
-            pairs.append({"entrenar_s": a, "deepspeed_s": b, "round_trip_ns": probe})
+            pairs.append(Pair(a, b, probe))
     finally:
         dist.barrier()
         if rank == 0:
@@ -112,22 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(pairs: list[dict[str, float | None]], nbytes: int, args: argparse.Namespace) -> None:
-    ratios = [float(p["entrenar_s"] or 0) / float(p["deepspeed_s"] or 1) for p in pairs]
+def _report(pairs: list[Pair], nbytes: int, args: argparse.Namespace) -> None:
     print(f"{format_bytes(nbytes)}, N=2, {len(pairs)} pairs of {args.calls} calls each")
     print("pair  entrenar  deepspeed  ratio  round trip")
-    for i, (p, r) in enumerate(zip(pairs, ratios, strict=True)):
-        probe = p["round_trip_ns"]
-        where = "-" if probe is None else f"{probe:.0f} ns"
-        us = 1e6 * float(p["entrenar_s"] or 0), 1e6 * float(p["deepspeed_s"] or 0)
-        print(f"{i:4d}  {us[0]:6.1f} us  {us[1]:6.1f} us  {r:5.2f}  {where}")
+    for i, p in enumerate(pairs):
+        where = "-" if p.round_trip_ns is None else f"{p.round_trip_ns:.0f} ns"
+        us = 1e6 * p.entrenar_s, 1e6 * p.deepspeed_s
+        print(f"{i:4d}  {us[0]:6.1f} us  {us[1]:6.1f} us  {p.ratio:5.2f}  {where}")
+    ratios = [p.ratio for p in pairs]
     won = sum(r <= 1 for r in ratios)
     print(
         f"entrenar at or under DeepSpeed's time in {won} of {len(ratios)} pairs; "
         f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})"
     )
     if args.out is not None:
-        args.out.write_text(json.dumps({"nbytes": nbytes, "calls": args.calls, "pairs": pairs}))
+        rows = [dataclasses.asdict(p) for p in pairs]
+        args.out.write_text(json.dumps({"nbytes": nbytes, "calls": args.calls, "pairs": rows}))
 
 
 if __name__ == "__main__":
