@@ -29,10 +29,7 @@ import json
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +38,7 @@ import torch.distributed as dist
 from .cross_core import round_trip_ns
 from .deepspeed_peer import DeepSpeedShm, deepspeed_available, remove_segments
 from .sizes import format_bytes, parse_bytes
+from .workers import Contestant, _GroupAllreduce, _time_allreduce, _verify
 
 WARMUP_CALLS = 200
 
@@ -56,25 +54,6 @@ class Pair:
     @property
     def ratio(self) -> float:
         return self.entrenar_s / self.deepspeed_s
-
-
-def _block(allreduce: Callable[[torch.Tensor], None], t: torch.Tensor, calls: int) -> float:
-    """Median seconds of ``calls`` blocking allreduces of ``t``."""
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        allreduce(t)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _check(allreduce: Callable[[torch.Tensor], None], t: torch.Tensor, who: str) -> None:
-    """One summed call: every element must be 1 + 2 (a wrong sum is not timed)."""
-    t.fill_(dist.get_rank() + 1)
-    allreduce(t)
-    if not bool(torch.all(t == 3)):
-        raise AssertionError(f"{who}: rank {dist.get_rank()}: wrong sum {t[:4].tolist()}")
-    t.fill_(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,21 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     if world != 2:
         raise SystemExit("shm_pairs: two ranks (torchrun --nproc_per_node=2)")
     deepspeed = DeepSpeedShm(rank)
-    ours = partial(dist.all_reduce, group=dist.new_group(backend="entrenar"))
+    ours = _GroupAllreduce(dist.new_group(backend="entrenar"))
     nbytes = parse_bytes(args.size)
     t = torch.ones(nbytes // 4)
     try:
-        _check(ours, t, "entrenar")
-        _check(deepspeed.all_reduce, t, "deepspeed")
-        for _ in range(WARMUP_CALLS):
-            ours(t)
-            deepspeed.all_reduce(t)
+        for name, who in (("entrenar", ours), ("deepspeed", deepspeed)):
+            _verify(t, who, rank, world, name)
+            _time_allreduce(t, who, WARMUP_CALLS, 0)
         pairs: list[Pair] = []
         for _ in range(args.pairs):
             dist.barrier()
-            a = _block(ours, t, args.calls)
+            a = _median(t, ours, args.calls)
             dist.barrier()
-            b = _block(deepspeed.all_reduce, t, args.calls)
+            b = _median(t, deepspeed, args.calls)
             dist.barrier()  # the probe pins a process to each CPU: no rank spins meanwhile
             probe = round_trip_ns(5000) if rank == 0 else None
             dist.barrier()
@@ -122,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         _report(pairs, nbytes, args)
     dist.destroy_process_group()
     return 0
+
+
+def _median(t: torch.Tensor, who: Contestant, calls: int) -> float:
+    """Median seconds a call over one block of ``calls`` blocking allreduces."""
+    return statistics.median(_time_allreduce(t, who, 0, calls))
 
 
 def _report(pairs: list[Pair], nbytes: int, args: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port, netns_allowed, run_session
+from conftest import _PORT_BLOCK, _PORTS_FROM, free_port, netns_allowed, run_session
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -73,9 +73,9 @@ def test_free_ports_come_from_below_the_ephemeral_range_in_this_workers_block() 
         pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range")
     ephemeral = int(ranges.read_text().split()[0])
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    low = 10_000 + (int(worker) if worker.isdigit() else 0) * 2_000
+    low = _PORTS_FROM + (int(worker) if worker.isdigit() else 0) * _PORT_BLOCK
     ports = [free_port() for _ in range(20)]
-    assert all(low <= p < min(low + 2_000, ephemeral) for p in ports), (low, ports)
+    assert all(low <= p < min(low + _PORT_BLOCK, ephemeral) for p in ports), (low, ports)
     assert len(set(ports)) > 1, ports  # random picks, not one port for every job
     for p in set(ports):  # each one free: a listener can take it
         with socket.socket() as s:

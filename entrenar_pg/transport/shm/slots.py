@@ -214,13 +214,12 @@ class SlotArea:
         """Fault in every rank's pages of places ``0 .. places - 1`` of a rotation
         of ``nbytes`` messages (``place_bytes``): this rank's own as a write
         would, the peers' as a read, contents untouched (``populate.py``: what
-        the first call at each place paid). Per rank and slot the places lie
-        back to back from the slot's data, so one ``madvise`` each."""
-        length = ((places + 1) // 2 - 1) * _whole_pages(nbytes) + nbytes
+        the first call at each place paid). Once per shape, so one ``madvise``
+        a place, taken from ``place_bytes`` rather than its layout again."""
         for q in range(self.world):
             advice = POPULATE_WRITE if q == self.rank else POPULATE_READ
-            for parity in range(min(places, 2)):
-                populate(self.data_bytes(q, parity, length), advice)
+            for place in range(places):
+                populate(self.place_bytes(q, place, nbytes), advice)
 
     def place_bytes(self, q: int, place: int, nbytes: int) -> memoryview:
         """Place ``place`` of a rotation of ``nbytes`` messages over rank q's
