@@ -15,6 +15,9 @@ class Table:
     ends: dict[int, Gone] = field(default_factory=dict)
     rounds: list[list[int]] = field(default_factory=list)
     late: dict[int, PeerState] = field(default_factory=dict)  # answers only when asked again
+    # (origin, culprit): a rank heard to fail, once the walk waits for a verdict
+    failed: tuple[int, int] | None = None
+    verdict_waits: list[float] = field(default_factory=list)
 
     def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
         self.rounds.append(list(peers))
@@ -24,6 +27,10 @@ class Table:
 
     def gone(self, peer: int) -> Gone | None:
         return self.ends.get(peer)
+
+    def verdict(self, wait_s: float) -> tuple[int, int] | None:
+        self.verdict_waits.append(wait_s)
+        return self.failed
 
 
 def test_the_walk_follows_waiters_to_the_silent_rank():
@@ -105,3 +112,23 @@ def test_a_rank_silent_once_is_asked_again_before_it_is_blamed():
     quick = Table({0: PeerState("gather #1", (5,)), 5: PeerState(None, ())})
     assert walk(quick, 3, [0], "gather #1", 0.5).culprit == 5
     assert quick.rounds == [[0], [5]]
+
+
+def test_a_rank_silent_twice_yields_to_another_ranks_verdict():
+    """Regression (the suite under load, the same gather rank 5 never joins:
+    one rank's walk still found rank 0 silent on both asks): before blaming
+    silence, the walk waits one more window for any rank's verdict and takes
+    it; with none, silence blames the silent rank, as before."""
+    g = Table({0: None}, failed=(0, 5))
+    b = walk(g, 3, [0], "gather #1", 0.5)
+    assert b.culprit == 5, b
+    assert "rank(s) 0 did not answer; rank 0 failed naming rank 5" in b.story, b
+    assert g.rounds == [[0], [0]] and g.verdict_waits == [0.5]
+    alone = Table({0: None})
+    b = walk(alone, 3, [0], "gather #1", 0.5)
+    assert b.culprit == 0 and "does not answer within 0.5s, asked twice" in b.story, b
+    assert alone.verdict_waits == [0.5]
+    # Stronger evidence in the walk itself never waits for one.
+    ended = Table({0: PeerState("gather #1", (5,)), 5: PeerState(None, ())}, failed=(2, 7))
+    assert walk(ended, 3, [0], "gather #1", 0.5).culprit == 5
+    assert ended.verdict_waits == []

@@ -349,6 +349,20 @@ class ControlChannel:
             return Gone("is gone (its process died)")
         return None
 
+    def verdict(self, wait_s: float) -> tuple[int, int] | None:
+        """The first rank heard to fail naming a culprit (origin, culprit),
+        waiting up to ``wait_s`` for one (the walk's ``WaitForGraph``)."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while True:
+                for origin, end in self._ends.items():
+                    if isinstance(end, AbortRecord) and end.culprit is not None:
+                        return origin, end.culprit
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._changed.wait(left)
+
     def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
         """QUERY each peer (along the overlay, relayed by the ranks between);
         their STATE answers within ``answer_s`` (None: no answer)."""

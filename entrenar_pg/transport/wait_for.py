@@ -8,7 +8,9 @@ the walk goes on until it reaches a rank that does not answer (stopped or
 hung), has ended, or is not in the collective: that rank is blamed, on every
 rank, instead of the first neighbour whose timer fired. Among the ranks asked
 in one round, the strongest evidence wins: a verdict or an ended rank's
-culprit over a rank outside the collective, and that over silence.
+culprit over a rank outside the collective, and that over silence; and a
+walk that ends on silence alone takes the verdict of any rank that failed
+meanwhile (its evidence was stronger, and every rank then names one rank).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class WaitForGraph(Protocol):
 
     def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]: ...
     def gone(self, peer: int) -> Gone | None: ...
+    def verdict(self, wait_s: float) -> tuple[int, int] | None:
+        """The first rank heard to fail naming a culprit (origin, culprit),
+        waiting up to ``wait_s`` for one."""
+        ...
 
 
 SILENT = 2  # the weakest evidence: no answer (a loaded machine can make it of a live rank)
@@ -65,6 +71,10 @@ def walk(
     did not answer, the silent ranks are asked once more before it counts
     (the suite under load: rank 0, alive and waiting on the culprit, missed
     one 0.5 s window and was blamed by one rank while the rest named rank 5).
+    Still silent, it waits one more window for the verdict of any rank that
+    failed meanwhile and takes it: that rank named a culprit on stronger
+    evidence than silence (a live rank slower than two windows under load
+    is not blamed by one rank while the others name the culprit).
     """
     frontier = sorted(set(waiting_on))
     if not frontier:
@@ -78,6 +88,13 @@ def walk(
             silent = [b.culprit for kind, b in found if kind == SILENT and b.culprit is not None]
             answers.update({q: s for q, s in graph.ask(silent, answer_s).items() if s is not None})
             found, nxt, hops = _judge(graph, frontier, answers, asked, path, what, answer_s)
+        if found and min(kind for kind, _ in found) == SILENT:
+            heard = graph.verdict(answer_s)
+            if heard is not None:
+                origin, culprit = heard
+                mute = ", ".join(str(b.culprit) for kind, b in found if kind == SILENT)
+                story = f"rank(s) {mute} did not answer; rank {origin} failed naming rank {culprit}"
+                return Blame(culprit, "; ".join([*path, *hops, story]))
         asked.update(frontier)
         path.extend(hops)
         if found:
