@@ -52,15 +52,17 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from ..errors import ERROR_TYPES, EntrenarError, PeerConnectionError, group_destroyed, peer_gone
 from .in_flight import InFlight, Terms
 from .wait_for import Gone, PeerState, walk
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _FRAME = struct.Struct("<IB")
 _MAX_FRAME = 1 << 20
@@ -252,7 +254,13 @@ class ControlChannel:
             return
         at = path.index(self.rank)
         if kind == QUERY and at == len(path) - 1:
-            kind, body = STATE, {"route": path, **self._state_body()}
+            # A rank that heard an abort naming a culprit is failing with it: it
+            # says so, else a walk that reaches it just after its call ended
+            # would read "not inside any collective" and blame it.
+            named = self._first_named()
+            blamed = self.blamed if self.blamed is not None or named is None else named[1]
+            answer = _state_answer(blamed, self._in_flight.terms(), self.waiting)
+            kind, body = STATE, {"route": path, **answer}
             nxt = at - 1
         elif kind == STATE and at == 0:
             what = body.get("what")
@@ -273,24 +281,6 @@ class ControlChannel:
         q = self._peers.get(path[nxt]) if 0 <= nxt < len(path) else None
         if q is not None and not q.closed:
             self._send(q, kind, body)
-
-    def _state_body(self) -> dict[str, Any]:
-        # A rank that heard an abort naming a culprit is failing with it: it
-        # says so, else a walk that reaches it just after its call ended
-        # would read "not inside any collective" and blame it.
-        blamed = self.blamed
-        if blamed is None:
-            heard = (e.culprit for e in self._ends.values() if isinstance(e, AbortRecord))
-            blamed = next((c for c in heard if c is not None), None)
-        # The call it runs (its terms), whether or not it waits now: a late
-        # rank and a mismatched one differ there (``data_links.DataLinks._ask``).
-        call = self._in_flight.terms()
-        waiting = self.waiting
-        if waiting is None:
-            return {"what": None, "waiting_on": [], "blamed": blamed, "call": call}
-        what, recv_from, send_to = waiting
-        on = sorted(set(recv_from) | set(send_to))
-        return {"what": what, "waiting_on": on, "blamed": blamed, "call": call}
 
     # ------------------------------------------------------------------ writing
 
@@ -316,15 +306,18 @@ class ControlChannel:
         """Why ``peer``'s links closed: its abort record, LEFT or DIED (told by
         its own control link or relayed); None if nothing came within
         ``wait_s`` (a close on a data link may come before the word of it)."""
+        return self._await(partial(self._ends.get, peer), wait_s)
+
+    def _await(self, pick: Callable[[], _T], wait_s: float) -> _T:
+        """``pick()`` under the lock, again after each end or answer, until it
+        gives something other than None, this rank closes, or ``wait_s`` has passed."""
         deadline = time.monotonic() + wait_s
         with self._lock:
             while True:
-                end = self._ends.get(peer)
-                if end is not None or self._closed:
-                    return end
+                got = pick()
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
+                if got is not None or self._closed or left <= 0:
+                    return got
                 self._changed.wait(left)
 
     def first_abort(self) -> tuple[int, AbortRecord] | None:
@@ -352,16 +345,14 @@ class ControlChannel:
     def verdict(self, wait_s: float) -> tuple[int, int] | None:
         """The first rank heard to fail naming a culprit (origin, culprit),
         waiting up to ``wait_s`` for one (the walk's ``WaitForGraph``)."""
-        deadline = time.monotonic() + wait_s
-        with self._lock:
-            while True:
-                for origin, end in self._ends.items():
-                    if isinstance(end, AbortRecord) and end.culprit is not None:
-                        return origin, end.culprit
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    return None
-                self._changed.wait(left)
+        return self._await(self._first_named, wait_s)
+
+    def _first_named(self) -> tuple[int, int] | None:
+        """The first abort heard that names a culprit: (its origin, the culprit)."""
+        for origin, end in self._ends.items():
+            if isinstance(end, AbortRecord) and end.culprit is not None:
+                return origin, end.culprit
+        return None
 
     def ask(self, peers: list[int], answer_s: float) -> dict[int, PeerState | None]:
         """QUERY each peer (along the overlay, relayed by the ranks between);
@@ -371,7 +362,7 @@ class ControlChannel:
                 self._states[q] = None
                 if q in self._ends:
                     continue
-                for path in self._routes(q):
+                for path in _routes(self.rank, self._peers, q):
                     first = self._peers[path[1]]
                     if not first.closed:
                         self._send(first, QUERY, {"route": path})
@@ -383,19 +374,6 @@ class ControlChannel:
                     break
                 self._changed.wait(left)
             return {q: self._states.pop(q, None) for q in peers}
-
-    def _routes(self, q: int) -> list[list[int]]:
-        """The ways a QUERY goes to ``q``: the direct link, or one route
-        through each overlay neighbour (a stopped rank on one route leaves
-        the others: the first answer counts)."""
-        if q in self._peers:
-            return [[self.rank, q]]
-        routes: list[list[int]] = []
-        for n in sorted(self._peers):
-            path = [self.rank, *route(n, q)]
-            if self.rank not in path[1:] and len(set(path)) == len(path) and path not in routes:
-                routes.append(path)
-        return routes or [route(self.rank, q)]
 
     # ------------------------------------------------------------------ closing
 
@@ -431,6 +409,34 @@ class ControlChannel:
                 p.sock.close()
             for fd in (self._news, self._wake):
                 os.close(fd)
+
+
+def _routes(rank: int, links: Iterable[int], q: int) -> list[list[int]]:
+    """The ways ``rank``'s QUERY goes to ``q``: the direct link, or one route
+    through each overlay neighbour in ``links`` (a stopped rank on one route
+    leaves the others: the first answer counts)."""
+    if q in links:
+        return [[rank, q]]
+    routes: list[list[int]] = []
+    for n in sorted(links):
+        path = [rank, *route(n, q)]
+        if rank not in path[1:] and len(set(path)) == len(path) and path not in routes:
+            routes.append(path)
+    return routes or [route(rank, q)]
+
+
+def _state_answer(
+    blamed: int | None, call: Terms | None, waiting: tuple[str, Iterable[int], Iterable[int]] | None
+) -> dict[str, Any]:
+    """A QUERY's answer: the collective this rank waits in and on whom, whom
+    its walk (or a heard abort) blamed, and the call it runs with its terms,
+    whether or not it waits now: a late rank and a mismatched one differ
+    there (``data_links.DataLinks._ask``)."""
+    if waiting is None:
+        return {"what": None, "waiting_on": [], "blamed": blamed, "call": call}
+    what, recv_from, send_to = waiting
+    on = sorted(set(recv_from) | set(send_to))
+    return {"what": what, "waiting_on": on, "blamed": blamed, "call": call}
 
 
 def _end_frame(origin: int, end: AbortRecord | str) -> tuple[int, dict[str, Any]]:
