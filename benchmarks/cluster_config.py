@@ -33,7 +33,13 @@ CLUSTER_VARIANTS: tuple[Variant, ...] = (
     Variant(ENTRENAR_FLAT, "entrenar", FLAT_OVERRIDES),
     Variant(ENTRENAR_HOSTS, "entrenar", {"topology": "hosts"}),
     Variant(
-        ENTRENAR_LEADERS, "entrenar", {"host_leaders_max_bytes": 1 << 40, "host_star_max_bytes": 0}
+        ENTRENAR_LEADERS,
+        "entrenar",
+        {
+            "host_leaders_max_bytes": 1 << 40,
+            "host_leaders_link_bytes": 1 << 40,
+            "host_star_max_bytes": 0,
+        },
     ),
     Variant(ENTRENAR_SLICES, "entrenar", {"host_leaders_max_bytes": 0}),
 )

@@ -33,6 +33,7 @@ ENV_LEDGER = "ENTRENAR_LEDGER"
 ENV_TRANSPORT = "ENTRENAR_TRANSPORT"
 ENV_TOPOLOGY = "ENTRENAR_TOPOLOGY"
 ENV_HOST_LEADERS_MAX_BYTES = "ENTRENAR_HOST_LEADERS_MAX_BYTES"
+ENV_HOST_LEADERS_LINK_BYTES = "ENTRENAR_HOST_LEADERS_LINK_BYTES"
 ENV_HOST_STAR_MAX_BYTES = "ENTRENAR_HOST_STAR_MAX_BYTES"
 ENV_HOST_ID = "ENTRENAR_HOST_ID"
 ENV_SHM_PLACEMENT = "ENTRENAR_SHM_PLACEMENT"
@@ -216,6 +217,14 @@ class Options:
             per rank of the host (2(H-1)/H x the bytes, more hops). Measured
             crossover: docs/benchmarks.md, "Emulated clusters".
             Env ``ENTRENAR_HOST_LEADERS_MAX_BYTES``.
+        host_leaders_link_bytes: the most bytes the leaders' direct exchange
+            may put on each host link at once, (H-1) x the message (every
+            leader sends its host's sum to every other leader); a message
+            for the leaders above it goes in slices, unless the leaders
+            double (many hosts, ``collectives.policy.leaders_doubling``).
+            Measured with a core per rank: docs/benchmarks.md, "A core per
+            rank" (``collectives.policy.leaders_fit``).
+            Env ``ENTRENAR_HOST_LEADERS_LINK_BYTES``.
         host_star_max_bytes: host-aware allreduce on few hosts (its root
             handling at most 2 more messages than a leader: 2 x L, 4 x 2),
             messages for the leaders: the flat star (2 hops, not 3) instead,
@@ -269,7 +278,8 @@ class Options:
     tcp_placement: bool = True
     topology: str = "auto"
     host_leaders_max_bytes: int = 64 << 10
-    host_star_max_bytes: int = 64 << 10
+    host_leaders_link_bytes: int = 96 << 10
+    host_star_max_bytes: int = 16 << 10
     host_id: str = ""
     fr_buffer_size: int = 0
     fr_dump_on_timeout: bool = False
@@ -302,6 +312,7 @@ class Options:
             "caller_spin_us",
             "inline_max_bytes",
             "host_leaders_max_bytes",
+            "host_leaders_link_bytes",
             "host_star_max_bytes",
             "fr_buffer_size",
         ):
@@ -332,6 +343,7 @@ class Options:
             (ENV_CALLER_SPIN_US, "caller_spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
             (ENV_HOST_LEADERS_MAX_BYTES, "host_leaders_max_bytes"),
+            (ENV_HOST_LEADERS_LINK_BYTES, "host_leaders_link_bytes"),
             (ENV_HOST_STAR_MAX_BYTES, "host_star_max_bytes"),
         ):
             if var in env:
@@ -404,6 +416,7 @@ AGREED_FIELDS: tuple[AgreedField, ...] = (
     AgreedField("transport", ENV_TRANSPORT),
     AgreedField("topology", ENV_TOPOLOGY),
     AgreedField("host_leaders_max_bytes", ENV_HOST_LEADERS_MAX_BYTES),
+    AgreedField("host_leaders_link_bytes", ENV_HOST_LEADERS_LINK_BYTES),
     AgreedField("host_star_max_bytes", ENV_HOST_STAR_MAX_BYTES),
 )
 # The fields that may differ per rank: where this rank listens and how it

@@ -177,19 +177,23 @@ def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_data() -> None:
 
 def test_check_asks_the_policy_with_the_topology() -> None:
     """What each cluster variant runs for (H, L, size) is the policy's choice given H hosts
-    of L ranks: host-aware across hosts (leaders up to host_leaders_max_bytes, slices
-    above), flat with one rank per host or topology="flat", shm on one host; the pinned
-    variants keep their algorithm at every size. (Before: flat star for 2 x 2 x 64 KiB.)"""
+    of L ranks: host-aware across hosts (leaders up to host_leaders_max_bytes and the
+    direct exchange's host_leaders_link_bytes, slices above), flat with one rank per
+    host or topology="flat", shm on one host; the pinned variants keep their algorithm
+    at every size. (Before: flat star for 2 x 2 x 64 KiB.)"""
     t = Options().host_leaders_max_bytes
 
     def algo(variant: str, h: int, local: int, s: int) -> str:
         shape = costs.Shape(h, local, s)
         return check.entrenar_algorithm(shape, "auto", check.options_of(variant))[0]
 
-    assert algo("entrenar", 2, 2, 64 << 10) == "star"  # two hosts: one hop fewer
-    assert algo("entrenar", 2, 2, 16 << 10) == "star"
-    assert algo("entrenar", 4, 2, t) == "host_leaders"
-    assert algo("entrenar", 4, 2, t + 1) == "host_slices"
+    assert algo("entrenar", 2, 2, 64 << 10) == "host_leaders"  # the star's extra 64 KiB
+    assert algo("entrenar", 2, 2, 16 << 10) == "star"  # two hosts: one hop fewer
+    assert algo("entrenar", 2, 2, t) == "host_leaders"
+    assert algo("entrenar", 2, 2, t + 1) == "host_slices"
+    assert algo("entrenar", 4, 2, 32 << 10) == "host_leaders"  # 3 x 32 KiB on the link
+    assert algo("entrenar", 4, 2, t) == "host_slices"  # 3 x 64 KiB: host_leaders_link_bytes
+    assert algo("entrenar", 8, 2, t) == "host_leaders"  # the leaders double
     assert algo("entrenar", 1024, 8, 64 << 20) == "host_slices"
     assert algo("entrenar", 4, 1, 64 << 10) == "star"  # one rank per host: flat
     assert algo("entrenar", 2, 1, 64 << 10) == "direct"

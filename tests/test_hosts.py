@@ -56,7 +56,7 @@ from conftest import REPO, free_port, make_groups, netns_allowed, run_ranks
 from test_dissemination import BroadcastFrom
 
 from entrenar_pg import CollectiveMismatchError, EntrenarError, EntrenarProcessGroup, Options
-from entrenar_pg.collectives import hierarchical
+from entrenar_pg.collectives import hierarchical, policy
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import ENV_HOST_ID, ENV_HOST_STAR_MAX_BYTES, ENV_TOPOLOGY
 from entrenar_pg.reduce_ops import tree_has_blocks, tree_sum
@@ -151,17 +151,33 @@ def test_policy_rows_for_hosts() -> None:
     limit = o.host_leaders_max_bytes
     A, RS, AG = OpCode.ALLREDUCE, OpCode.REDUCE_SCATTER, OpCode.ALLGATHER
     leaders = Options(host_star_max_bytes=0)
+    star, link = o.host_star_max_bytes, o.host_leaders_link_bytes
+    eight = Topology.from_keys(list("aabbccddeeffgghh"))  # 8 x 2: the leaders double
+    assert (star, limit, link) == (16 << 10, 64 << 10, 96 << 10)
     rows = [
         # The star while its root handles at most 2 messages more than a leader,
         # (H - 2)(L - 1), and its extra bytes on host 0's link, (N - L - H + 1) x S,
-        # stay within host_star_max_bytes (64 KiB); else the leaders.
-        (A, limit, two, o, Algo.STAR),
-        (A, limit, two, det, Algo.STAR),
-        (A, limit, two, leaders, Algo.HOST_LEADERS),
-        (A, limit // 3, two_by_four, o, Algo.STAR),  # 3 x S <= 64 KiB
-        (A, limit // 3 + 4, two_by_four, o, Algo.HOST_LEADERS),
-        (A, limit // 3, four, o, Algo.STAR),  # 4 x 2: 2 more messages, 3 x S
-        (A, limit // 3 + 4, four, o, Algo.HOST_LEADERS),
+        # stay within host_star_max_bytes (16 KiB); else the leaders up to
+        # host_leaders_max_bytes (64 KiB) while their direct exchange puts at
+        # most host_leaders_link_bytes (96 KiB) on a host link, (H - 1) x S (8
+        # hosts double: log2 H rounds of one copy); the slices above. (Before,
+        # measured with a core per rank: 2 x 2 at 64 KiB the star, 1.57x gloo's
+        # time; 4 x 2 at 64 KiB the leaders, 1.21x.)
+        (A, star, two, o, Algo.STAR),
+        (A, star, two, det, Algo.STAR),
+        (A, star + 4, two, o, Algo.HOST_LEADERS),
+        (A, limit, two, o, Algo.HOST_LEADERS),  # 2 hosts: S on the link
+        (A, star, two, leaders, Algo.HOST_LEADERS),
+        (A, star // 3, two_by_four, o, Algo.STAR),  # 3 x S <= 16 KiB
+        (A, star // 3 + 4, two_by_four, o, Algo.HOST_LEADERS),
+        (A, star // 3, four, o, Algo.STAR),  # 4 x 2: 2 more messages, 3 x S
+        (A, star // 3 + 4, four, o, Algo.HOST_LEADERS),
+        (A, link // 3, four, o, Algo.HOST_LEADERS),  # 4 hosts: 3 x S on the link
+        (A, link // 3 + 4, four, o, Algo.HOST_SLICES),
+        (A, limit, four, o, Algo.HOST_SLICES),
+        (A, limit, four, Options(host_leaders_link_bytes=3 * limit), Algo.HOST_LEADERS),
+        (A, limit, eight, o, Algo.HOST_LEADERS),  # 8 hosts double: 3 rounds of S
+        (A, limit + 4, eight, o, Algo.HOST_SLICES),
         (A, 64, Topology.from_keys(list("aabbccddee")), o, Algo.HOST_LEADERS),  # 3 more
         (A, 64, Topology.from_keys(list("aaabbbcccddd")), o, Algo.HOST_LEADERS),  # 4 more
         (A, limit + 4, two, o, Algo.HOST_SLICES),
@@ -654,7 +670,7 @@ def test_deterministic_bits_four_hosts_of_two() -> None:
 def test_leaders_doubling_rule() -> None:
     """Recursive doubling among the leaders from 8 hosts (a power of two), where
     (H - 1 - log2 H) x S > (log2 H - 1) x HOP_BYTES: 10 KiB at 8 hosts."""
-    hop = hierarchical.HOP_BYTES
+    hop = policy.HOP_BYTES
     assert not hierarchical.leaders_doubling(8, hop // 2)  # 4 x 10 KiB = 2 x 20 KiB: not more
     assert hierarchical.leaders_doubling(8, hop // 2 + 1)
     assert hierarchical.leaders_doubling(1024, 256)  # 1,013 x 256 B > 9 x 20 KiB
@@ -673,7 +689,7 @@ def test_leaders_recursive_doubling_results_bits_and_sockets(
     exchange connects all H - 1), sums exact on integers and equal on every
     rank on floats, and deterministic bits the canonical tree sum's (the
     direct exchange's). (Before: leader 0 held a data socket to rank 6.)"""
-    monkeypatch.setattr(hierarchical, "DOUBLING_MIN_HOSTS", 4)
+    monkeypatch.setattr(policy, "DOUBLING_MIN_HOSTS", 4)
     world, numel = 8, 6000  # 24 KiB of float32: (4 - 1 - 2) x 24 KiB > 1 x 20 KiB
     assert hierarchical.leaders_doubling(4, numel * 4)
     assert not hierarchical.leaders_doubling(4, numel * 2)

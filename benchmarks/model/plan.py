@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.model import check, costs
 from benchmarks.model.links import LinkTable
 from benchmarks.sizes import format_bytes
+from entrenar_pg.collectives.policy import leaders_fit
 from entrenar_pg.config import Options
 
 HOSTS = tuple(2**i for i in range(1, 11))
@@ -167,6 +168,17 @@ def leaders_to_slices(hosts: int, local: int, links: LinkTable) -> int | None:
     return found[0].nbytes if found else None
 
 
+def policy_leaders_max(hosts: int) -> int:
+    """The largest message the policy sends through the leaders on ``hosts`` hosts
+    (``policy.leaders_fit``: ``host_leaders_max_bytes``, and the direct exchange's
+    (H - 1) copies within ``host_leaders_link_bytes``)."""
+    o = Options()
+    direct = min(o.host_leaders_max_bytes, o.host_leaders_link_bytes // (hosts - 1))
+    if leaders_fit(hosts, o.host_leaders_max_bytes, o):  # the leaders double up to the cap
+        return o.host_leaders_max_bytes
+    return direct
+
+
 def threshold_lines(links: LinkTable) -> list[str]:
     """Per H and L: the leaders -> slices crossover, against the policy's threshold.
 
@@ -178,7 +190,10 @@ def threshold_lines(links: LinkTable) -> list[str]:
     net = links[costs.NET]
     threshold = Options().host_leaders_max_bytes
     out = [
-        f"policy: host_leaders_max_bytes = {format_bytes(threshold)}; "
+        f"policy: host_leaders_max_bytes = {format_bytes(threshold)}, the direct exchange's "
+        f"{format_bytes(Options().host_leaders_link_bytes)} a link (host_leaders_link_bytes), so "
+        + ", ".join(f"{h}: {_kib(policy_leaders_max(h))}" for h in HOSTS)
+        + "; "
         f"2 alpha / beta = {_kib(2 * net.alpha / net.beta)} "
         "(the direct exchange's large-H limit; the doubling's crossover rises with H)"
     ]
@@ -237,7 +252,8 @@ def plot(links: LinkTable, names: Sequence[str], path: Path) -> None:
 
 
 def plot_threshold(links: LinkTable, path: Path) -> None:
-    """The leaders -> slices crossover against H, per L, and the policy's one threshold."""
+    """The leaders -> slices crossover against H, per L, and the policy's own
+    (``policy_leaders_max``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,7 +264,7 @@ def plot_threshold(links: LinkTable, path: Path) -> None:
         pts = [(h, leaders_to_slices(h, local, links)) for h in HOSTS]
         xs = [h for h, x in pts if x]
         ax.loglog(xs, [x for _, x in pts if x], marker="o", label=f"model, L = {local}")
-    ax.axhline(Options().host_leaders_max_bytes, color="k", linestyle="--", label="policy")
+    ax.loglog(HOSTS, [policy_leaders_max(h) for h in HOSTS], "k--", label="policy")
     net = links[costs.NET]
     ax.axhline(2 * net.alpha / net.beta, color="grey", linestyle=":", label="2 alpha / beta")
     ax.set_xlabel("hosts H")

@@ -76,6 +76,7 @@ from .broadcast import broadcast
 from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
 from .doubling import allreduce_doubling
+from .policy import leaders_doubling
 from .ring import allgather_ring, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
 from .tree import allreduce_tree_ring, exchange, reduce_scatter_tree
@@ -249,26 +250,6 @@ def allreduce_host_leaders(
         finish_(buf, red, call.world)
     # 3. Back to the host's ranks.
     broadcast(host, buf, LEADER, op)
-
-
-# Recursive doubling among the leaders: from this many hosts (a power of two;
-# 2 x L and 4 x L keep the measured direct exchange), where the direct
-# exchange's extra bytes on each host link, (H - 1 - log2 H) x S, cost more
-# than the extra hops, (log2 H - 1), each worth HOP_BYTES: a cross-host hop's
-# alpha in bytes of the link (the cost model's fitted net kind at 1 Gbit/s:
-# 168 us x 119 MB/s = 20 KiB). That puts the crossover at 10 KiB for 8
-# hosts, 1.8 KiB for 64, under 200 B for 1,024 (the model's plan,
-# docs/benchmarks.md; no layout this large can run here).
-DOUBLING_MIN_HOSTS = 8
-HOP_BYTES = 20 << 10
-
-
-def leaders_doubling(hosts: int, nbytes: int) -> bool:
-    """Whether ``hosts`` leaders exchange ``nbytes`` by recursive doubling (else directly)."""
-    if hosts < DOUBLING_MIN_HOSTS or hosts & (hosts - 1):
-        return False
-    rounds = hosts.bit_length() - 1
-    return (hosts - 1 - rounds) * nbytes > (rounds - 1) * HOP_BYTES
 
 
 def _host_rings(

@@ -20,11 +20,13 @@ The table (docs/architecture.md, "The policy table", lists it row by row):
   ``Topology.fast_links``; a loopback-class link takes the flat rows;
   deterministic also each host's ranks consecutive and one subtree of the
   canonical tree, else the flat rows keep the bits): ``HOST_LEADERS`` up to
-  ``host_leaders_max_bytes`` (``STAR`` instead on few hosts while the
+  ``host_leaders_max_bytes`` while the leaders' direct exchange puts at
+  most ``host_leaders_link_bytes`` on each host link (``leaders_fit``;
+  ``STAR`` instead on few hosts while the
   star's extra bytes on the root host's link stay within
   ``host_star_max_bytes``: ``star_beats_leaders``), ``HOST_SLICES`` above
-  (collectives/hierarchical.py; crossover measured on 1 Gbit/s host links,
-  docs/benchmarks.md); uneven hosts, one host without shared memory
+  (collectives/hierarchical.py; crossovers measured on 1 Gbit/s host links
+  with a core per rank, docs/benchmarks.md); uneven hosts, one host without shared memory
   between all, or one rank per host: the flat rows; with two ranks ``DIRECT`` up to
   ``direct_max_bytes``, else ``RING``; with more, ``STAR`` up to
   ``star_max_bytes``, else ``RING`` (crossovers measured on 2 cores,
@@ -117,6 +119,50 @@ def several_hosts(topology: Topology | None, options: Options) -> bool:
     return options.topology == "hosts" or not topology.fast_links
 
 
+# Recursive doubling among the leaders: from this many hosts (a power of two;
+# 2 x L and 4 x L keep the measured direct exchange), where the direct
+# exchange's extra bytes on each host link, (H - 1 - log2 H) x S, cost more
+# than the extra hops, (log2 H - 1), each worth HOP_BYTES: a cross-host hop's
+# alpha in bytes of the link (the cost model's fitted net kind at 1 Gbit/s:
+# 168 us x 119 MB/s = 20 KiB). That puts the crossover at 10 KiB for 8
+# hosts, 1.8 KiB for 64, under 200 B for 1,024 (the model's plan,
+# docs/benchmarks.md; no layout this large can run here).
+DOUBLING_MIN_HOSTS = 8
+HOP_BYTES = 20 << 10
+
+
+def leaders_doubling(hosts: int, nbytes: int) -> bool:
+    """Whether ``hosts`` leaders exchange ``nbytes`` by recursive doubling (else directly)."""
+    if hosts < DOUBLING_MIN_HOSTS or hosts & (hosts - 1):
+        return False
+    rounds = hosts.bit_length() - 1
+    return (hosts - 1 - rounds) * nbytes > (rounds - 1) * HOP_BYTES
+
+
+def leaders_fit(hosts: int, nbytes: int, options: Options) -> bool:
+    """Whether an ``nbytes`` allreduce on ``hosts`` hosts goes through the leaders
+    (else in slices): up to ``host_leaders_max_bytes``, and where the leaders
+    exchange directly, while the (H - 1) copies each leader sends at once stay
+    within ``host_leaders_link_bytes`` on its host's link (96 KiB). The slices
+    put 2(H - 1)/H x ``nbytes`` on it, in 2(H - 1) + 2 hops to the leaders' 3.
+
+    Measured on emulated hosts at 1 Gbit/s with a core per rank (the 16-core
+    device machine, docs/benchmarks.md, "A core per rank"): 2 x 2 the leaders
+    at or under the slices' time up to 64 KiB (525 against 602 us); 4 x 2
+    equal at 32 KiB (96 KiB on the link: 868 against 806 us), the slices
+    0.61x at 64 KiB (1.06 against 1.73 ms: the leaders were 1.21x gloo's time
+    there); 8 x 2, where the leaders double (log2 H rounds of one copy), the
+    leaders 0.48x at 32 KiB and 0.92x at 64 KiB. On the 2-core machine,
+    where eight ranks share two cores and every hop waits for a process, the
+    crossover is higher (4 x 2 near 100 KiB: 64 KiB in slices 5.8 against
+    4.0 ms, 0.31x gloo's time either way); a real host has a core per rank.
+    """
+    if nbytes > options.host_leaders_max_bytes:
+        return False
+    direct = (hosts - 1) * nbytes <= options.host_leaders_link_bytes
+    return direct or leaders_doubling(hosts, nbytes)
+
+
 # How many more messages than a leader the star's root may handle (each a
 # few tens of µs of Python) for its hop fewer (a process wake-up, 100-300 µs
 # on the 2 loaded cores measured): 4 hosts x 2 (two more) measured, below.
@@ -132,12 +178,14 @@ def star_beats_leaders(topology: Topology, nbytes: int, options: Options) -> boo
     handles N - 1 messages, a leader (L - 1) + (H - 1) + (L - 1), so
     (H - 2)(L - 1) more. The star, then, where that is at most
     ``STAR_MORE_MESSAGES`` (2 x L, 3 x 2, 3 x 3, 4 x 2) and the extra bytes
-    at most ``host_star_max_bytes`` (2 x 2: up to 64 KiB; 4 x 2: 21 KiB).
-    Measured on emulated hosts (docs/benchmarks.md, "Issue 26, small
-    messages on few hosts"): 2 x 2 at 4-64 KiB and 4 x 2 at 4-16 KiB, the
-    star at or under the leaders' time on 1 Gbit/s links and unshaped; at
-    4 x 2 and 64 KiB (192 KiB more at host 0) runs disagree (2.25x the
-    leaders' time in one, 0.6-0.9x in three), so the leaders keep it.
+    at most ``host_star_max_bytes`` (2 x 2: up to 16 KiB; 4 x 2: 5 KiB).
+    Measured on emulated hosts at 1 Gbit/s with a core per rank (the
+    16-core device machine, docs/benchmarks.md, "A core per rank"): 2 x 2
+    the star 0.78-0.85x the leaders' time at 4-16 KiB, 1.9x at 32 KiB and
+    2.2x at 64 KiB (1.57x gloo's time); 4 x 2 at 16 KiB (48 KiB more at
+    host 0) 1.9x. (On the 2-core machine, where every hop waits for a
+    process, the star held to 64 KiB at 2 x 2: docs/benchmarks.md, "Issue
+    26, small messages on few hosts".)
     """
     shape = topology.shape
     assert shape is not None
@@ -266,8 +314,8 @@ def choose(
         elif local:
             algo = Algo.SHM
         elif host_aware(topology, options):
-            assert topology is not None
-            if nbytes > options.host_leaders_max_bytes:
+            assert topology is not None and topology.shape is not None
+            if not leaders_fit(topology.shape[0], nbytes, options):
                 algo = Algo.HOST_SLICES
             elif star_beats_leaders(topology, nbytes, options):
                 algo = Algo.STAR
