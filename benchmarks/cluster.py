@@ -187,6 +187,7 @@ def run_cluster(cfg: ClusterConfig) -> dict[str, Any]:
             # Beyond the schema: how the run was made, and what to read it with.
             "config": cfg.to_json(),
             "variant_options": ranks[0]["variant_options"],
+            "policy_defaults": ranks[0].get("policy_defaults", {}),
             "entrenar_pg_file": ranks[0]["entrenar_pg_file"],
             "loadavg_start": load_start,
             "loadavg_end": list(os.getloadavg()),

@@ -90,6 +90,9 @@ class RankRecord:
     # (benchmarks/cluster_load.py: the others' load the cost model reads).
     load: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     variant_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # The policy's agreed fields as this entrenar_pg sets them by default (what
+    # the cost model's check asks the policy with for this run's rows).
+    policy_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     entrenar_pg_file: str = ""
     # Wall-clock seconds since the process started at the end of each phase.
@@ -180,6 +183,7 @@ def run(cfg: ClusterConfig, out_dir: Path, variants: Sequence[Variant] | None = 
     model's link measurements, ``benchmarks/model/rank.py``)."""
     import entrenar_pg
     from entrenar_pg import Options
+    from entrenar_pg import config as entrenar_config
 
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -197,6 +201,8 @@ def run(cfg: ClusterConfig, out_dir: Path, variants: Sequence[Variant] | None = 
             cfg.variants, {f.name for f in dataclasses.fields(Options)}
         )
     rec.variant_options = {v.name: v.options for v in variants}
+    agreed = getattr(entrenar_config, "AGREED_FIELDS", ())  # none in a tree before them
+    rec.policy_defaults = {f.name: getattr(Options(), f.name) for f in agreed}
     rec.phases["imports"] = _since_start()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.op_timeout_s))
     ctrl = dist.group.WORLD

@@ -175,6 +175,27 @@ def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_data() -> None:
         assert exact[kind].beta == pytest.approx(LINKS[kind].beta, rel=1e-6)
 
 
+def test_check_asks_the_policy_a_run_recorded() -> None:
+    """A cluster run's rows are modelled with the policy's defaults of the run that
+    made them (meta ``policy_defaults``), and a run without that record with the
+    thresholds of before it (``check.POLICY_BEFORE_RECORDED``): 2 x 2 and 4 x 2 at
+    64 KiB ran the star and the leaders then, the leaders and the slices today.
+    (Before: every committed run was modelled with today's policy.)"""
+    today = {f: getattr(Options(), f) for f in ("host_star_max_bytes", "host_leaders_link_bytes")}
+
+    def ran(hosts: int, meta: dict[str, Any]) -> str:
+        row = {"variant": "entrenar", "hosts": hosts, "local": 2, "bytes": 64 << 10}
+        return check.model_row(row, meta).algorithm
+
+    assert (ran(2, {}), ran(4, {})) == ("star", "host_leaders")
+    assert (ran(2, {"policy_defaults": today}), ran(4, {"policy_defaults": today})) == (
+        "host_leaders",
+        "host_slices",
+    )
+    old = {"policy_defaults": check.POLICY_BEFORE_RECORDED}
+    assert (ran(2, old), ran(4, old)) == ("star", "host_leaders")
+
+
 def test_check_asks_the_policy_with_the_topology() -> None:
     """What each cluster variant runs for (H, L, size) is the policy's choice given H hosts
     of L ranks: host-aware across hosts (leaders up to host_leaders_max_bytes and the

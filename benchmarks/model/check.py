@@ -18,6 +18,7 @@ sample is shown beside it (a loaded machine inflates the median).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,12 +106,33 @@ def topology_of(shape: costs.Shape) -> Topology:
     return Topology.from_keys([f"host{r // shape.local}" for r in range(shape.world)])
 
 
-def options_of(variant: str, transport: str = "auto") -> Options:
-    """The ``Options`` the cluster harness runs ``variant`` with (its overrides)."""
+# The policy's thresholds in runs that do not record theirs (``meta``'s
+# ``policy_defaults``): every run before the twenty-ninth session (2026-11-27),
+# when the star on few hosts took up to 64 KiB of extra bytes and the leaders'
+# direct exchange had no limit on a host link (docs/benchmarks.md, "A core per
+# rank"). Without this, today's policy would name another algorithm for their
+# 2 x 2 and 4 x 2 rows at 64 KiB than the one that ran.
+POLICY_BEFORE_RECORDED: dict[str, Any] = {
+    "host_star_max_bytes": 64 << 10,
+    "host_leaders_link_bytes": 1 << 40,
+}
+
+
+def options_of(
+    variant: str, transport: str = "auto", meta: dict[str, Any] | None = None
+) -> Options:
+    """The ``Options`` the cluster harness runs ``variant`` with (its overrides) on
+    the policy's defaults: today's, or with ``meta`` a run's own (its recorded
+    ``policy_defaults``; ``POLICY_BEFORE_RECORDED`` where it has none)."""
     overrides = {v.name: v.options for v in CLUSTER_VARIANTS if v.backend == "entrenar"}
     if variant not in overrides:
         raise ValueError(f"cluster row variant {variant!r}: no model for it")
-    return Options(transport=transport, **overrides[variant])
+    base: dict[str, Any] = {}
+    if meta is not None:
+        recorded = meta.get("policy_defaults") or POLICY_BEFORE_RECORDED
+        names = {f.name for f in dataclasses.fields(Options)} - {"transport"}
+        base = {k: v for k, v in recorded.items() if k in names}
+    return Options(transport=transport, **{**base, **overrides[variant]})
 
 
 def entrenar_algorithm(
@@ -168,7 +190,7 @@ def model_row(row: dict[str, Any], meta: dict[str, Any]) -> Modelled:
         name, algo, fabric = "gloo ring", costs.ring, costs.GLOO
     else:
         transport = str(meta.get("transport") or "auto")
-        name, algo = entrenar_algorithm(shape, transport, options_of(variant, transport))
+        name, algo = entrenar_algorithm(shape, transport, options_of(variant, transport, meta))
         fabric = costs.ENTRENAR_TCP if transport == "tcp" else costs.ENTRENAR
     where = conditions_of(meta, shape, row.get("background_cores"))
     return Modelled(variant, name, shape, fabric, algo(shape, fabric), where)
