@@ -1,7 +1,8 @@
 """The same-host goals against DeepSpeed (issue 25, item 7), judged from one run's
 allreduce rows (PASS / FAIL / n/a).
 
-entrenar's shared-memory transport (``entrenar-auto[shm]``) against DeepSpeed's
+entrenar's shared-memory transport (``entrenar-auto[shm]``, or ``entrenar-auto``
+in a run on the default transport) against DeepSpeed's
 SHM allreduce (``deepspeed-shm``) and against entrenar over TCP
 (``entrenar-auto[tcp]``), all measured in the same job, same rounds:
 
@@ -38,6 +39,10 @@ CONTENDER = "entrenar-auto"  # the variant the goals judge: entrenar's default a
 SHM = f"{CONTENDER}[shm]"
 TCP = f"{CONTENDER}[tcp]"
 METHOD = f"{CONTENDER}-method[shm]"  # the same, called through the group's method
+# A run without --transports (the README's ``python -m benchmarks.bench``) names
+# its rows without a transport: the default one, shared memory on one host. They
+# stand in for the [shm] rows where those are missing (before: every goal n/a).
+DEFAULT_TRANSPORT_ROWS = {SHM: CONTENDER, METHOD: f"{CONTENDER}-method"}
 
 
 @dataclass(frozen=True)
@@ -91,9 +96,11 @@ def same_host_goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     row it needs was not measured.
     """
     cell = {(r["world_size"], r["size_bytes"], r["variant"]): r for r in rows}
-    keys = sorted(
-        {(r["world_size"], r["size_bytes"]) for r in rows if r["variant"] in (DEEPSPEED, SHM)}
-    )
+    for (world, size, variant), row in list(cell.items()):
+        for named, bare in DEFAULT_TRANSPORT_ROWS.items():
+            if variant == bare:
+                cell.setdefault((world, size, named), row)
+    keys = sorted({(w, s) for w, s, v in cell if v in (DEEPSPEED, SHM)})
     out = []
     for world, size in keys:
         ds, shm, tcp, method = (cell.get((world, size, v)) for v in (DEEPSPEED, SHM, TCP, METHOD))

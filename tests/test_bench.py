@@ -34,7 +34,7 @@ from benchmarks.config import (
     BenchConfig,
     with_transports,
 )
-from benchmarks.goals import METHOD, SHM, TCP, same_host_goals
+from benchmarks.goals import CONTENDER, METHOD, SHM, TCP, same_host_goals
 from benchmarks.machine import entrenar_available
 from benchmarks.report import baseline_table, report_lines
 from benchmarks.results import allreduce_row, busbw_factor, combine_ranks
@@ -295,6 +295,27 @@ def test_same_host_goals_pass_fail_and_missing_rows() -> None:
     g = goals[(4, m1)]
     assert (g["vs_deepspeed"], g["vs_tcp"]) == ("n/a", "n/a")
     assert g["tcp_vs_ds_time"] == pytest.approx(2.0) and g["shm_s"] is None
+
+
+def test_same_host_goals_read_a_default_transport_run() -> None:
+    """A run without --transports (the README's command) names its rows
+    ``entrenar-auto`` and ``entrenar-auto-method``: on one host that is the
+    shared memory, and they are judged as the [shm] rows; a [shm] row, where
+    there is one, wins. (Before: every goal of such a run read n/a.)"""
+    k64 = 1 << 16
+    rows = [
+        _row(2, DEEPSPEED, k64, 20e-6),
+        _row(2, CONTENDER, k64, 18e-6),
+        _row(2, f"{CONTENDER}-method", k64, 15e-6),
+        _row(4, DEEPSPEED, k64, 1e-3),
+        _row(4, CONTENDER, k64, 5e-3),
+        _row(4, SHM, k64, 0.5e-3),
+    ]
+    goals = {g["world_size"]: g for g in same_host_goals(rows)}
+    assert goals[2]["vs_deepspeed"] == "PASS"
+    assert goals[2]["shm_vs_ds_time"] == pytest.approx(0.9)
+    assert goals[2]["method_vs_ds_time"] == pytest.approx(0.75)
+    assert goals[4]["shm_vs_ds_time"] == pytest.approx(0.5)
 
 
 def test_same_host_goals_ratio_round_by_round() -> None:
