@@ -96,14 +96,17 @@ def same_host_goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     row it needs was not measured.
     """
     cell = {(r["world_size"], r["size_bytes"], r["variant"]): r for r in rows}
-    for (world, size, variant), row in list(cell.items()):
-        for named, bare in DEFAULT_TRANSPORT_ROWS.items():
-            if variant == bare:
-                cell.setdefault((world, size, named), row)
-    keys = sorted({(w, s) for w, s, v in cell if v in (DEEPSPEED, SHM)})
+
+    def row(world: int, size: int, variant: str) -> dict[str, Any] | None:
+        """``variant``'s row, or the default-transport row standing in for it."""
+        bare = DEFAULT_TRANSPORT_ROWS.get(variant, variant)
+        return cell.get((world, size, variant)) or cell.get((world, size, bare))
+
+    judged = (DEEPSPEED, SHM, CONTENDER)
+    keys = sorted({(r["world_size"], r["size_bytes"]) for r in rows if r["variant"] in judged})
     out = []
     for world, size in keys:
-        ds, shm, tcp, method = (cell.get((world, size, v)) for v in (DEEPSPEED, SHM, TCP, METHOD))
+        ds, shm, tcp, method = (row(world, size, v) for v in (DEEPSPEED, SHM, TCP, METHOD))
         shm_vs_ds = _ratio(shm, ds, "median_s")
         shm_vs_tcp = _ratio(shm, tcp, "median_s")
         limit = LIMITS.get(world)

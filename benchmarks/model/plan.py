@@ -169,14 +169,10 @@ def leaders_to_slices(hosts: int, local: int, links: LinkTable) -> int | None:
 
 
 def policy_leaders_max(hosts: int) -> int:
-    """The largest message the policy sends through the leaders on ``hosts`` hosts
-    (``policy.leaders_fit``: ``host_leaders_max_bytes``, and the direct exchange's
-    (H - 1) copies within ``host_leaders_link_bytes``)."""
+    """The largest message, to a KiB, that the policy sends through the leaders on
+    ``hosts`` hosts: asked of ``policy.leaders_fit`` itself, size by size."""
     o = Options()
-    direct = min(o.host_leaders_max_bytes, o.host_leaders_link_bytes // (hosts - 1))
-    if leaders_fit(hosts, o.host_leaders_max_bytes, o):  # the leaders double up to the cap
-        return o.host_leaders_max_bytes
-    return direct
+    return max(s for s in range(1 << 10, (1 << 20) + 1, 1 << 10) if leaders_fit(hosts, s, o))
 
 
 def threshold_lines(links: LinkTable) -> list[str]:

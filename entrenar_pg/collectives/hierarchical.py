@@ -163,7 +163,8 @@ def allreduce_host_slices(
             )
         if 0 <= t - 1 < count:  # 2. piece t-1: this rank's slice across hosts
             outside = plan.on(across.team)
-            chunks = [mine[t - 1][a:b] for a, b in chunk_bounds(mine[t - 1].numel(), across.world)]
+            piece = mine[t - 1]
+            chunks = [piece[a:b] for a, b in chunk_bounds(piece.numel(), across.world)]
             open_ring(across, outside, header, chunks)
             steps = across.world - 1
             ring_pass(
