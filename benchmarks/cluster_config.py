@@ -14,6 +14,10 @@ ENTRENAR_FLAT = "entrenar-flat"
 ENTRENAR_HOSTS = "entrenar-hosts"  # host-aware whatever the link probe says
 ENTRENAR_LEADERS = "entrenar-leaders"
 ENTRENAR_SLICES = "entrenar-slices"
+# The waits spinning on past their job's spin while no other thread waits
+# for a core (Options.idle_spin_us: transport/spin.py), against entrenar's
+# default (off) in the same job.
+ENTRENAR_IDLE_SPIN = "entrenar-idle-spin"
 
 # entrenar with host-awareness forced off. The one place that says how: the
 # Options override. Where Options has no such field (an entrenar_pg before
@@ -25,8 +29,9 @@ FLAT_OVERRIDES: dict[str, Any] = {"topology": "flat"}
 # entrenar-hosts forces the host-aware rows on any link (today's path before
 # the link probe: compare it with entrenar unshaped). The last two pin one
 # host-aware allreduce at every size (the policy's crossover between them,
-# Options.host_leaders_max_bytes, is measured with them). These three run
-# only when named in --variants.
+# Options.host_leaders_max_bytes, is measured with them); entrenar-idle-spin
+# is entrenar with a 1 ms idle spin. These four run only when named in
+# --variants.
 CLUSTER_VARIANTS: tuple[Variant, ...] = (
     Variant(GLOO, "gloo"),
     Variant(ENTRENAR, "entrenar"),
@@ -42,6 +47,7 @@ CLUSTER_VARIANTS: tuple[Variant, ...] = (
         },
     ),
     Variant(ENTRENAR_SLICES, "entrenar", {"host_leaders_max_bytes": 0}),
+    Variant(ENTRENAR_IDLE_SPIN, "entrenar", {"idle_spin_us": 1000}),
 )
 DEFAULT_VARIANTS: tuple[str, ...] = (GLOO, ENTRENAR, ENTRENAR_FLAT)
 

@@ -8,8 +8,8 @@
 # iproute2: where the machine has no `ip`, put its `ip` and `tc` with their
 # libraries in .netns/ (bin/ wrappers, real/, lib/) and carry that folder.
 # Everything lands in $OUT (default /tmp/entrenar-cluster); JOBS sets how many
-# 64 MiB gloo + entrenar jobs run (default 3); SPIN=0 skips the caller-spin
-# pairs, FULL=0 the every-size job.
+# 64 MiB gloo + entrenar jobs run (default 3); SPIN=0 skips the idle-spin
+# jobs, FULL=0 the every-size job.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .netns/bin/ip ]] && ! command -v ip >/dev/null && export PATH="$PWD/.netns/bin:$PATH"
@@ -37,14 +37,14 @@ done
 if [[ "${SPIN:-1}" == 1 ]]; then
     # The 4 x 2, 4 KiB lead (docs/benchmarks.md, "A core per rank"): its samples
     # fall in two modes a wake-up apart, and a leaf's wait through the star's root
-    # outlasts the caller's 50 us spin. Two pairs of jobs, 50 against 500 us.
-    k=0
-    for spin in 50 500 50 500; do
-        k=$((k + 1))
-        echo "== 3. 4 hosts x 2 ranks, small sizes, ENTRENAR_CALLER_SPIN_US=$spin"
-        ENTRENAR_CALLER_SPIN_US=$spin timeout 60 "$PY" -m benchmarks.cluster --hosts 4 --local 2 \
-            --rate 1gbit --sizes 4K,16K --rounds 4 --variants gloo,entrenar \
-            --out "$OUT/spin$k-$spin" 2>&1 | grep -E "^ *(4|16) KiB"
+    # outlasts the caller's 50 us spin. entrenar-idle-spin spins on for up to
+    # 1 ms while no thread waits for a core (Options.idle_spin_us,
+    # transport/spin.py): two jobs, each with gloo and entrenar interleaved.
+    for k in 1 2; do
+        echo "== 3.$k. 4 hosts x 2 ranks, small sizes, entrenar against entrenar-idle-spin"
+        timeout 90 "$PY" -m benchmarks.cluster --hosts 4 --local 2 --rate 1gbit \
+            --sizes 4K,16K,64K --rounds 8 --variants gloo,entrenar,entrenar-idle-spin \
+            --out "$OUT/spin$k" 2>&1 | grep -E "^ *(4|16|64) KiB"
     done
 fi
 if [[ "${FULL:-1}" == 1 ]]; then

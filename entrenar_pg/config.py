@@ -27,6 +27,7 @@ ENV_IFNAME = "ENTRENAR_IFNAME"
 ENV_SOCKET_BUFFER_BYTES = "ENTRENAR_SOCKET_BUFFER_BYTES"
 ENV_SPIN_US = "ENTRENAR_SPIN_US"
 ENV_CALLER_SPIN_US = "ENTRENAR_CALLER_SPIN_US"
+ENV_IDLE_SPIN_US = "ENTRENAR_IDLE_SPIN_US"
 ENV_INLINE_MAX_BYTES = "ENTRENAR_INLINE_MAX_BYTES"
 ENV_CHECK_TOLERANCE = "ENTRENAR_CHECK_TOLERANCE"
 ENV_LEDGER = "ENTRENAR_LEDGER"
@@ -170,6 +171,19 @@ class Options:
             so polling costs no work, and a 4 KiB allreduce's median halved
             here with it. Each turn yields the core (``sched_yield``), so ranks
             sharing a core still make progress. Env ``ENTRENAR_CALLER_SPIN_US``.
+        idle_spin_us: how long a wait may go on spinning past its thread's
+            spin (``spin_us`` or ``caller_spin_us``) while no other thread
+            waits for a core: the machine's runnable threads no more than
+            this process's CPUs (``transport/spin.py``). Meant for hosts
+            with a core per rank, where a halted core's wake-up (a virtual
+            machine's vCPU above all) may cost more than a hop. 0 (the
+            default): the threads' spins alone. On the two shared cores here
+            it changes no time (4 x 2 and 2 x 1 emulated hosts, 1000 us
+            against 0 in one job) and costs CPU where a rank has a core
+            (2 x 1, 1 MiB: 1.8 cores against 0.5); its gain where wake-ups
+            are dear is not measured yet (docs/benchmarks.md, "The idle
+            spin"). Never starts a spin where that spin is 0.
+            Env ``ENTRENAR_IDLE_SPIN_US``.
         inline_max_bytes: an *async* collective (``async_op=True``, DDP's
             buckets) of at most this many bytes issued while the group is idle
             runs in the caller's thread instead of the comm thread (saves two
@@ -272,6 +286,7 @@ class Options:
     socket_buffer_bytes: int = 0
     spin_us: int = 200
     caller_spin_us: int = 50
+    idle_spin_us: int = 0
     inline_max_bytes: int = 0
     transport: str = "auto"
     shm_placement: bool = True
@@ -310,6 +325,7 @@ class Options:
             "socket_buffer_bytes",
             "spin_us",
             "caller_spin_us",
+            "idle_spin_us",
             "inline_max_bytes",
             "host_leaders_max_bytes",
             "host_leaders_link_bytes",
@@ -341,6 +357,7 @@ class Options:
             (ENV_SOCKET_BUFFER_BYTES, "socket_buffer_bytes"),
             (ENV_SPIN_US, "spin_us"),
             (ENV_CALLER_SPIN_US, "caller_spin_us"),
+            (ENV_IDLE_SPIN_US, "idle_spin_us"),
             (ENV_INLINE_MAX_BYTES, "inline_max_bytes"),
             (ENV_HOST_LEADERS_MAX_BYTES, "host_leaders_max_bytes"),
             (ENV_HOST_LEADERS_LINK_BYTES, "host_leaders_link_bytes"),
@@ -437,6 +454,7 @@ PER_RANK_FIELDS: tuple[str, ...] = (
     "socket_buffer_bytes",
     "spin_us",
     "caller_spin_us",
+    "idle_spin_us",
     "inline_max_bytes",
     "shm_placement",
     "tcp_placement",

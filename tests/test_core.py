@@ -54,10 +54,14 @@ def test_options_from_env_and_validation() -> None:
         Options.from_env({ENV_SEGMENT_BYTES: "lots"})
     with pytest.raises(ValueError, match="ENTRENAR_DETERMINISTIC"):
         Options.from_env({"ENTRENAR_DETERMINISTIC": "maybe"})
-    o = Options.from_env({"ENTRENAR_CALLER_SPIN_US": "0", "ENTRENAR_SPIN_US": "20"})
-    assert (o.caller_spin_us, o.spin_us) == (0, 20)
+    o = Options.from_env(
+        {"ENTRENAR_CALLER_SPIN_US": "0", "ENTRENAR_SPIN_US": "20", "ENTRENAR_IDLE_SPIN_US": "7"}
+    )
+    assert (o.caller_spin_us, o.spin_us, o.idle_spin_us) == (0, 20, 7)
     with pytest.raises(ValueError, match="caller_spin_us"):
         Options(caller_spin_us=-1)
+    with pytest.raises(ValueError, match="idle_spin_us"):
+        Options(idle_spin_us=-1)
     with pytest.raises(TypeError):
         Options("ring")  # type: ignore[misc]  # keyword-only
 

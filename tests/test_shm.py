@@ -897,6 +897,7 @@ class _HangUpAfterPublish:
     phase: int
     causes: _Causes = dataclasses.field(default_factory=_Causes)
     sleeps: list[list[int]] = dataclasses.field(default_factory=list)
+    idle_spin_s: float = 0.0  # the job's spin alone (transport/spin.py)
 
     def sleep_on(self, waiting_on: list[int], peers: list[int], what: str, s: float) -> list[int]:
         self.sleeps.append(list(peers))

@@ -40,14 +40,12 @@ from ..config import SHM_SLEEP_CAP_S
 from ..errors import peer_gone
 from .control import AbortRecord, Causes, ControlChannel
 from .plan import MAX_IOV, Plan
+from .spin import GAVE_AWAY_S, Spin
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 POLLHANG = select.POLLHUP | select.POLLERR | POLLRDHUP
-# A spin's yield that took longer gave the core to another thread (an idle
-# core's takes under a microsecond): the ``CoreWatch`` is told.
-GAVE_AWAY_S = 5e-6
 
 
 class Pace(Protocol):
@@ -157,9 +155,15 @@ class Links:
         wakeable: bool = False,
         woken: Mapping[int, WokenLink] | None = None,
         placement: CoreWatch | None = None,
+        idle_spin_s: float = 0.0,
     ) -> None:
         self.rank = rank
         self.causes = causes
+        # How long a wait spins past its job's spin while no one else runs
+        # (``spin.py``; ``Options.idle_spin_us``); one ``Spin`` for the runs,
+        # one at a time.
+        self.idle_spin_s = idle_spin_s
+        self._spin = Spin(idle_spin_s)
         self.control = control
         self._socks = socks
         # The links (by peer) to ask for a wake-up before sleeping on them.
@@ -365,7 +369,8 @@ class Progress(Links):
         # and the check at the end covers peers this plan does not talk to.
         sending, receiving = self._first_attempt(plan, what)
         spin_s = pace.spin_s
-        spin_until = 0.0
+        spin = self._spin
+        spinning = False  # a spin has started since the last bytes moved
         waited = False
         placement = self.placement
         away = False  # the last spin's yield gave the core away
@@ -387,7 +392,7 @@ class Progress(Links):
                     if finished:
                         sending = [st for st in sending if st.index < st.n]
                         receiving = [st for st in receiving if st.index < st.n]
-                    spin_until = 0.0
+                    spinning = False
                     if away:
                         # The bytes came while this core was away: from a
                         # peer on it? (``tcp_placement.py``)
@@ -395,23 +400,24 @@ class Progress(Links):
                         assert placement is not None
                         placement.shared_core()
                     continue
-                spinning = False
+                turn = False
                 if spin_s:
-                    # Busy-poll a little before sleeping in poll(). Each turn
-                    # yields the core, so a peer (or a thread of ours) waiting
-                    # for it runs first.
+                    # Busy-poll before sleeping in poll() (``spin.py``: how
+                    # long). Each turn yields the core, so a peer (or a thread
+                    # of ours) waiting for it runs first.
                     now = time.perf_counter()
-                    if spin_until == 0.0:
-                        spin_until = now + spin_s
-                    spinning = now < spin_until
-                    if spinning:
+                    if not spinning:
+                        spin.start(now, spin_s)
+                        spinning = True
+                    turn = spin.on(now)
+                    if turn:
                         os.sched_yield()
                         if placement is not None:
                             away = time.perf_counter() - now > GAVE_AWAY_S
-                if not spinning:
+                if not turn:
                     self._wait(sending, receiving, what, pace.timeout_s)
                     waited = True
-                    spin_until = 0.0
+                    spinning = False
                     away = False
                 for st in sending:  # after a spin or a wait, try every link again
                     st.blocked = False

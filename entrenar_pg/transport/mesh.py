@@ -134,7 +134,13 @@ class Mesh:
         self.causes = Causes(rank, self.control)
         self.placement = self._tcp_placement(data, options.tcp_placement)
         self.progress = Progress(
-            rank, data, self.causes, control=self.control, woken=self.shm, placement=self.placement
+            rank,
+            data,
+            self.causes,
+            control=self.control,
+            woken=self.shm,
+            placement=self.placement,
+            idle_spin_s=options.idle_spin_us / 1e6,
         )
         if self._rendezvous is not None:
             data_links = DataLinks(

@@ -17,7 +17,7 @@ last segment (``SO_INCOMING_CPU``). On a link between ranks of one host,
 that is where the peer last sent from.
 
 So when a spin finds the peer's bytes only after a ``sched_yield`` that
-gave this rank's core away (longer than ``loop.GAVE_AWAY_S``; an idle core's
+gave this rank's core away (longer than ``spin.GAVE_AWAY_S``; an idle core's
 takes well under a microsecond), ``Progress.run`` calls ``shared_core``: if
 a lower rank's last segment on this host came from this thread's CPU, the
 thread moves to an allowed CPU that no peer on this host last sent from,

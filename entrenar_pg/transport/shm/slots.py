@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ...config import SHM_SLEEP_CAP_S
+from ..spin import GAVE_AWAY_S, Spin
 from .chunk_plan import ChunkChoice, ChunkPlan
 from .placement import Placement
 from .populate import POPULATE_READ, POPULATE_WRITE, populate
@@ -114,6 +115,8 @@ class Sleeper(Protocol):
 
     @property
     def causes(self) -> Causes: ...
+    @property
+    def idle_spin_s(self) -> float: ...
     def sleep_on(
         self, waiting_on: list[int], peers: list[int], what: str, wait_s: float
     ) -> list[int]: ...
@@ -168,6 +171,7 @@ class SlotArea:
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
+        self._spin = Spin(0.0)  # the waits' spin (one wait at a time)
         self.placement = Placement(rank, self._own, self._peer_ctl, _CPU, enabled=placement)
         # Two ranks: where the large path's chunks go per call, rank 0's choice
         # (``chunk_plan.py``); more ranks: always at the slots' start (None).
@@ -337,13 +341,16 @@ class SlotArea:
         # core: the next wait looks only ``_FEW_LOOKS`` times, as more looks
         # would only delay the yield that lets it run, and this rank moves
         # off that core if the peer is indeed there (``placement.py``).
+        # How long it spins: ``transport/spin.py``.
         now = time.perf_counter()
-        spin_until = now + max(spin_s, pace.spin_s)
-        while now < spin_until:
+        spin = self._spin
+        spin.idle_s = progress.idle_spin_s
+        spin.start(now, max(spin_s, pace.spin_s))
+        while spin.on(now):
             os.sched_yield()
             then, now = now, time.perf_counter()
             if not self.missing(phase):
-                if now - then > _GAVE_AWAY_S:
+                if now - then > GAVE_AWAY_S:
                     self._looks = _FEW_LOOKS
                     self.placement.shared_core()
                 else:
@@ -406,11 +413,10 @@ _MAX_CACHED_VIEWS = 64
 # Looks at the peers' words before the first sched_yield (~0.2 us each).
 _TIGHT_LOOKS = 50
 # The same after a wait whose peer came while the core was away: a yield
-# that took longer than ``_GAVE_AWAY_S`` (an idle core's takes ~0.6 us)
+# that took longer than ``spin.GAVE_AWAY_S`` (an idle core's takes ~0.6 us)
 # ran someone else, likely the peer itself on this core (two ranks on one
 # core: 50 looks would cost each wait ~8 us of the peer's time).
 _FEW_LOOKS = 2
-_GAVE_AWAY_S = 5e-6
 
 
 def new_area_nonce(view: memoryview, nonce: bytes) -> None:
