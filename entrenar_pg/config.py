@@ -177,12 +177,13 @@ class Options:
             this process's CPUs (``transport/spin.py``). Meant for hosts
             with a core per rank, where a halted core's wake-up (a virtual
             machine's vCPU above all) may cost more than a hop. 0 (the
-            default): the threads' spins alone. On the two shared cores here
-            it changes no time (4 x 2 and 2 x 1 emulated hosts, 1000 us
-            against 0 in one job) and costs CPU where a rank has a core
-            (2 x 1, 1 MiB: 1.8 cores against 0.5); its gain where wake-ups
-            are dear is not measured yet (docs/benchmarks.md, "The idle
-            spin"). Never starts a spin where that spin is 0.
+            default): the threads' spins alone. On the two cores here it
+            gains nothing: where ranks share them (4 x 2 emulated hosts) it
+            cost up to 1.26x at 4 KiB, and where a rank has a core (2 x 1)
+            it changed no time but burned CPU (1 MiB: 1.8 cores against
+            0.5). Its gain where wake-ups are dear is not measured yet
+            (docs/benchmarks.md, "The idle spin"). Never starts a spin where
+            that spin is 0.
             Env ``ENTRENAR_IDLE_SPIN_US``.
         inline_max_bytes: an *async* collective (``async_op=True``, DDP's
             buckets) of at most this many bytes issued while the group is idle

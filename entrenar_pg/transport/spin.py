@@ -21,10 +21,11 @@ idle core's ~0.6 us would pass; and a woken thread that the scheduler does
 not find eligible yet (the likely case) waits behind a spinner's yields
 without any yield switching to it. Both were tried: 4 x 2 on two cores then
 took 4.3 and 5.2 ms at 4 KiB against 1.8 and 1.5 ms with the job's spin
-alone; with the running count, the same in three jobs. No spin at all (a
-job's spin of 0) stays no spin, and a wait that ends within its job's spin
-pays nothing more. Off by default (``Options.idle_spin_us``): here it
-changes no time, and its gain where wake-ups are dear is not measured yet.
+alone; with the running count, 0.93-1.26x of it over five jobs (not nothing:
+where ranks share cores it is the wrong setting). No spin at all (a job's
+spin of 0) stays no spin, and a wait that ends within its job's spin pays
+nothing more. Off by default (``Options.idle_spin_us``): here it gains
+nothing, and its gain where wake-ups are dear is not measured yet.
 """
 
 from __future__ import annotations
