@@ -201,8 +201,10 @@ def run(cfg: ClusterConfig, out_dir: Path, variants: Sequence[Variant] | None = 
             cfg.variants, {f.name for f in dataclasses.fields(Options)}
         )
     rec.variant_options = {v.name: v.options for v in variants}
-    agreed = getattr(entrenar_config, "AGREED_FIELDS", ())  # none in a tree before them
-    rec.policy_defaults = {f.name: getattr(Options(), f.name) for f in agreed}
+    if hasattr(entrenar_config, "AGREED_FIELDS"):  # none in a tree before them
+        from entrenar_pg.transport import options_agreement
+
+        rec.policy_defaults = json.loads(options_agreement.encode(Options()))
     rec.phases["imports"] = _since_start()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.op_timeout_s))
     ctrl = dist.group.WORLD

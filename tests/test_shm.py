@@ -33,6 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from entrenar_pg.transport.shm import placement as placement_module
 from entrenar_pg.transport.shm import populate, ring, slots
 from entrenar_pg.transport.shm import setup as shm
 from entrenar_pg.transport.shm.placement import Placement
+from entrenar_pg.transport.spin import Spin
 from entrenar_pg.wire import Algo
 
 c10d = torch._C._distributed_c10d
@@ -897,7 +899,7 @@ class _HangUpAfterPublish:
     phase: int
     causes: _Causes = dataclasses.field(default_factory=_Causes)
     sleeps: list[list[int]] = dataclasses.field(default_factory=list)
-    idle_spin_s: float = 0.0  # the job's spin alone (transport/spin.py)
+    spin: Spin = dataclasses.field(default_factory=partial(Spin, 0.0))  # the job's spin alone
 
     def sleep_on(self, waiting_on: list[int], peers: list[int], what: str, s: float) -> list[int]:
         self.sleeps.append(list(peers))

@@ -159,11 +159,10 @@ class Links:
     ) -> None:
         self.rank = rank
         self.causes = causes
-        # How long a wait spins past its job's spin while no one else runs
-        # (``spin.py``; ``Options.idle_spin_us``); one ``Spin`` for the runs,
-        # one at a time.
-        self.idle_spin_s = idle_spin_s
-        self._spin = Spin(idle_spin_s)
+        # How long a wait spins (``spin.py``; past its job's spin by at most
+        # ``Options.idle_spin_us``): one ``Spin`` for this rank's waits, one at
+        # a time, the slot area's included (``shm.slots.Sleeper``).
+        self.spin = Spin(idle_spin_s)
         self.control = control
         self._socks = socks
         # The links (by peer) to ask for a wake-up before sleeping on them.
@@ -369,7 +368,7 @@ class Progress(Links):
         # and the check at the end covers peers this plan does not talk to.
         sending, receiving = self._first_attempt(plan, what)
         spin_s = pace.spin_s
-        spin = self._spin
+        spin = self.spin
         spinning = False  # a spin has started since the last bytes moved
         waited = False
         placement = self.placement

@@ -116,7 +116,7 @@ class Sleeper(Protocol):
     @property
     def causes(self) -> Causes: ...
     @property
-    def idle_spin_s(self) -> float: ...
+    def spin(self) -> Spin: ...
     def sleep_on(
         self, waiting_on: list[int], peers: list[int], what: str, wait_s: float
     ) -> list[int]: ...
@@ -171,7 +171,6 @@ class SlotArea:
         self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         self.phase = int(self._own[_ARRIVED])  # the last phase this rank published
         self._looks = _TIGHT_LOOKS  # tight looks of the next wait (``wait``)
-        self._spin = Spin(0.0)  # the waits' spin (one wait at a time)
         self.placement = Placement(rank, self._own, self._peer_ctl, _CPU, enabled=placement)
         # Two ranks: where the large path's chunks go per call, rank 0's choice
         # (``chunk_plan.py``); more ranks: always at the slots' start (None).
@@ -343,8 +342,7 @@ class SlotArea:
         # off that core if the peer is indeed there (``placement.py``).
         # How long it spins: ``transport/spin.py``.
         now = time.perf_counter()
-        spin = self._spin
-        spin.idle_s = progress.idle_spin_s
+        spin = progress.spin
         spin.start(now, max(spin_s, pace.spin_s))
         while spin.on(now):
             os.sched_yield()
