@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import run_ranks
 
 from entrenar_pg import Options
@@ -133,3 +134,38 @@ def test_a_late_peer_and_the_idle_spin_give_the_same_results(transport: str) -> 
 
     opts = Options(transport=transport, caller_spin_us=50, idle_spin_us=5000)
     assert run_ranks(2, fn, options=opts) == [[3.0, 5.0, 7.0]] * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("kind", ["broadcast", "scatter"])
+def test_with_no_spin_an_empty_payload_behind_its_header_completes(
+    transport: str, kind: str
+) -> None:
+    """No spin at all (both spins 0): a leaf that waits for a call of no
+    elements receives the root's header, and the empty piece behind it
+    completes at once. Before the fix the loop marked the link blocked after
+    the header and slept on it for bytes that never come (the spin's next
+    turn had always unblocked it), so the last such call stalled until the
+    timeout (over shared memory every such call did: the next collective's
+    bytes went through the slot area, not the ring)."""
+
+    def fn(rank: int, pg) -> float:  # type: ignore[no-untyped-def]
+        if rank == 0:
+            time.sleep(0.2)  # the leaf waits first: its first attempt finds nothing
+        t = torch.zeros(0)
+        began = time.monotonic()
+        if kind == "broadcast":
+            bo = dist.BroadcastOptions()
+            bo.rootRank = 0
+            pg.broadcast([t], bo).wait()
+        else:
+            so = dist.ScatterOptions()
+            so.rootRank = 0
+            ins = [[torch.zeros(0), torch.zeros(0)]] if rank == 0 else []
+            pg.scatter([t], ins, so).wait()
+        return time.monotonic() - began
+
+    opts = Options(transport=transport, spin_us=0, caller_spin_us=0)
+    took = run_ranks(2, fn, options=opts, timeout_s=30)
+    assert max(took) < 2.0, took  # well inside the group's 20 s timeout

@@ -283,9 +283,13 @@ class Links:
                 raise self.causes.peer_closed(st.peer, what)
             moved = True
             consume(st, n)  # completes, in order, every piece now full
-            if st.index < j:  # the kernel had no more for now
-                st.blocked = True
+            if st.index < j and (st.offset or len(pieces[st.index].view)):
+                st.blocked = True  # the kernel had no more for now
                 break
+            # Else an empty piece is next (a call of no elements: its payload
+            # behind the header): the loop's top completes it now. Marked
+            # blocked, it waited for bytes that never come (only a spin's
+            # next turn, or the next call's bytes, had unblocked it).
         return moved
 
     # ------------------------------------------------------------------ sleeping
