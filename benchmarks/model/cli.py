@@ -1,4 +1,4 @@
-"""``python -m benchmarks.model {measure,fit,fit-wake,check,plan,predict}``: its commands.
+"""``python -m benchmarks.model {measure,fit,fit-wake,fit-dedicated,check,...}``: its commands.
 
 - ``measure``: the 2-rank sweeps per link kind, then ``fit``; writes
   ``measurements.json`` and ``links.json`` in ``--out``.
@@ -8,8 +8,15 @@
   blocks) and, from rows a loaded machine recorded, ``load`` (a spinning
   hop's wait for other jobs' threads) fitted from cluster rows below 1 MiB,
   added to ``--links`` and saved to ``--out``.
-- ``held-out A.json B.json ... [--rooted R.json ...]``: ``fit-wake`` on each
-  layout's runs, ``check`` of the other's rows, both ways; each rooted run
+- ``fit-dedicated CLUSTER.json ...``: gloo's cost per call (split off its
+  alphas per message) and entrenar's per queued frame (a star's root takes
+  its peers' frames one after another) fitted from cluster rows below 1 MiB
+  whose ranks have a core each (``dedicated.py``), added to ``--links`` and
+  saved to ``--out``.
+- ``held-out A.json B.json ... [--also C.json ...] [--rooted R.json ...]``:
+  ``fit-wake`` (ranks sharing cores) or ``fit-dedicated`` (a core per rank)
+  on each layout's runs, ``check`` of the other's rows and of ``--also``'s
+  (a third layout), both ways; each rooted run
   with the turn fitted on the rooted runs of the other layouts (e.g. 2 x 2,
   4 x 2 and 8 x 1: ``held_out.py``); ``--median-of-runs``: each layout's
   rows the median over its runs, one row per (variant, size).
@@ -43,6 +50,7 @@ from pathlib import Path
 from benchmarks.model import (
     check,
     costs,
+    dedicated,
     fit,
     flat,
     held_out,
@@ -98,6 +106,14 @@ def cmd_fit_wake(args: argparse.Namespace) -> None:
     _print_links(table)
 
 
+def cmd_fit_dedicated(args: argparse.Namespace) -> None:
+    runs = [json.loads(Path(p).read_text()) for p in args.cluster]
+    table = dedicated.fit_dedicated(runs, _links(args.links))
+    table.meta["dedicated_fitted_from"] = [Path(p).name for p in args.cluster]
+    table.save(Path(args.out))
+    _print_links(table)
+
+
 def _print_links(table: LinkTable) -> None:
     worst = table.meta.get("worst_relative_residual", {})
     print("| kind | alpha | beta | 1/beta | worst residual |\n|---|---|---|---|---|")
@@ -122,7 +138,8 @@ def cmd_held_out(args: argparse.Namespace) -> None:
     runs = [held_out.load(p) for p in args.cluster]
     if args.median_of_runs:
         runs = held_out.median_over_runs(runs)
-    directions = held_out.held_out(runs, _links(args.links), use_load=not args.no_load)
+    also = [held_out.load(p) for p in args.also]
+    directions = held_out.held_out(runs, _links(args.links), not args.no_load, also)
     print(held_out.report(directions, [held_out.load(p) for p in args.rooted]))
     if args.plot:
         rows = [c for d in directions for c in d.checked]
@@ -220,6 +237,12 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("cluster", nargs="+")
     w.add_argument("--links", help="the table to add it to (default: the committed one)")
     w.add_argument("--out", default=str(FITTED))
+    d = sub.add_parser(
+        "fit-dedicated", help="fit the cost per call and per queued frame (a core per rank)"
+    )
+    d.add_argument("cluster", nargs="+")
+    d.add_argument("--links", help="the 2-rank sweeps' table to add them to")
+    d.add_argument("--out", required=True)
     k = sub.add_parser("check", help="predicted against measured cluster rows")
     k.add_argument("cluster", nargs="+")
     k.add_argument("--links")
@@ -229,6 +252,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ho = sub.add_parser("held-out", help="fit the wake-ups on one layout, check the other")
     ho.add_argument("cluster", nargs="+", help="cluster.json files of two layouts (H x L)")
+    ho.add_argument(
+        "--also", nargs="*", default=[], help="cluster.json files of other layouts, checked only"
+    )
     ho.add_argument("--rooted", nargs="*", default=[], help="measure-rooted JSON files")
     ho.add_argument("--links", help="the links (default: the committed table)")
     ho.add_argument(
@@ -272,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "measure": cmd_measure,
         "fit": cmd_fit,
         "fit-wake": cmd_fit_wake,
+        "fit-dedicated": cmd_fit_dedicated,
         "held-out": cmd_held_out,
         "plan": cmd_plan,
         "predict": cmd_predict,

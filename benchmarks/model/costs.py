@@ -31,17 +31,20 @@ not).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from benchmarks.model.links import (
+    GLOO_CALL,
     GLOO_LOOPBACK,
     GLOO_NET,
     GLOO_WAKE,
     LOAD,
     LOOPBACK,
     NET,
+    QUEUED_FRAME,
     REDUCE,
     SHM,
     SLOTS,
@@ -86,6 +89,13 @@ class Fabric:
     hop, k/2 for a symmetric round). gloo blocks (an epoll thread and a condition
     variable per message, gloo/transport/tcp): the others sleep, and a hop
     pays one wake-up of a sleeping thread, whatever the number of ranks.
+
+    ``call``: the kind whose alpha a call pays once, besides its messages'
+    alphas (gloo: its work handed to a thread and waited for); ``queued``: the
+    kind whose alpha a frame costs that the busiest rank of a hop handles
+    after another one (``Phase.queued``: a star's root takes its N-1 peers'
+    frames one after another). Each is charged only where fitted
+    (``dedicated.py``: from rows with a core per rank).
     """
 
     intra: str
@@ -93,11 +103,32 @@ class Fabric:
     reduce: str | None  # None: the implementation's betas include its sums (gloo)
     wake: str = WAKE
     spins: bool = True
+    call: str | None = None
+    queued: str | None = None
+
+    def call_s(self, links: LinkTable) -> float:
+        """Seconds a call pays once (0 where ``call`` is not fitted)."""
+        if self.call is None or self.call not in links.params:
+            return 0.0
+        return links[self.call].alpha
+
+    def queued_s(self, links: LinkTable) -> float:
+        """Seconds per queued frame (0 where ``queued`` is not fitted)."""
+        if self.queued is None or self.queued not in links.params:
+            return 0.0
+        return links[self.queued].alpha
 
 
-ENTRENAR = Fabric(intra=SHM, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=auto
-ENTRENAR_TCP = Fabric(intra=LOOPBACK, inter=NET, reduce=REDUCE)  # ENTRENAR_TRANSPORT=tcp
-GLOO = Fabric(intra=GLOO_LOOPBACK, inter=GLOO_NET, reduce=None, wake=GLOO_WAKE, spins=False)
+ENTRENAR = Fabric(intra=SHM, inter=NET, reduce=REDUCE, queued=QUEUED_FRAME)  # TRANSPORT=auto
+ENTRENAR_TCP = Fabric(intra=LOOPBACK, inter=NET, reduce=REDUCE, queued=QUEUED_FRAME)  # =tcp
+GLOO = Fabric(
+    intra=GLOO_LOOPBACK,
+    inter=GLOO_NET,
+    reduce=None,
+    wake=GLOO_WAKE,
+    spins=False,
+    call=GLOO_CALL,
+)
 
 
 @dataclass(frozen=True)
@@ -115,8 +146,16 @@ class Phase:
     # Messages a rank keeps in flight per hop (gloo's ring: two segments,
     # gloo/allreduce.cc); a blocking wait overlaps only the others' bytes.
     in_flight: float = 1.0
+    # Frames the busiest rank handles one after another beyond one per hop (a hop
+    # from one rank to one other is what a 2-rank sweep's alpha measured): a star's
+    # root takes N-1 frames in and sends N-1 out, 2(N-2) queued. That rank's CPU is
+    # a resource of the phase like a link (``time``: the longer of the two), since
+    # it handles one frame while the link carries the next (``Fabric.queued``).
+    queued: float = 0.0
 
-    def time(self, links: LinkTable, waits: float = 0.0, blocking: bool = False) -> float:
+    def time(
+        self, links: LinkTable, waits: float = 0.0, blocking: bool = False, frame_s: float = 0.0
+    ) -> float:
         """Seconds: the alphas, then the bytes or ``waits`` (the hops' waits to be
         scheduled, ``Conditions``), whichever is longer.
 
@@ -131,10 +170,13 @@ class Phase:
         206 with this; docs/benchmarks.md, "The rooted ops' own turn".) A
         ``blocking`` one (gloo) sleeps until its message has arrived and only
         then waits to be woken: the wait overlaps the other messages in
-        flight, not its own (``in_flight`` 2: half the bytes)."""
+        flight, not its own (``in_flight`` 2: half the bytes). ``frame_s``: seconds
+        per queued frame (``Fabric.queued_s``); the busiest rank's queued frames
+        take their time while the links carry the bytes, so the longer of the two
+        counts (the frames both ways already: no pipeline fill)."""
         lat = max((n * links[k].alpha for k, n in self.messages.items()), default=0.0)
         bw = max((b * links[k].beta for k, b in self.nbytes.items()), default=0.0)
-        bw *= 1 + self.fill
+        bw = max(bw * (1 + self.fill), self.queued * frame_s)
         if waits <= 0:
             return lat + bw
         if blocking:
@@ -156,8 +198,7 @@ class Phase:
                 taken = min(free, nbytes[kind])
                 nbytes[kind] -= taken
                 free -= taken
-        kept = Phase(self.name, self.messages, nbytes, self.fill, self.symmetric, self.in_flight)
-        return kept, free
+        return dataclasses.replace(self, nbytes=nbytes), free
 
 
 @dataclass(frozen=True)
@@ -253,14 +294,18 @@ def total_time(
 
     On a token-bucket link (``where.free_net_bytes``) a loop of calls is
     bound by the link's rate: never below the call's host-link bytes x beta.
+    Where fitted, the fabric's cost per call (``Fabric.call``) comes on top, and
+    its queued frames (``Fabric.queued``) beside each phase's bytes.
     """
-    free, seconds, link_bytes = where.free_net_bytes, 0.0, 0.0
+    free, link_bytes = where.free_net_bytes, 0.0
+    seconds = fabric.call_s(links) if phases else 0.0
     for phase in phases:
         link_bytes += phase.nbytes.get(fabric.inter, 0.0)
         if free > 0:
             phase, free = phase.charged_after(free)
         wait = hop_wait(links, where, fabric, phase.symmetric)
-        seconds += phase.time(links, wait * phase.hops(), blocking=not fabric.spins)
+        blocking = not fabric.spins
+        seconds += phase.time(links, wait * phase.hops(), blocking, fabric.queued_s(links))
     if where.free_net_bytes > 0 and where.back_to_back and link_bytes > 0:
         seconds = max(seconds, link_bytes * links[fabric.inter].beta)
     return seconds
@@ -317,7 +362,9 @@ def star(shape: Shape, fabric: Fabric) -> list[Phase]:
     have it and sends it straight back: 2 messages in sequence. Rank 0's
     host link carries (H-1) x L x S in and as much out (full duplex, at once
     but for the last segment: x (1 + 1/segments)); rank 0 itself moves
-    (L-1) x S over its local links and combines (N-1) x S.
+    (L-1) x S over its local links and combines (N-1) x S. Frames: rank 0
+    takes N-1 in and sends N-1 out, 2(N-2) queued beyond a 2-rank hop's
+    (per call: a larger S's further segments are the bytes' time).
     """
     n, s = shape.world, shape.nbytes
     if n == 1:
@@ -330,7 +377,7 @@ def star(shape: Shape, fabric: Fabric) -> list[Phase]:
         nbytes[fabric.inter] = (shape.hosts - 1) * shape.local * s
     used = _kinds_used(shape, fabric)
     nbytes = _with_reduce(fabric, nbytes, (n - 1) * s)
-    return [Phase("star", {k: 2 for k in used}, nbytes, fill)]
+    return [Phase("star", {k: 2 for k in used}, nbytes, fill, queued=2 * (n - 2))]
 
 
 def doubling_rounds(shape: Shape) -> tuple[int, int]:
@@ -372,7 +419,8 @@ def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
     Steps: 1 message in sequence, then each rank combines the N inputs.
     Bytes: each host link carries L x (H-1) x L x S per direction (its L
     ranks to every rank elsewhere); each rank moves (L-1) x S over its
-    local links; each rank combines (N-1) x S after all arrived.
+    local links; each rank combines (N-1) x S after all arrived. Frames:
+    each rank sends N-1 and takes N-1, 2(N-2) queued.
     """
     n, s = shape.world, shape.nbytes
     if n == 1:
@@ -383,7 +431,7 @@ def direct(shape: Shape, fabric: Fabric) -> list[Phase]:
     if shape.hosts > 1:
         nbytes[fabric.inter] = (shape.hosts - 1) * shape.local**2 * s
     used = _kinds_used(shape, fabric)
-    exchange = Phase("direct", {k: 1 for k in used}, nbytes, symmetric=True)
+    exchange = Phase("direct", {k: 1 for k in used}, nbytes, symmetric=True, queued=2 * (n - 2))
     return [exchange, *_reduce_phase("direct-combine", fabric, (n - 1) * s)]
 
 
@@ -496,7 +544,7 @@ def _to_leader(shape: Shape, fabric: Fabric) -> list[Phase]:
     if local == 1:
         return []
     nbytes = _with_reduce(fabric, {fabric.intra: (local - 1) * s}, (local - 1) * s)
-    return [Phase("to leader", {fabric.intra: 1}, nbytes)]
+    return [Phase("to leader", {fabric.intra: 1}, nbytes, queued=local - 2)]
 
 
 def _from_leader(shape: Shape, fabric: Fabric) -> list[Phase]:
@@ -504,7 +552,8 @@ def _from_leader(shape: Shape, fabric: Fabric) -> list[Phase]:
     local, s = shape.local, shape.nbytes
     if local == 1:
         return []
-    return [Phase("from leader", {fabric.intra: 1}, {fabric.intra: (local - 1) * s})]
+    out = {fabric.intra: (local - 1) * s}
+    return [Phase("from leader", {fabric.intra: 1}, out, queued=local - 2)]
 
 
 def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
@@ -515,7 +564,8 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
     exchange (1 cross-host message in sequence; each leader sends S to each
     other leader: (H-1) x S per host link per direction), then each leader
     combines the (H-1) x S it received; the leader's result back to its
-    L-1 ranks ((L-1) x S out). From 8 hosts, where the code exchanges by
+    L-1 ranks ((L-1) x S out). Frames queued at a leader: L-2 in, 2(H-2) in
+    the exchange, L-2 out (``Phase.queued``). From 8 hosts, where the code exchanges by
     recursive doubling among the leaders (``hierarchical.leaders_doubling``:
     the direct exchange's bytes cost more than the hops saved), the
     doubling's rounds instead (``leaders_doubling``).
@@ -525,7 +575,8 @@ def host_leaders(shape: Shape, fabric: Fabric) -> list[Phase]:
     h, s = shape.hosts, shape.nbytes
     phases = _to_leader(shape, fabric)
     if h > 1:
-        phases.append(Phase("leaders' exchange", {fabric.inter: 1}, {fabric.inter: (h - 1) * s}))
+        exchange = {fabric.inter: (h - 1) * s}
+        phases.append(Phase("leaders' exchange", {fabric.inter: 1}, exchange, queued=2 * (h - 2)))
         phases += _reduce_phase("leaders' combine", fabric, (h - 1) * s)
     return phases + _from_leader(shape, fabric)
 

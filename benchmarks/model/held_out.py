@@ -1,10 +1,13 @@
-"""Held out: the wake-up alphas fitted on one layout's runs, every row of the other checked.
+"""Held out: the fitted terms from one layout's runs, every row of the other checked.
 
-``python -m benchmarks.model held-out A.json B.json ... [--rooted R.json ...]``:
-the runs (``cluster.json``) grouped by layout (H x L; two layouts);
-``wake.fit_wake`` on one layout's runs (``WAKE``, ``GLOO_WAKE`` and, where
-a run recorded a loaded machine, ``LOAD``), ``check`` on every run of the
-other, then the other way round; each ``measure-rooted`` file is predicted with the
+``python -m benchmarks.model held-out A.json B.json ... [--also C.json ...]
+[--rooted R.json ...]``: the runs (``cluster.json``) grouped by layout (H x L;
+two layouts); ``fit_layout`` on one layout's runs (where its ranks share
+cores ``wake.fit_wake``: ``WAKE``, ``GLOO_WAKE`` and, where a run recorded a
+loaded machine, ``LOAD``; where they have a core each
+``dedicated.fit_dedicated``: ``GLOO_CALL`` and ``QUEUED_FRAME``), ``check`` on
+every run of the other and on the ``--also`` runs (a third layout, fitted on
+by neither direction), then the other way round; each ``measure-rooted`` file is predicted with the
 turn (``WAKE``) fitted on the ``measure-rooted`` files of the *other* layouts
 (``wake.fit_rooted_wake``: a barrier's turn is not an allreduce's), the rest of
 the table from the other layout's cluster runs, and beside it with the cluster
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.model import check, rooted, rooted_measure, wake
-from benchmarks.model.links import GLOO_WAKE, LOAD, WAKE, LinkTable
+from benchmarks.model import check, costs, dedicated, rooted, rooted_measure, wake
+from benchmarks.model.links import GLOO_CALL, GLOO_WAKE, LOAD, QUEUED_FRAME, WAKE, LinkTable
 from benchmarks.sizes import format_bytes
 
 
@@ -74,24 +77,45 @@ def without_load(run: dict[str, Any]) -> dict[str, Any]:
     return {**run, "meta": meta, "rows": rows}
 
 
+def fit_layout(runs: Sequence[dict[str, Any]], links: LinkTable) -> LinkTable:
+    """``links`` with the terms one layout's ``runs`` fit: from rows whose ranks have a
+    core each ``dedicated.fit_dedicated``'s (gloo's cost per call, entrenar's queued
+    frames), then from rows whose ranks share cores ``wake.fit_wake``'s."""
+    own, shared = dedicated.has_own_cores(runs), wake.shares_cores(runs)
+    if not own and not shared:
+        raise ValueError("no row below 1 MiB to fit the call's terms or the wake-ups on")
+    table = dedicated.fit_dedicated(runs, links) if own else links
+    return wake.fit_wake(runs, table) if shared else table
+
+
 def held_out(
-    runs: Sequence[dict[str, Any]], links: LinkTable, use_load: bool = True
+    runs: Sequence[dict[str, Any]],
+    links: LinkTable,
+    use_load: bool = True,
+    also: Sequence[dict[str, Any]] = (),
 ) -> list[Direction]:
-    """The runs of two layouts: fit on each layout's runs, check the other's
-    (``use_load`` False: every row as if no load was recorded, no load term)."""
+    """The runs of two layouts: fit on each layout's runs, check the other's and
+    the runs ``also`` (of other layouts, fitted on neither) (``use_load`` False:
+    every row as if no load was recorded, no load term)."""
     by_layout: dict[tuple[int, int], list[tuple[str, dict[str, Any]]]] = {}
     for run in runs:  # each run's heading says its load, even where the model ignores it
-        used = run if use_load else without_load(run)
-        by_layout.setdefault(layout(run), []).append((when(run), used))
+        by_layout.setdefault(layout(run), []).append((when(run), _used(run, use_load)))
     if len(by_layout) != 2:
         raise ValueError(f"runs of two layouts expected, got {sorted(by_layout)}")
+    if any(layout(run) in by_layout for run in also):
+        raise ValueError("a run checked beside both directions is of a layout fitted on")
+    extra = [(when(run), _used(run, use_load)) for run in also]
     first, second = by_layout
     out = []
     for fit_on, check_on in ((first, second), (second, first)):
-        table = wake.fit_wake([r for _, r in by_layout[fit_on]], links)
-        per_run = [(w, check.check([r], table)) for w, r in by_layout[check_on]]
+        table = fit_layout([r for _, r in by_layout[fit_on]], links)
+        per_run = [(w, check.check([r], table)) for w, r in [*by_layout[check_on], *extra]]
         out.append(Direction(fit_on, table, per_run))
     return out
+
+
+def _used(run: dict[str, Any], use_load: bool) -> dict[str, Any]:
+    return run if use_load else without_load(run)
 
 
 def median_over_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,16 +210,35 @@ def rooted_rows(
     return out
 
 
+def fitted_terms(table: LinkTable) -> str:
+    """The terms a layout's runs fitted: the wake-ups where its ranks shared cores,
+    the cost per call and per queued frame where they had a core each."""
+    terms = []
+    if WAKE in table.params:
+        load = table.params.get(LOAD)
+        loaded = f", load {load.alpha * 1e6:.0f} us" if load else ", load not fitted"
+        terms.append(
+            f"wake {table[WAKE].alpha * 1e6:.0f} us, "
+            f"gloo-wake {table[GLOO_WAKE].alpha * 1e6:.0f} us{loaded}"
+        )
+    if GLOO_CALL in table.params:
+        per_message = ", ".join(
+            f"{k} {table[k].alpha * 1e6:.0f} us" for k in (costs.GLOO.intra, costs.GLOO.inter)
+        )
+        terms.append(
+            f"gloo call {table[GLOO_CALL].alpha * 1e6:.0f} us (alpha per message then "
+            f"{per_message})"
+        )
+    if QUEUED_FRAME in table.params:
+        terms.append(f"queued frame {table[QUEUED_FRAME].alpha * 1e6:.1f} us")
+    return "; ".join(terms)
+
+
 def report(directions: Sequence[Direction], rooted_runs: Sequence[dict[str, Any]]) -> str:
     lines = []
     for d in directions:
         h, local = d.fitted_on
-        load = d.table.params.get(LOAD)
-        loaded = f", load {load.alpha * 1e6:.0f} us" if load else ", load not fitted"
-        lines.append(
-            f"\n## fitted on {h} x {local}: wake {d.table[WAKE].alpha * 1e6:.0f} us, "
-            f"gloo-wake {d.table[GLOO_WAKE].alpha * 1e6:.0f} us{loaded}"
-        )
+        lines.append(f"\n## fitted on {h} x {local}: {fitted_terms(d.table)}")
         for started, rows in d.per_run:
             lines.append(f"\n### checked: the run of {started}\n")
             lines.append(check.report(rows))

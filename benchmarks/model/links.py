@@ -35,6 +35,16 @@ GLOO_WAKE = "gloo-wake"
 # cores other processes took, recorded per row by the cluster harness), fitted
 # from loaded cluster rows (wake.py); gloo blocks and pays none. beta unused.
 LOAD = "load"
+# Not links: what a call pays with a core per rank beyond its hops' alphas, fitted
+# from emulated-cluster rows below 1 MiB where every rank has its own core
+# (dedicated.py), beta unused. GLOO_CALL: alpha once per gloo call (its work
+# handed to a thread and waited for), split off the 2-rank sweep's alpha per
+# message, which paid it once per 2 messages. QUEUED_FRAME: alpha per frame that
+# the busiest rank of an entrenar hop handles after another one (a star's root
+# takes its N-1 peers' frames one after another: costs.Phase.queued); a 2-rank
+# sweep's hop has none.
+GLOO_CALL = "gloo-call"
+QUEUED_FRAME = "queued-frame"
 # gloo's kinds (its own software costs over the same wires; its sums are in its betas)
 GLOO_LOOPBACK = "gloo-loopback"
 GLOO_NET = "gloo-net"

@@ -61,10 +61,23 @@ def _best_alpha(error_of: Callable[[LinkTable], float], base: LinkTable, kind: s
         params = {**base.params, kind: LinkParams(float(alpha), 0.0)}
         return error_of(LinkTable(params, base.meta))
 
-    coarse = np.arange(0.0, MAX_WAKE_S + _COARSE_S, _COARSE_S)
+    return best_seconds(error, MAX_WAKE_S)
+
+
+def best_seconds(error: Callable[[float], float], upper: float) -> float:
+    """The seconds in [0, ``upper``] where ``error`` is least: a grid of ``_COARSE_S``,
+    then a finer one of ``_FINE_S`` around its best (the middle of a flat minimum)."""
+    coarse = np.arange(0.0, upper + _COARSE_S, _COARSE_S)
+    coarse = coarse[coarse <= upper]
     best = _middle_of_minimum(coarse, [error(a) for a in coarse])
-    fine = np.arange(max(0.0, best - _COARSE_S), best + _COARSE_S, _FINE_S)
+    fine = np.arange(max(0.0, best - _COARSE_S), min(upper, best + _COARSE_S), _FINE_S)
     return _middle_of_minimum(fine, [error(a) for a in fine])
+
+
+def shares_cores(runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``runs`` have a row below 1 MiB whose ranks share cores (``fit_wake``'s)."""
+    by_kind = _fit_rows(runs)
+    return bool(by_kind[WAKE] or by_kind[GLOO_WAKE])
 
 
 def _middle_of_minimum(grid: np.ndarray, errors: list[float]) -> float:
