@@ -45,7 +45,9 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks.model import (
     check,
@@ -99,17 +101,23 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
 
 def cmd_fit_wake(args: argparse.Namespace) -> None:
-    runs = [json.loads(Path(p).read_text()) for p in args.cluster]
-    table = wake.fit_wake(runs, _links(args.links))
-    table.meta["wake_fitted_from"] = [Path(p).name for p in args.cluster]
-    table.save(Path(args.out))
-    _print_links(table)
+    _fit_from_cluster(args, wake.fit_wake, "wake_fitted_from")
 
 
 def cmd_fit_dedicated(args: argparse.Namespace) -> None:
+    _fit_from_cluster(args, dedicated.fit_dedicated, "dedicated_fitted_from")
+
+
+def _fit_from_cluster(
+    args: argparse.Namespace,
+    fit_terms: Callable[[Sequence[dict[str, Any]], LinkTable], LinkTable],
+    meta_key: str,
+) -> None:
+    """``fit_terms`` on the cluster runs ``args.cluster``, added to ``--links``;
+    the table saved to ``--out`` (its ``meta_key`` names the runs) and printed."""
     runs = [json.loads(Path(p).read_text()) for p in args.cluster]
-    table = dedicated.fit_dedicated(runs, _links(args.links))
-    table.meta["dedicated_fitted_from"] = [Path(p).name for p in args.cluster]
+    table = fit_terms(runs, _links(args.links))
+    table.meta[meta_key] = [Path(p).name for p in args.cluster]
     table.save(Path(args.out))
     _print_links(table)
 
