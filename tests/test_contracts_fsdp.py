@@ -10,6 +10,8 @@ ENTRENAR_CHECK=1, entrenar backend, CPU, spawned ranks, a tiny model, 4 steps.
 - HSDP at N = 4 (2 replicas x 2 shards): the ranks holding the same shard
   compare it after every step (C-DDP-001 along the replicate dimension); one
   replica's shard perturbed after step k is caught at step k.
+- DDP at N = 3 with a checked subgroup of ranks 0 and 2 (a metrics group):
+  the ranks check different sets of groups, and still make the same jobs.
 """
 
 from __future__ import annotations
@@ -206,3 +208,94 @@ def test_hsdp_replicas_compared_after_every_step(tmp_path: Any) -> None:
         if rank in (1, 3):  # the replicate group holding the perturbed shard
             assert f"C-DDP-001 violated after optimizer step {K}" in msg, msg
             assert "diverged" in msg, msg
+
+
+# ----------------------------------------------------------------------------- DDP + a subgroup
+
+
+class SubgroupFault:
+    """Test double of a faulty algorithm: corrupts the last rank's output of the
+    subgroup's allreduce (the group of two) after optimizer step ``at``."""
+
+    def __init__(self, job: Any, at: int | None) -> None:
+        self.job, self.at = job, at
+        self.step = 0
+
+    def __call__(self, ctx: Any, req: Any, hosts: list[list[torch.Tensor]]) -> None:
+        self.job(ctx, req, hosts)
+        if self.step == self.at and ctx.world == 2 and ctx.rank == 1:
+            hosts[0][0].add_(1000.0)
+
+
+def _subgroup_worker(rank: int, world: int, fault_at: int | None, out_dir: str) -> None:
+    """DDP on the checked default group, and the losses averaged in a checked
+    subgroup of the first and the last rank after each step (a metrics group):
+    the ranks check different sets of groups."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["ENTRENAR_CHECK"] = "1"
+    import entrenar_pg
+    from entrenar_pg.call import requests as rq
+    from entrenar_pg.runtime import jobs
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("entrenar", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    metrics = dist.new_group([0, world - 1])  # entrenar and checked, as the default group
+    member = rank in (0, world - 1)
+    fault = SubgroupFault(jobs.JOBS[rq.Allreduce], fault_at)
+    jobs.JOBS[rq.Allreduce] = fault
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    at, msg = -1, "no violation"
+    try:
+        for step in range(1, STEPS + 1):
+            fault.step = step
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            ((model(x) - y) ** 2).mean().backward()
+            at = step
+            opt.step()
+            opt.zero_grad()
+            if member:
+                loss = torch.ones(1)
+                dist.all_reduce(loss, group=metrics)
+        at = -1
+    except entrenar_pg.ContractViolation as e:
+        msg = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"at={at}\nmsg={msg.replace(chr(10), ' ')}")
+    if at == -1:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault_at", [None, K])
+def test_ddp_with_a_checked_subgroup_of_some_ranks(tmp_path: Any, fault_at: int | None) -> None:
+    """Rank 1 checks only the default group, ranks 0 and 2 a subgroup too. Clean:
+    no rank raises. Before the fix rank 0 judged each step in a job of its own
+    while rank 1 deferred it to its next job, and the default group failed with
+    a CollectiveMismatchError at the first step. With the subgroup's allreduce
+    corrupted on rank 2 after step K: judged at step K + 1 in the subgroup, and
+    every rank halts there, rank 1 told by the default group's exchange (which
+    every rank makes at the step from the second step on: the first step's
+    exchange tells every rank that some rank checks another group)."""
+    spawn_ranks(3, _subgroup_worker, fault_at, str(tmp_path), timeout_s=120)
+    got = [
+        dict(line.split("=", 1) for line in (tmp_path / f"rank{r}.txt").read_text().splitlines())
+        for r in range(3)
+    ]
+    if fault_at is None:
+        assert [g["at"] for g in got] == ["-1"] * 3, got
+        return
+    for rank, g in enumerate(got):
+        assert g["at"] == str(K + 1), (rank, g)
+        if rank == 1:  # the reporters, by global rank
+            assert (
+                f"violated at optimizer step {K + 1} in another group of rank(s) [0, 2]"
+                in (g["msg"])
+            ), g
+        else:  # two ranks' outputs differ: either may be the wrong one
+            assert "C-RING-001 violated at allreduce" in g["msg"], g
+            assert "[offending rank(s): [0, 1]]" in g["msg"], g

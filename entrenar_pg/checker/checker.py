@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 import time
 from array import array
@@ -56,8 +57,9 @@ FLUSH_EVERY = 64  # records pending at most between optimizer steps
 # group of this rank found a violation at this step (1 + its culprit's global
 # rank, or -1 for no single culprit; 0: none), so every rank of the default
 # group raises it.
-_P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP, _P_ELSEWHERE = range(6)
-_NO_PARAMETERS = [0, 0, 0, 0, 0, 0]
+_P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP, _P_ELSEWHERE, _P_OTHERS = range(7)
+_NO_PARAMETERS = [0, 0, 0, 0, 0, 0, 0]
+_OTHERS_OF = operator.itemgetter(_P_OTHERS)  # no generator frame in a step's path
 # aux field of the CHECK header: a step's batch and a batch between steps
 # can't be confused.
 _AUX_BATCH = 1
@@ -157,6 +159,12 @@ class ContractChecker:
         # next step's pre-hook (set and taken in the group's jobs, so the same
         # on every rank).
         self._due: list[int] | None = None
+        # Whether some rank checks other groups too, as the last step's exchange
+        # said: the same on every rank, unlike a rank's own groups (a subgroup of
+        # some ranks). A violation in another group while the step is deferred
+        # is raised when the exchange tells every rank (``_account``).
+        self.others = False
+        self._account: ContractViolation | None = None
         # Deferred steps marked in issue order, (seq, parameter record): the step
         # comes after job ``seq`` and before the next, on every rank alike. The
         # post-hook appends (``mark_issue``); the group's next job applies it
@@ -252,18 +260,15 @@ class ContractChecker:
             self._count(judge.collective([row[at:end] for row in rows]))
             at = end
         steps = [row[: len(parameters)] for row in rows]
+        if aux == _AUX_STEP:
+            self.others = any(map(_OTHERS_OF, steps))
         if parameters[_P_HAS]:
             _judge_parameters(call, steps)
             self._count([PARAMETERS_ID])
-        reporters = [r for r, row in enumerate(steps) if row[_P_ELSEWHERE]]
-        if reporters:
-            culprits = sorted({row[_P_ELSEWHERE] - 1 for row in steps if row[_P_ELSEWHERE] > 0})
-            raise ContractViolation(
-                f"rank {call.rank}: a contract was violated at optimizer step {self.step} in "
-                f"another group of rank(s) {reporters} (culprit rank(s) {culprits}); "
-                "halting every rank",
-                culprit=culprits[0] if len(culprits) == 1 else None,
-            )
+        violation = _violated_elsewhere(call.rank, self.step, steps)
+        if violation is not None:
+            account, self._account = self._account, None
+            raise account or violation  # this rank's own, fuller account if it has one
 
     def _catch_up(self, seq: int, call: Call) -> None:
         """In job ``seq``: apply the steps marked before it, in order (``_step``): the
@@ -344,25 +349,16 @@ class ContractChecker:
         group of the process judges its pending records and compares its replicas'
         parameters, in group creation order (the same on every rank)."""
         plan = replicas.by_group(_params(optimizer), self.group)
-        # The other groups first: a violation in one (an HSDP replicate group)
-        # is known to its ranks only; the default group's exchange, last,
-        # tells every rank, so all of them stop at this step.
-        elsewhere: ContractViolation | None = None
         groups = _checked_groups(self.group)
-        for group in groups:
-            if group is self.group:
-                continue
-            try:
-                group.checker._step(plan.get(id(group), (group, []))[1], defer=False)
-            except ContractViolation as e:
-                if elsewhere is None:
-                    elsewhere = e
-                    e.culprit = _global_rank(group, e.culprit)
-            self._absorb(group.checker)
+        elsewhere = _step_other_groups(self, groups, plan)
+        # With other checked groups the default group's exchange, at the step, is
+        # what tells every rank of one group's violation: no deferral, once every
+        # rank knows (a rank's own groups differ where a subgroup has some ranks).
+        if not self.others:
+            self._account = elsewhere
         try:
-            # With other checked groups the default group's exchange, at the
-            # step, is what tells every rank of one group's violation: no deferral.
-            self._step(plan.get(id(self.group), (self.group, []))[1], elsewhere, len(groups) == 1)
+            own = plan.get(id(self.group), (self.group, []))[1]
+            self._step(own, elsewhere, not self.others, others=len(groups) > 1)
         except ContractViolation:
             if elsewhere is not None:
                 raise elsewhere from None  # this rank's own, fuller account
@@ -380,6 +376,7 @@ class ContractChecker:
         tensors: list[torch.Tensor],
         elsewhere: ContractViolation | None = None,
         defer: bool = False,
+        others: bool = False,
     ) -> None:
         """One step: hash the parameters now (as they are after the update), then either
         exchange and judge the step's batch at once, or (``defer``: a step pre-hook
@@ -395,6 +392,7 @@ class ContractChecker:
             if elsewhere is not None:
                 culprit = elsewhere.culprit
                 parameters[_P_ELSEWHERE] = 1 + culprit if culprit is not None else -1
+            parameters[_P_OTHERS] = int(others)
             # A ledger's line needs the step's verdicts at the step.
             if defer and self.defer_steps and getattr(self.group, "ledger", None) is None:
                 # Marked in issue order, no job: the group's next job applies it.
@@ -538,6 +536,42 @@ def _global_rank(group: Any, rank: int | None) -> int | None:
         return int(dist.get_global_rank(group, rank))
     except (RuntimeError, ValueError):  # not a group torch knows
         return rank
+
+
+def _step_other_groups(
+    default: ContractChecker, groups: list[Any], plan: dict[int, tuple[Any, list[torch.Tensor]]]
+) -> ContractViolation | None:
+    """The step of every checked group but the default one (``groups``, in creation
+    order), their verdicts counted as the default checker's; the first violation.
+    Other groups go first: a violation in one (an HSDP replicate group) is known to
+    its ranks only; the default group's exchange, last, tells every rank."""
+    elsewhere: ContractViolation | None = None
+    for group in groups:
+        if group is default.group:
+            continue
+        try:
+            group.checker._step(plan.get(id(group), (group, []))[1], defer=False)
+        except ContractViolation as e:
+            if elsewhere is None:
+                elsewhere = e
+                e.culprit = _global_rank(group, e.culprit)
+        default._absorb(group.checker)
+    return elsewhere
+
+
+def _violated_elsewhere(rank: int, step: int, steps: list[list[int]]) -> ContractViolation | None:
+    """The violation that the exchanged parameter records ``steps`` report in
+    another group (``_P_ELSEWHERE``), if any: every rank raises it."""
+    reporters = [r for r, row in enumerate(steps) if row[_P_ELSEWHERE]]
+    if not reporters:
+        return None
+    culprits = sorted({row[_P_ELSEWHERE] - 1 for row in steps if row[_P_ELSEWHERE] > 0})
+    return ContractViolation(
+        f"rank {rank}: a contract was violated at optimizer step {step} in "
+        f"another group of rank(s) {reporters} (culprit rank(s) {culprits}); "
+        "halting every rank",
+        culprit=culprits[0] if len(culprits) == 1 else None,
+    )
 
 
 def _checked_groups(default: Any) -> list[Any]:
