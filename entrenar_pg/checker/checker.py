@@ -56,7 +56,8 @@ FLUSH_EVERY = 64  # records pending at most between optimizer steps
 # step, their hash, count, bytes and the step number; and whether another
 # group of this rank found a violation at this step (1 + its culprit's global
 # rank, or -1 for no single culprit; 0: none), so every rank of the default
-# group raises it.
+# group raises it; and whether this rank checks other groups (1) at all, so
+# every rank of the group defers its next step alike (``after_optimizer_step``).
 _P_HAS, _P_HASH, _P_COUNT, _P_BYTES, _P_STEP, _P_ELSEWHERE, _P_OTHERS = range(7)
 _NO_PARAMETERS = [0, 0, 0, 0, 0, 0, 0]
 _OTHERS_OF = operator.itemgetter(_P_OTHERS)  # no generator frame in a step's path
