@@ -162,9 +162,9 @@ class ContractChecker:
         self._due: list[int] | None = None
         # Whether some rank checks other groups too, as the last step's exchange
         # said: the same on every rank, unlike a rank's own groups (a subgroup of
-        # some ranks). A violation in another group while the step is deferred
-        # is raised when the exchange tells every rank (``_account``).
-        self.others = False
+        # some ranks). This rank's account of a violation in another group, for
+        # the exchange that tells every rank to raise (``_account``).
+        self._others_checked = False
         self._account: ContractViolation | None = None
         # Deferred steps marked in issue order, (seq, parameter record): the step
         # comes after job ``seq`` and before the next, on every rank alike. The
@@ -262,7 +262,7 @@ class ContractChecker:
             at = end
         steps = [row[: len(parameters)] for row in rows]
         if aux == _AUX_STEP:
-            self.others = any(map(_OTHERS_OF, steps))
+            self._others_checked = any(map(_OTHERS_OF, steps))
         if parameters[_P_HAS]:
             _judge_parameters(call, steps)
             self._count([PARAMETERS_ID])
@@ -355,11 +355,10 @@ class ContractChecker:
         # With other checked groups the default group's exchange, at the step, is
         # what tells every rank of one group's violation: no deferral, once every
         # rank knows (a rank's own groups differ where a subgroup has some ranks).
-        if not self.others:
-            self._account = elsewhere
+        self._account = elsewhere
         try:
             own = plan.get(id(self.group), (self.group, []))[1]
-            self._step(own, elsewhere, not self.others, others=len(groups) > 1)
+            self._step(own, elsewhere, not self._others_checked, others=len(groups) > 1)
         except ContractViolation:
             if elsewhere is not None:
                 raise elsewhere from None  # this rank's own, fuller account
