@@ -162,8 +162,8 @@ class ContractChecker:
         self._due: list[int] | None = None
         # Whether some rank checks other groups too, as the last step's exchange
         # said: the same on every rank, unlike a rank's own groups (a subgroup of
-        # some ranks). This rank's account of a violation in another group, for
-        # the exchange that tells every rank to raise (``_account``).
+        # some ranks). This rank's account of a violation in another group while
+        # its step is deferred: raised in the pre-hook whose exchange tells all.
         self._others_checked = False
         self._account: ContractViolation | None = None
         # Deferred steps marked in issue order, (seq, parameter record): the step
@@ -267,9 +267,8 @@ class ContractChecker:
             _judge_parameters(call, steps)
             self._count([PARAMETERS_ID])
         violation = _violated_elsewhere(call.rank, self.step, steps)
-        if violation is not None:
-            account, self._account = self._account, None
-            raise account or violation  # this rank's own, fuller account if it has one
+        if violation is not None:  # the same on every rank (an account is the caller's)
+            raise violation
 
     def _catch_up(self, seq: int, call: Call) -> None:
         """In job ``seq``: apply the steps marked before it, in order (``_step``): the
@@ -341,6 +340,11 @@ class ContractChecker:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             self.flush()
+        except ContractViolation:
+            account, self._account = self._account, None
+            if account is None:
+                raise
+            raise account from None  # this rank's own, fuller account (a deferred step's)
         finally:
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu
@@ -355,7 +359,7 @@ class ContractChecker:
         # With other checked groups the default group's exchange, at the step, is
         # what tells every rank of one group's violation: no deferral, once every
         # rank knows (a rank's own groups differ where a subgroup has some ranks).
-        self._account = elsewhere
+        self._account = None if self._others_checked else elsewhere  # deferred: see the pre-hook
         try:
             own = plan.get(id(self.group), (self.group, []))[1]
             self._step(own, elsewhere, not self._others_checked, others=len(groups) > 1)
