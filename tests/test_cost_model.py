@@ -25,6 +25,7 @@ from benchmarks.model.links import (
     LinkTable,
 )
 from entrenar_pg.collectives import hierarchical
+from entrenar_pg.collectives.common import chunk_bounds
 from entrenar_pg.collectives.policy import choose
 from entrenar_pg.config import Options
 from entrenar_pg.transport.topology import Topology
@@ -87,14 +88,17 @@ def test_host_link_bytes(h: int, local: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("s", "pieces"), [(1 << 20, 1), (8 << 20, 2), (20 << 20, 5), (1 << 30, hierarchical.MAX_PIECES)]
+    ("s", "count", "pieces"),
+    [(1 << 20, 1, 1), (8 << 20, 2, 2), (20 << 20, 5, 9), (1 << 30, hierarchical.MAX_PIECES, 20)],
 )
-def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
-    """The slices' plans: PIECE_BYTES pieces (at most MAX_PIECES), count + 2 plans pipelined;
-    every piece's cross-host rings pay their 2(H-1) steps again, one piece's rings only once;
-    the local passes: L-1 steps of (L-1)/L x piece each, reduce-scatter then all-gather."""
+def test_host_slices_run_in_the_codes_pieces(s: int, count: int, pieces: int) -> None:
+    """The slices' stages: PIECE_BYTES pieces (at most MAX_PIECES), the first and last cut
+    again from 4 pieces (``piece_bounds``), pieces + 2 stages pipelined; every piece's
+    cross-host rings pay their 2(H-1) steps again, one piece's rings only once; the local
+    passes: L-1 steps of (L-1)/L x piece each, reduce-scatter then all-gather."""
     h, local = 4, 8
     shape = costs.Shape(h, local, s)
+    assert hierarchical.piece_count(s, h) == count
     phases = costs.host_slices(shape, costs.ENTRENAR)
     assert len(phases) == pieces + 2
     assert sum(p.messages.get(NET, 0) for p in phases) == pieces * 2 * (h - 1)
@@ -102,16 +106,35 @@ def test_host_slices_run_in_the_codes_pieces(s: int, pieces: int) -> None:
     assert [p.messages.get(NET, 0) for p in one] == [0, 2 * (h - 1), 0]
     local_bytes = sum(p.nbytes.get(SHM, 0) for p in phases)
     assert local_bytes == pytest.approx(2 * (local - 1) / local * s)  # over the byte rings
+    assert sum(p.nbytes.get(NET, 0) for p in phases) == pytest.approx(2 * (h - 1) / h * s)
     assert {p.messages[SHM] for p in phases if SHM in p.messages} == {local - 1}
-    # the plans overlap local and cross-host work: less than the pieces one after the other
-    alone = costs.Shape(h, local, s // pieces)
-    one_by_one = pieces * costs.total_time(
+    # the stages overlap local and cross-host work: less than the pieces one after the other
+    alone = costs.Shape(h, local, s // count)
+    one_by_one = count * costs.total_time(
         costs.host_slices_one_piece(alone, costs.ENTRENAR), LINKS
     )
-    if pieces > 1:
+    if count > 1:
         assert costs.total_time(phases, LINKS) < one_by_one
 
 
+@pytest.mark.parametrize("numel", [0, 3, 4, 1000, 4096 * 16 + 7, (64 << 20) // 4])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 16])
+def test_piece_bounds_cover_the_buffer_with_small_ends(numel: int, count: int) -> None:
+    """The host slices' pieces tile [0, numel) in order; below 4 pieces they are
+    ``chunk_bounds``'s; from 4 the first and last piece are cut into a quarter, a
+    quarter and a half (what the link waits for before the first byte crosses and
+    after the last), the pieces between whole."""
+    bounds = hierarchical.piece_bounds(numel, count)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    if count < 4:
+        assert bounds == chunk_bounds(numel, count)
+        return
+    assert len(bounds) == count + 4
+    sizes = [b - a for a, b in bounds]
+    piece = numel / count
+    for got, want in zip(sizes, [0.25, 0.25, 0.5] + [1.0] * (count - 2) + [0.5, 0.25, 0.25]):
+        assert abs(got - want * piece) <= 1
 def test_host_leaders_phases() -> None:
     """Leaders: (L-1) x S into the leader over the local links, one cross-host message,
     (H-1) x S combined at the leader, (L-1) x S back out; from 8 hosts where the direct

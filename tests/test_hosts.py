@@ -436,6 +436,54 @@ def test_two_hosts_of_two_results_policy_and_wire(monkeypatch: pytest.MonkeyPatc
             g.shutdown()
 
 
+# Four pieces of the slices' pipeline and some (float32): the first and last cut smaller.
+RAMPED = hierarchical.PIECE_BYTES + 4_321
+
+
+@pytest.mark.timeout(120)
+def test_host_slices_keep_their_plan_per_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slices' plan is built once per buffer (address, size) and op, then rerun:
+    three calls on one buffer with new values each, one on another buffer of the
+    same size between them, then AVG on the first (another header: another plan).
+    Every result exact (small integers in float32, so any order gives the same
+    sum); the reruns build nothing."""
+    builds: list[int] = []
+    real = hierarchical._SlicesPlan.build
+
+    def counting(call: Any, buf: torch.Tensor, red: Any, op: OpCode) -> Any:
+        builds.append(call.mesh.rank)
+        return real(call, buf, red, op)
+
+    monkeypatch.setattr(hierarchical._SlicesPlan, "build", staticmethod(counting))
+    assert len(hierarchical.piece_bounds(RAMPED, hierarchical.piece_count(4 * RAMPED, 2))) == 8
+    calls = [(0, R.SUM), (0, R.SUM), (1, R.SUM), (0, R.SUM), (0, R.AVG)]
+    base = torch.arange(RAMPED, dtype=torch.float32) % 1000
+    gs = _groups("aabb")
+    try:
+
+        def fn(rank: int, pg: EntrenarProcessGroup) -> list[bool]:
+            assert _algo(pg, 4 * RAMPED) == Algo.HOST_SLICES
+            bufs = (torch.empty(RAMPED), torch.empty(RAMPED))
+            right = []
+            for k, (which, op) in enumerate(calls):
+                buf = bufs[which]
+                buf.copy_(base * (rank + 1) + k)
+                opts = c10d.AllreduceOptions()
+                opts.reduceOp = op
+                pg.allreduce([buf], opts).wait()
+                total = base * 10 + 4 * k  # ranks' factors 1 + 2 + 3 + 4
+                right.append(torch.equal(buf, total / 4 if op == R.AVG else total))
+            return right
+
+        got = run_ranks(4, fn, groups=gs)
+    finally:
+        for g in gs:
+            g.shutdown()
+    assert got == [[True] * len(calls)] * 4
+    assert sorted(builds) == sorted(list(range(4)) * 3)  # (a, SUM), (b, SUM), (a, AVG)
+
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["aabb", "abab", "aabbcc"])
 def test_reduce_scatter_and_all_gather_across_hosts(layout: str) -> None:

@@ -52,7 +52,7 @@ from benchmarks.model.links import (
     LinkTable,
 )
 from entrenar_pg.collectives.hierarchical import leaders_doubling as leaders_doubling_in_code
-from entrenar_pg.collectives.hierarchical import piece_count
+from entrenar_pg.collectives.hierarchical import piece_bounds, piece_count
 from entrenar_pg.collectives.shm_allreduce import small_max_bytes
 
 SEGMENT_BYTES = 1 << 20  # Options.segment_bytes: the pipelining unit of ring and star
@@ -492,11 +492,13 @@ def host_slices(shape: Shape, fabric: Fabric) -> list[Phase]:
     i (2(H-1) steps; L streams of 2(H-1)/H x piece/L share the host link:
     2(H-1)/H x piece per host link per direction, the bound; (H-1)/H x
     piece/L combined per rank), then a ring all-gather inside the host.
-    Pipelined as the code runs it: plan t holds piece t's reduce-scatter,
-    piece t-1's cross-host rings and piece t-2's all-gather, on different
-    links at once (one ``Phase`` per plan, count + 2 plans in sequence).
-    Over all plans: 2(H-1)/H x S per host link per direction, count x 2(H-1)
-    cross-host steps in sequence.
+    Pipelined as the code runs it (one plan): while piece t crosses the hosts,
+    the host's ring carries piece t-1's all-gather and piece t+1's
+    reduce-scatter; the first piece's reduce-scatter comes before and the
+    last one's all-gather after (one ``Phase`` per stage, count + 2 in
+    sequence), with the first and last pieces cut smaller
+    (``piece_bounds``). Over all stages: 2(H-1)/H x S per host link per
+    direction, count x 2(H-1) cross-host steps in sequence.
     """
     return _slices(shape, fabric, piece_count(shape.nbytes, shape.hosts))
 
@@ -513,28 +515,31 @@ def host_slices_one_piece(shape: Shape, fabric: Fabric) -> list[Phase]:
 
 
 def _slices(shape: Shape, fabric: Fabric, count: int) -> list[Phase]:
-    """The slices in ``count`` pipelined pieces (``host_slices``)."""
+    """The slices in ``count`` pipelined pieces as the code cuts them (``host_slices``)."""
     h, local, s = shape.hosts, shape.local, shape.nbytes
-    piece = s / count
+    pieces = [float(b - a) for a, b in piece_bounds(int(s), count)]
+    count = len(pieces)
     phases = []
     for t in range(count + 2):
         messages: dict[str, float] = {}
         nbytes: dict[str, float] = {}
         combined = 0.0
-        passes = (t < count) + (0 <= t - 2 < count)  # reduce-scatter of t, all-gather of t-2
-        if local > 1 and passes:
-            steps, per_rank = _local_pass(fabric, local, piece)
+        # stage t: piece t's reduce-scatter and piece t-2's all-gather inside, piece t-1 across
+        inside = [pieces[k] for k in (t, t - 2) if 0 <= k < count]
+        if local > 1 and inside:
+            steps, _ = _local_pass(fabric, local, 0.0)
             messages[fabric.intra] = steps  # the passes share the ring and run side by side
-            nbytes[fabric.intra] = passes * per_rank
+            nbytes[fabric.intra] = sum(_local_pass(fabric, local, p)[1] for p in inside)
             if t < count:
-                combined += per_rank
+                combined += _local_pass(fabric, local, pieces[t])[1]
         if h > 1 and 0 <= t - 1 < count:
+            piece = pieces[t - 1]
             messages[fabric.inter] = 2 * (h - 1)
             nbytes[fabric.inter] = 2 * (h - 1) / h * piece
             combined += (h - 1) / h * piece / local
         if messages:
             nbytes = _with_reduce(fabric, nbytes, combined)
-            phases.append(Phase(f"slices plan {t}", messages, nbytes, symmetric=True))
+            phases.append(Phase(f"slices stage {t}", messages, nbytes, symmetric=True))
     return phases
 
 

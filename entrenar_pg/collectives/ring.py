@@ -31,7 +31,8 @@ def ring_pass(
     kind: Kind = Kind.SUM,
     on_reduced: Callable[[torch.Tensor], None] | None = None,
     scratch_name: str = "ring",
-) -> None:
+    after: Callable[[], bool] | None = None,
+) -> list[bool]:
     """Add one ring pass over ``chunks`` (N contiguous 1-D tensors) to ``plan``.
 
     Step s (0-based) sends chunk ``(r - s + shift) mod N`` to the right and
@@ -43,6 +44,11 @@ def ring_pass(
     arrived, which is exactly the segment it forwards. Passes that reduce at
     the same time in one plan (on other links) need scratch of their own
     (``scratch_name``).
+
+    ``after``: the pass neither sends nor takes in anything before it is
+    true (another pass of the plan, on other links, still writes its
+    chunks). Returns its receives' flags, set in order as each completes
+    (``finished``: a later pass's ``after``; a cached plan resets them).
     """
     n, r = call.world, call.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -53,6 +59,7 @@ def ring_pass(
     scratch = call.scratch.get(scratch_name, seg_elems, chunks[0].dtype)
     scratch_bytes = bytes_of(scratch)
     arrived: list[bool] = []
+    gate = after  # the pass's first receive waits on it, and the rest behind it
     first_recv: list[int] = []  # index into `arrived` of each step's first segment
     for s in range(steps):
         c = (r - s - 1 + shift) % n
@@ -69,14 +76,24 @@ def ring_pass(
                     arrived,
                     idx,
                 )
-                plan.recv(left, scratch_bytes[: (b - a) * size], done)
+                plan.recv(left, scratch_bytes[: (b - a) * size], done, ready=gate)
             else:
-                plan.recv(left, views[c][a * size : b * size], setter(arrived, idx), chain=True)
+                view = views[c][a * size : b * size]
+                plan.recv(left, view, setter(arrived, idx), chain=True, ready=gate)
+            gate = None
     for s in range(steps):
         c = (r - s + shift) % n
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
-            ready = None if s == 0 else is_set(arrived, first_recv[s - 1] + k)
+            ready = after if s == 0 else is_set(arrived, first_recv[s - 1] + k)
             plan.send(right, views[c][a * size : b * size], ready)
+    return arrived
+
+
+def finished(flags: list[bool], after: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """True once a ring pass with these receive flags is over on this rank (its last
+    receive done; they complete in order); a pass that receives nothing is over
+    once its own ``after`` is."""
+    return is_set(flags, len(flags) - 1) if flags else after
 
 
 def _reduce_into(

@@ -249,7 +249,8 @@ class Links:
         A piece marked ``chain`` (its buffer is not reused by the next) is
         filled in one ``recvmsg_into`` together with the pieces after it, so
         a header and its payload cost one syscall. Sets ``st.blocked`` when
-        the socket is drained (wait for POLLIN).
+        the socket is drained (wait for POLLIN); a piece whose ``ready`` is
+        false stops the link unblocked (it waits on other links).
         """
         sock = st.sock
         pieces = st.pieces
@@ -264,6 +265,8 @@ class Links:
                     piece.done()
                 moved = True
                 continue
+            if not off and piece.ready is not None and not piece.ready():
+                break  # it waits on another link's receives, not on this socket
             views = [piece.view[off:] if off else piece.view]
             j = i + 1
             while pieces[j - 1].chain and j < st.n and len(views) < MAX_IOV:

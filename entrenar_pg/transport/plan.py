@@ -42,15 +42,20 @@ class Send:
 
 @dataclass(slots=True)
 class Recv:
-    """A buffer to fill from a peer; ``done()`` runs once it is full.
+    """A buffer to fill from a peer, once ``ready()`` (if given) is true;
+    ``done()`` runs once it is full.
 
     ``chain``: the next piece's buffer is distinct from this one, so both may
-    be filled by one syscall (false for pieces that share a scratch buffer).
+    be filled by one syscall (false for pieces that share a scratch buffer,
+    and before a piece that waits on ``ready``). ``ready``: its bytes may not
+    be taken in yet (their ``done`` combines into memory that other links'
+    receives still write: the host slices' pieces).
     """
 
     view: memoryview
     done: Callable[[], None] | None = None
     chain: bool = False
+    ready: Callable[[], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -252,7 +257,12 @@ class Plan:
                 for p, lst in self.sends.items()
             ]
             recvs = [
-                LinkPlan(p, lst, _whole(lst, all(r.chain for r in lst[:-1])), _total(lst))
+                LinkPlan(
+                    p,
+                    lst,
+                    _whole(lst, lst[0].ready is None and all(r.chain for r in lst[:-1])),
+                    _total(lst),
+                )
                 for p, lst in self.recvs.items()
             ]
             self._links = (sends, recvs)
@@ -275,16 +285,25 @@ class Plan:
         view: memoryview,
         done: Callable[[], None] | None = None,
         chain: bool = False,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         if self.members is not None:
             peer = self.members[peer]
-        self._recv(peer, view, done, chain)
+        self._recv(peer, view, done, chain, ready)
 
     def _recv(
-        self, peer: int, view: memoryview, done: Callable[[], None] | None, chain: bool
+        self,
+        peer: int,
+        view: memoryview,
+        done: Callable[[], None] | None,
+        chain: bool,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         assert self._links is None, "internal: plan changed after it ran"
-        self.recvs.setdefault(peer, []).append(Recv(view, done, chain))
+        pieces = self.recvs.setdefault(peer, [])
+        if ready is not None and pieces:
+            pieces[-1].chain = False  # one syscall must not fill past a closed gate
+        pieces.append(Recv(view, done, chain, ready))
 
     def _stamp(self, header: Header) -> _Stamp:
         """The packed form of ``header``: the plan's last one when equal (the same
