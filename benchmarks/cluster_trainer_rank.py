@@ -3,7 +3,9 @@
 Runs trainer/train.py's ``main`` with this process's arguments (torchrun's
 environment as the trainer reads it), with every collective header entrenar
 packs counted by (op, algorithm) (``wire.Header.pack_into``: what a link is
-sent, so what ran, not what the policy would answer). At exit the rank
+sent, so what ran, not what the policy would answer; a kept plan packs its
+header once and its reruns only restamp the seq, so a DDP bucket's
+``HOST_SLICES`` counts once, not once a step). At exit the rank
 prints one line::
 
     TRAINER-ALGOS <rank> <world> {"ALLREDUCE/HOST_SLICES": 14, ...}
