@@ -519,19 +519,20 @@ def _slices(shape: Shape, fabric: Fabric, count: int) -> list[Phase]:
     h, local, s = shape.hosts, shape.local, shape.nbytes
     pieces = [float(b - a) for a, b in piece_bounds(int(s), count)]
     count = len(pieces)
+    steps, _ = _local_pass(fabric, local, 0.0)
+    through = [_local_pass(fabric, local, p)[1] for p in pieces]  # per rank, each local pass
     phases = []
     for t in range(count + 2):
         messages: dict[str, float] = {}
         nbytes: dict[str, float] = {}
         combined = 0.0
         # stage t: piece t's reduce-scatter and piece t-2's all-gather inside, piece t-1 across
-        inside = [pieces[k] for k in (t, t - 2) if 0 <= k < count]
+        inside = [through[k] for k in (t, t - 2) if 0 <= k < count]
         if local > 1 and inside:
-            steps, _ = _local_pass(fabric, local, 0.0)
             messages[fabric.intra] = steps  # the passes share the ring and run side by side
-            nbytes[fabric.intra] = sum(_local_pass(fabric, local, p)[1] for p in inside)
+            nbytes[fabric.intra] = sum(inside)
             if t < count:
-                combined += _local_pass(fabric, local, pieces[t])[1]
+                combined += through[t]
         if h > 1 and 0 <= t - 1 < count:
             piece = pieces[t - 1]
             messages[fabric.inter] = 2 * (h - 1)

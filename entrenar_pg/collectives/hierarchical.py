@@ -72,6 +72,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -120,14 +121,9 @@ def piece_bounds(numel: int, count: int) -> list[tuple[int, int]]:
     """
     if count < 4:
         return chunk_bounds(numel, count)
-    units = [1, 1, 2] + [4] * (count - 2) + [2, 1, 1]
-    total = sum(units)
-    bounds, at = [], 0
-    for u in units:
-        bounds.append(at)
-        at += u
-    bounds.append(total)
-    return [(bounds[i] * numel // total, bounds[i + 1] * numel // total) for i in range(len(units))]
+    edges = [0, *accumulate([1, 1, 2] + [4] * (count - 2) + [2, 1, 1])]  # quarters of a piece
+    total = edges[-1]
+    return [(a * numel // total, b * numel // total) for a, b in pairwise(edges)]
 
 
 SEGMENTS_PER_CHUNK = 4
