@@ -315,6 +315,13 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     )
     p.add_argument("--rounds", type=int, default=None, help="interleaving rounds (default 5)")
     p.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="untimed calls before each timed block (default by size: 2 up to 64 KiB,"
+        " 1 up to 16 MiB, then 0)",
+    )
+    p.add_argument(
         "--budget",
         default=None,
         help="bytes per variant and size, bounds the samples (default 2G; --quick 64M)",
@@ -380,6 +387,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         repeats=a.repeats or (8 if q else 50),
         min_repeats=3 if q else 5,
         rounds=a.rounds or (2 if q else 5),
+        warmup=a.warmup,
         budget_bytes=parse_bytes(a.budget) if a.budget else (64 * MiB if q else 2 * GiB),
         raw=not a.no_raw,
         mpi=not a.no_mpi,

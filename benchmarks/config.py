@@ -117,6 +117,8 @@ class BenchConfig:
     repeats: int = 50
     min_repeats: int = 5
     rounds: int = 5
+    # Untimed calls before each block's timed ones; -1: by size (``sizes.plan_for``).
+    warmup: int = -1
     budget_bytes: int = 2 * GiB
     raw: bool = True
     raw_min_bytes: int = 1 * MiB

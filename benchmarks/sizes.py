@@ -88,12 +88,17 @@ def plan_for(size: int, cfg: BenchConfig) -> Plan:
 
     Bounds the total time (large messages get few samples), spreads them over at
     most ``rounds`` interleaved blocks, and picks the warm-up per block (small
-    messages are sensitive to cold threads, large ones are not).
+    messages are sensitive to cold threads, large ones are not), unless
+    ``cfg.warmup`` names it (``--warmup``: through ``dist.all_reduce`` the first
+    ~10 small calls after a block's barrier are still in their post-idle
+    transient; docs/benchmarks.md, "N = 2 after a barrier").
     """
     want = max(cfg.min_repeats, min(cfg.repeats, cfg.budget_bytes // max(size, 1)))
     rounds = max(1, min(cfg.rounds, want))
     per_block = -(-want // rounds)
     warmup = 2 if size <= 64 * KiB else 1 if size <= 16 * MiB else 0
+    if cfg.warmup >= 0:
+        warmup = cfg.warmup
     return Plan(rounds=rounds, per_block=per_block, warmup=warmup)
 
 

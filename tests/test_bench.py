@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -58,6 +59,10 @@ def test_plan_is_bounded_and_interleaved() -> None:
     assert small.samples >= 40 and small.rounds == 5
     big = plan_for(256 << 20, cfg)
     assert 3 <= big.samples <= 5 and big.warmup == 0
+    assert small.warmup == 2  # by size, unless --warmup names it
+    named = dataclasses.replace(cfg, warmup=10)
+    assert plan_for(4096, named).warmup == plan_for(256 << 20, named).warmup == 10
+    assert plan_for(4096, named).samples == small.samples  # the timed calls unchanged
 
 
 def test_combine_ranks_takes_per_iteration_max() -> None:
@@ -228,6 +233,7 @@ def test_transports_and_ddp_variants_parse() -> None:
     assert BenchConfig.from_json(cfg.to_json()) == cfg  # what the workers receive
     assert bench.parse_args([]).transports == ()  # default: the environment's transport
     assert bench.parse_args(["--pin"]).pin and not bench.parse_args([]).pin
+    assert bench.parse_args(["--warmup", "10"]).warmup == 10 and bench.parse_args([]).warmup == -1
     for bad in (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
