@@ -317,7 +317,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--warmup",
         type=int,
-        default=-1,
+        default=None,
         help="untimed calls before each timed block (default by size: 2 up to 64 KiB,"
         " 1 up to 16 MiB, then 0)",
     )
@@ -387,7 +387,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         repeats=a.repeats or (8 if q else 50),
         min_repeats=3 if q else 5,
         rounds=a.rounds or (2 if q else 5),
-        warmup=a.warmup,
+        warmup=-1 if a.warmup is None else a.warmup,
         budget_bytes=parse_bytes(a.budget) if a.budget else (64 * MiB if q else 2 * GiB),
         raw=not a.no_raw,
         mpi=not a.no_mpi,
@@ -402,6 +402,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         pin=a.pin,
         out=a.out,
     )
+    if a.warmup is not None and a.warmup < 0:
+        p.error("--warmup must be 0 or more")
     if any(w < 2 for w in cfg.world_sizes):
         p.error("--world-sizes must all be >= 2")
     if (

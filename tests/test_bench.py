@@ -234,7 +234,8 @@ def test_transports_and_ddp_variants_parse() -> None:
     assert bench.parse_args([]).transports == ()  # default: the environment's transport
     assert bench.parse_args(["--pin"]).pin and not bench.parse_args([]).pin
     assert bench.parse_args(["--warmup", "10"]).warmup == 10 and bench.parse_args([]).warmup == -1
-    for bad in (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"]):
+    bad_args = (["--transports", "udp"], ["--transports", "tcp,tcp"], ["--ddp-variants", "x"])
+    for bad in (*bad_args, ["--warmup", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
