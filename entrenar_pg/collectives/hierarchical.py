@@ -84,7 +84,7 @@ from .common import Call, bytes_of, chunk_bounds
 from .direct import allreduce_direct
 from .doubling import allreduce_doubling
 from .policy import leaders_doubling
-from .ring import allgather_ring, finished, open_ring, reduce_scatter_ring, ring_pass
+from .ring import RingPass, allgather_ring, finished, open_ring, reduce_scatter_ring, ring_pass
 from .star import gather_reduce
 from .tree import allreduce_tree_ring, exchange, reduce_scatter_tree
 
@@ -175,19 +175,19 @@ class _SlicesPlan:
     view that owns nothing, as the checker's projection views do), so a kept
     plan holds no reference to the caller's tensor: it is run only for a
     buffer at that address and of that size, which then holds the bytes.
-    ``scratch`` keeps the segment buffers its receives land in alive.
+    Its ring passes keep their receive flags and the scratch their receives
+    land in (``RingPass``).
     """
 
     plan: Plan
-    flags: list[list[bool]]  # every ring pass's receive flags, set as the plan runs
-    scratch: tuple[torch.Tensor, ...]
+    passes: list[RingPass]
     reusable: bool  # every chunk has data: one header per link, no extra rounds
 
     def rearm(self, seq: int) -> None:
         """Ready for the next call on the same buffer: its seq, no receive done."""
         self.plan.restamp(seq)
-        for f in self.flags:
-            f[:] = [False] * len(f)
+        for p in self.passes:
+            p.rearm()
 
     @staticmethod
     def build(call: Call, buf: torch.Tensor, red: Reduction, op: OpCode) -> _SlicesPlan:
@@ -231,7 +231,7 @@ class _SlicesPlan:
         # piece t+2's reduce-scatter, so the local work runs while the
         # network carries the piece between (all of it first took the cores
         # from the cross-host ring as it started).
-        flags: list[list[bool]] = []
+        passes: list[RingPass] = []
         scattered: list[Callable[[], bool] | None] = []
         for t in range(count + 2):
             back = None
@@ -256,7 +256,7 @@ class _SlicesPlan:
                     gather_steps=host.world - 1,
                     after=back,
                 )
-                flags += (crossed, gathered)
+                passes += (crossed, gathered)
             if t < count:
                 local = ring_pass(
                     host,
@@ -269,14 +269,9 @@ class _SlicesPlan:
                     after=back,
                 )
                 scattered.append(finished(local, back))
-                flags.append(local)
-        seg_elems = (host.segment_elems(buf.dtype), across.segment_elems(buf.dtype))
-        scratch = (
-            host.scratch.get("ring", seg_elems[0], buf.dtype),
-            across.scratch.get("across", seg_elems[1], buf.dtype),
-        )
+                passes.append(local)
         reusable = all(c.numel() for c in local_chunks + cross_chunks)
-        return _SlicesPlan(plan, flags, scratch, reusable)
+        return _SlicesPlan(plan, passes, reusable)
 
 
 def _slices_in_tree_order(call: Call, buf: torch.Tensor, red: Reduction, op: OpCode) -> None:

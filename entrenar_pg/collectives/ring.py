@@ -10,6 +10,7 @@ link never idles waiting for a whole chunk.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,21 @@ from ..transport import Plan
 from ..wire import Algo, Header, OpCode
 from .common import Call, bytes_of, chunk_bounds, is_set, segments, setter
 from .dissemination import confirm_in_rounds
+
+
+@dataclass(slots=True)
+class RingPass:
+    """What ``ring_pass`` added to a plan and a cached plan must keep: its
+    receives' flags, set in order as each completes (``finished``; a rerun
+    clears them), and the scratch its reducing receives land in (the plan's
+    views of it own nothing: whoever keeps the plan keeps this)."""
+
+    arrived: list[bool]
+    scratch: torch.Tensor
+
+    def rearm(self) -> None:
+        """No receive done (before a cached plan's next run)."""
+        self.arrived[:] = [False] * len(self.arrived)
 
 
 def ring_pass(
@@ -32,7 +48,7 @@ def ring_pass(
     on_reduced: Callable[[torch.Tensor], None] | None = None,
     scratch_name: str = "ring",
     after: Callable[[], bool] | None = None,
-) -> list[bool]:
+) -> RingPass:
     """Add one ring pass over ``chunks`` (N contiguous 1-D tensors) to ``plan``.
 
     Step s (0-based) sends chunk ``(r - s + shift) mod N`` to the right and
@@ -47,8 +63,8 @@ def ring_pass(
 
     ``after``: the pass neither sends nor takes in anything before it is
     true (another pass of the plan, on other links, still writes its
-    chunks). Returns its receives' flags, set in order as each completes
-    (``finished``: a later pass's ``after``; a cached plan resets them).
+    chunks). Returns the pass (``RingPass``: ``finished`` makes a later
+    pass's ``after`` of it).
     """
     n, r = call.world, call.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -86,13 +102,14 @@ def ring_pass(
         for k, (a, b) in enumerate(segments(0, chunks[c].numel(), seg_elems)):
             ready = after if s == 0 else is_set(arrived, first_recv[s - 1] + k)
             plan.send(right, views[c][a * size : b * size], ready)
-    return arrived
+    return RingPass(arrived, scratch)
 
 
-def finished(flags: list[bool], after: Callable[[], bool] | None) -> Callable[[], bool] | None:
-    """True once a ring pass with these receive flags is over on this rank (its last
-    receive done; they complete in order); a pass that receives nothing is over
-    once its own ``after`` is."""
+def finished(done: RingPass, after: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """True once the ring pass ``done`` is over on this rank (its last receive done;
+    they complete in order); a pass that receives nothing is over once its own
+    ``after`` is."""
+    flags = done.arrived
     return is_set(flags, len(flags) - 1) if flags else after
 
 
