@@ -26,41 +26,40 @@ counted). Rank 0 prints; nothing is asserted about the times.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.config import SWEEP_VARIANTS
 from benchmarks.deepspeed_peer import DeepSpeedShm, deepspeed_available, remove_segments
 from benchmarks.sizes import FLOAT32_BYTES, format_bytes, parse_bytes
 from benchmarks.spawn import free_port
-from benchmarks.workers import torchrun_env
+from benchmarks.workers import (
+    Contestant,
+    _GroupAllreduce,
+    _GroupMethod,
+    _new_group,
+    _time_allreduce,
+    torchrun_env,
+)
 
 WORLD = 2
 STEADY_FROM = 10  # calls after the barrier from which a call counts as settled
 
 
-def _contestants(rank: int, t: torch.Tensor) -> dict[str, Callable[[], Any]]:
-    """Every contestant's one call, on groups made here (collective: both ranks)."""
-    from entrenar_pg import Options
-
-    opts_env = dict(os.environ, ENTRENAR_TRANSPORT="shm")
-    group = dist.new_group([0, 1], backend="entrenar", pg_options=Options.from_env(opts_env))
-    opts = dist.AllreduceOptions()
-    opts.asyncOp = False  # as dist.all_reduce's blocking form sets it
-    out: dict[str, Callable[[], Any]] = {
-        "dist": lambda: dist.all_reduce(t, group=group),
-        "method": lambda: group.allreduce([t], opts).wait(),
-    }
+def _contestants(rank: int) -> dict[str, Contestant]:
+    """Every contestant, on groups made here (collective: both ranks): the bench's own
+    (``workers``), one entrenar shm group called both ways."""
+    group = _new_group(dataclasses.replace(SWEEP_VARIANTS["auto"], transport="shm"), WORLD)
+    out: dict[str, Contestant] = {"dist": _GroupAllreduce(group), "method": _GroupMethod(group)}
     if deepspeed_available()[0]:
-        ds = DeepSpeedShm(rank)
-        out["deepspeed"] = lambda: ds.all_reduce(t)
+        out["deepspeed"] = DeepSpeedShm(rank)
     return out
 
 
@@ -74,16 +73,12 @@ def _rank(rank: int, port: int, nbytes: int, blocks: int, calls: int, out: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     t = torch.ones(nbytes // FLOAT32_BYTES)
-    who = _contestants(rank, t)
+    who = _contestants(rank)
     rows: dict[str, list[list[float]]] = {name: [] for name in who}
     for b in range(blocks + 1):
-        for name, call in who.items():
+        for name, contestant in who.items():
             dist.barrier()
-            row = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                call()
-                row.append(time.perf_counter() - t0)
+            row = _time_allreduce(t, contestant, 0, calls)  # no untimed call: place 1 is timed
             if b:  # the first block of each: start-up, not counted
                 rows[name].append(row)
     if rank == 0:
